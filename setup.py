@@ -1,0 +1,76 @@
+"""Build steps pyproject.toml cannot express: the Cython/C++ extensions and the gRPC stubs.
+
+Generated protobuf/gRPC modules are written next to the sources (expert_service/protocol/) before
+the packages are collected, so editable and regular installs see the same tree; they are ignored
+by git and never committed.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.egg_info import egg_info
+
+ROOT = pathlib.Path(__file__).resolve().parent
+PROTO_ROOT = ROOT / "proto" / "ktserve" / "v1"
+# NOTE: protoc's virtual path maps proto/ktserve/v1/x.proto onto expert_service/protocol/x.proto,
+# so the generated modules import each other as `expert_service.protocol.x_pb2`.
+PROTO_PACKAGE_DIR = "expert_service/protocol"
+
+
+def generate_protos() -> None:
+    protos = sorted(PROTO_ROOT.glob("*.proto"))
+    if not protos:
+        return
+    import grpc_tools
+    from grpc_tools import protoc
+
+    out_dir = ROOT / PROTO_PACKAGE_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    well_known = pathlib.Path(grpc_tools.__file__).parent / "_proto"
+    args = [
+        "grpc_tools.protoc",
+        f"--proto_path={PROTO_PACKAGE_DIR}={PROTO_ROOT}",
+        f"--proto_path={well_known}",
+        f"--python_out={ROOT}",
+        f"--pyi_out={ROOT}",
+        f"--grpc_python_out={ROOT}",
+    ] + [f"{PROTO_PACKAGE_DIR}/{p.name}" for p in protos]
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"protoc failed on {[p.name for p in protos]}")
+
+
+class BuildPyWithProtos(build_py):
+    def run(self) -> None:
+        generate_protos()
+        super().run()
+
+
+class EggInfoWithProtos(egg_info):
+    def run(self) -> None:
+        generate_protos()
+        super().run()
+
+
+def extensions() -> list[Extension]:
+    exts = [
+        Extension(
+            "ktshm.channel",
+            sources=["ktshm/channel.pyx"],
+            include_dirs=["ktshm", numpy.get_include()],
+            extra_compile_args=["-O2", "-std=c11"],
+            define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        ),
+    ]
+    # --- kernel extensions (expert_service/kernels) are appended below ---
+    return cythonize(exts, language_level=3, compiler_directives={"boundscheck": False})
+
+
+setup(
+    ext_modules=extensions(),
+    cmdclass={"build_py": BuildPyWithProtos, "egg_info": EggInfoWithProtos},
+)
