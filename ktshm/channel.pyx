@@ -1,0 +1,781 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""ktshm: a request/response channel in POSIX shared memory between one producer and one consumer.
+
+The producer (the GPU service) creates the channel; the consumer (an expert worker) attaches to
+it by name. Requests and replies carry up to four arrays each, written straight into the segment:
+the arrays handed out by `begin`/`recv`/`recv_request` are numpy views on it (zero copy).
+
+Segment layout (offsets in bytes; all integers little-endian)::
+
+    0       header (4096): magic "KKTSHM1", layout version, num_slots, region_bytes, slot_stride,
+            creator pid, created_ns, then one cache line each for: producer heartbeat (ns),
+            consumer heartbeat + consumer pid + epoch, producer_sleeping, consumer_sleeping
+    4096    slot 0: slot header (512) | request region (region_bytes) | reply region (region_bytes)
+    +stride slot 1 ...
+    slot header: word (own cache line) | seq | epoch stamp | request kt_meta | reply kt_meta
+    kt_meta: kind, layer, num_tokens, status, num_arrays, message_len,
+             4 x (dtype, ndim, shape[4], offset, nbytes)
+
+Slot state machine; the word is [seq low 32 | epoch 16 | state 16]::
+
+            producer: commit (store-release)          consumer: CAS (acq_rel)
+      FREE ───────────────────────────────▶ REQUEST ─────────────────────────▶ BUSY
+       ▲                                     ▲  │                                │
+       │ producer: release after recv       │  │ producer: abandon (CAS)        │ consumer:
+       │ (store-release)                     │  ▼                                │ CAS -> REPLY
+       └──────────────────── REPLY ◀─────────┼──┴────────────────────────────────┘
+                                             │
+                  producer: resend_inflight re-stamps REQUEST/BUSY slots with the new epoch
+
+NOTE: every slot field other than the word is written before a store-release (or successful
+CAS) of the word and read after a load-acquire of it; a plain store there is a known bug in
+similar rings (the payload may become visible after the state). Because the word carries seq and
+epoch, a consumer that was declared dead cannot publish over a slot that has since been resent or
+reused: its CAS fails and its reply is discarded.
+
+Waiting: spin for `spin_us`, then set the `*_sleeping` flag and block on a named POSIX semaphore
+(`<name>.req` wakes the consumer, `<name>.rep` the producer), re-checking the peer's heartbeat at
+least every 20 ms. Each side stamps its heartbeat from a pthread (no GIL involved) every
+`heartbeat_period_s`; a peer whose stamp is older than `peer_timeout_s` is dead. A consumer that
+attaches bumps the epoch; the producer's waits then raise PeerRestarted, and `resend_inflight()`
+re-stamps what was in flight so the new consumer runs it.
+"""
+
+import atexit
+import mmap
+import os
+import secrets
+import time
+import weakref
+
+import numpy as np
+import posix_ipc
+
+from libc.errno cimport errno
+from libc.stdint cimport int32_t, uint32_t, uint64_t
+from posix.fcntl cimport O_CREAT, O_EXCL
+
+from ktshm._ktshm cimport *
+from ktshm import errors
+from ktshm.config import ChannelConfig
+
+SEGMENT_PREFIX = "ktshm."
+MAX_ARRAYS = KT_MAX_ARRAYS
+MAX_DIMS = KT_MAX_DIMS
+
+# dtype code -> (name, numpy dtype of the view); bfloat16 travels as uint16 bits.
+DTYPES = {
+    1: ("float32", np.dtype(np.float32)),
+    2: ("bfloat16", np.dtype(np.uint16)),
+    3: ("float16", np.dtype(np.float16)),
+    4: ("int32", np.dtype(np.int32)),
+    5: ("int64", np.dtype(np.int64)),
+    6: ("uint8", np.dtype(np.uint8)),
+    7: ("int8", np.dtype(np.int8)),
+    8: ("uint16", np.dtype(np.uint16)),
+}
+DTYPE_CODES = {name: code for code, (name, _) in DTYPES.items()}
+
+_live_channels = weakref.WeakSet()
+
+
+def _close_all_at_exit():
+    for ch in list(_live_channels):
+        ch.close()
+
+
+atexit.register(_close_all_at_exit)
+
+
+cdef inline uint64_t _align(uint64_t n, uint64_t a):
+    return (n + a - 1) // a * a
+
+
+def new_channel_name() -> str:
+    """A unique, unguessable channel name for this process and run."""
+    return f"{SEGMENT_PREFIX}{os.getpid()}.{secrets.token_hex(8)}"
+
+
+def _semaphore_names(str name):
+    return f"/{name}.req", f"/{name}.rep"
+
+
+def _unlink_all(str name):
+    for unlink, path in ((posix_ipc.unlink_shared_memory, f"/{name}"),
+                         (posix_ipc.unlink_semaphore, _semaphore_names(name)[0]),
+                         (posix_ipc.unlink_semaphore, _semaphore_names(name)[1])):
+        try:
+            unlink(path)
+        except posix_ipc.ExistentialError:
+            pass
+
+
+def _dtype_code(str name):
+    try:
+        return DTYPE_CODES[name]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; supported: {sorted(DTYPE_CODES)}") from None
+
+
+_NAME_BY_NUMPY_NUM = {dt.num: name for _, (name, dt) in sorted(DTYPES.items())}
+
+
+def _specs_of(arrays, dtypes):
+    """[(shape, wire dtype name)] of arrays about to be written; dtypes may override names."""
+    if dtypes is None:
+        out = []
+        for a in arrays:
+            name = _NAME_BY_NUMPY_NUM.get(a.dtype.num)
+            if name is None:
+                raise ValueError(f"unsupported dtype {a.dtype}; supported: {sorted(DTYPE_CODES)}")
+            out.append((a.shape, name))
+        return out
+    if len(dtypes) != len(arrays):
+        raise ValueError(f"{len(arrays)} arrays but {len(dtypes)} dtypes")
+    return [(a.shape, dt or _NAME_BY_NUMPY_NUM.get(a.dtype.num, str(a.dtype)))
+            for a, dt in zip(arrays, dtypes)]
+
+
+class Message:
+    """One request or reply: metadata plus numpy views on the slot's region."""
+
+    __slots__ = ("seq", "slot", "kind", "layer", "num_tokens", "status", "arrays", "dtypes")
+
+    def __init__(self, seq, slot, kind, layer, num_tokens, status, arrays, dtypes):
+        self.seq = seq
+        self.slot = slot
+        self.kind = kind
+        self.layer = layer
+        self.num_tokens = num_tokens
+        self.status = status
+        self.arrays = arrays
+        self.dtypes = dtypes
+
+    def __repr__(self):
+        shapes = [tuple(a.shape) for a in self.arrays]
+        return (f"Message(seq={self.seq}, kind={self.kind}, layer={self.layer}, "
+                f"num_tokens={self.num_tokens}, status={self.status}, arrays={shapes})")
+
+
+cdef class Channel:
+    """One end of a ktshm channel. Build with Channel.create (producer) or Channel.attach."""
+
+    cdef object _mm
+    cdef object _region_bytes_view
+    cdef const unsigned char[::1] _mv
+    cdef void* _base
+    cdef kt_header* _hdr
+    cdef sem_t* _sem_req
+    cdef sem_t* _sem_rep
+    cdef kt_heartbeat _hb
+    cdef readonly str name
+    cdef readonly bint is_producer
+    cdef readonly object config
+    cdef readonly uint32_t num_slots
+    cdef readonly uint64_t region_bytes
+    cdef uint32_t _known_epoch
+    cdef uint64_t _next_seq
+    cdef uint64_t _spin_ns
+    cdef uint64_t _peer_timeout_ns
+    cdef int _owner_pid
+    cdef bint _closed
+    cdef dict _inflight      # producer: seq -> epoch stamp, requests not yet released
+    cdef set _abandoned      # producer: seqs given up on while the consumer held them
+    cdef object __weakref__
+
+    def __cinit__(self):
+        self._sem_req = NULL
+        self._sem_rep = NULL
+        self._closed = True
+        self._base = NULL
+
+    # ----------------------------------------------------------------------------- lifecycle
+    @classmethod
+    def create(cls, config=None, name=None, cleanup_stale_segments=True):
+        """Create a channel as its producer; the segment and semaphores are owner-only (0600)."""
+        config = config or ChannelConfig()
+        if cleanup_stale_segments:
+            cleanup_stale()
+        name = name or new_channel_name()
+        cdef Channel ch = Channel.__new__(Channel)
+        region = _align(config.region_bytes, KT_REGION_ALIGN)
+        stride = KT_SLOT_HEADER_BYTES + 2 * region
+        total = KT_HEADER_BYTES + config.num_slots * stride
+        try:
+            shm = posix_ipc.SharedMemory(f"/{name}", posix_ipc.O_CREX, mode=0o600, size=total)
+        except posix_ipc.ExistentialError:
+            raise errors.KtshmError(f"channel {name!r} already exists") from None
+        try:
+            mm = mmap.mmap(shm.fd, total)
+        finally:
+            shm.close_fd()
+        ch._setup(name, mm, config, is_producer=True)
+        try:
+            ch._init_header(config.num_slots, region, stride)
+            ch._open_semaphores(create=True)
+            ch._next_seq = 0
+            ch._known_epoch = 0
+            if kt_heartbeat_start(&ch._hb, &ch._hdr.producer_heartbeat_ns,
+                                  <uint64_t>(config.heartbeat_period_s * 1e9)) != 0:
+                raise errors.KtshmError("could not start the heartbeat thread")
+        except BaseException:
+            ch.close()
+            raise
+        return ch
+
+    @classmethod
+    def attach(cls, name, config=None, force=False):
+        """Attach to an existing channel as its consumer (a new epoch: earlier ones are stale).
+
+        A live consumer (fresh heartbeat) makes this raise ChannelBusy unless force is set.
+        """
+        config = config or ChannelConfig()
+        try:
+            shm = posix_ipc.SharedMemory(f"/{name}")
+        except posix_ipc.ExistentialError:
+            raise errors.ChannelNotFound(f"no ktshm channel named {name!r}") from None
+        try:
+            size = os.fstat(shm.fd).st_size
+            if size < KT_HEADER_BYTES:
+                raise errors.LayoutMismatch(
+                    f"segment {name!r} is {size} bytes, smaller than a ktshm header")
+            mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        cdef Channel ch = Channel.__new__(Channel)
+        ch._setup(name, mm, config, is_producer=False)
+        try:
+            ch._validate_header(size)
+            age = kt_heartbeat_age_ns(&ch._hdr.consumer_heartbeat_ns)
+            if not force and ch._hdr.consumer_pid != 0 and age < ch._peer_timeout_ns:
+                raise errors.ChannelBusy(
+                    f"channel {name!r} already has a live consumer (pid {ch._hdr.consumer_pid})")
+            ch._open_semaphores(create=False)
+            ch._known_epoch = kt_attach_consumer(ch._base, os.getpid())
+            if kt_heartbeat_start(&ch._hb, &ch._hdr.consumer_heartbeat_ns,
+                                  <uint64_t>(config.heartbeat_period_s * 1e9)) != 0:
+                raise errors.KtshmError("could not start the heartbeat thread")
+        except BaseException:
+            ch.close()
+            raise
+        # Wake a producer that may be blocked waiting for a reply: it will see the new epoch.
+        kt_notify(&ch._hdr.producer_sleeping, ch._sem_rep)
+        return ch
+
+    cdef _setup(self, str name, object mm, object config, bint is_producer):
+        self._mm = mm
+        self._mv = mm
+        self._base = <void*>&self._mv[0]
+        self._hdr = <kt_header*>self._base
+        self.name = name
+        self.is_producer = is_producer
+        self.config = config
+        self._spin_ns = <uint64_t>(config.spin_us * 1e3)
+        self._peer_timeout_ns = <uint64_t>(config.peer_timeout_s * 1e9)
+        self._owner_pid = os.getpid()
+        self._inflight = {}
+        self._abandoned = set()
+        self._closed = False
+        _live_channels.add(self)
+
+    cdef _init_header(self, uint32_t num_slots, uint64_t region, uint64_t stride):
+        self._hdr.layout_version = KT_LAYOUT_VERSION
+        self._hdr.num_slots = num_slots
+        self._hdr.region_bytes = region
+        self._hdr.slot_stride = stride
+        self._hdr.creator_pid = os.getpid()
+        self._hdr.created_ns = kt_now_ns()
+        self._hdr.magic = KT_MAGIC
+        self.num_slots = num_slots
+        self.region_bytes = region
+
+    cdef _validate_header(self, uint64_t size):
+        if self._hdr.magic != KT_MAGIC:
+            raise errors.LayoutMismatch(
+                f"segment {self.name!r} is not a ktshm channel (magic {self._hdr.magic:#x})")
+        if self._hdr.layout_version != KT_LAYOUT_VERSION:
+            raise errors.LayoutMismatch(
+                f"channel {self.name!r} has layout version {self._hdr.layout_version}, "
+                f"this build speaks {KT_LAYOUT_VERSION}")
+        n, region, stride = self._hdr.num_slots, self._hdr.region_bytes, self._hdr.slot_stride
+        if (n == 0 or stride != KT_SLOT_HEADER_BYTES + 2 * region
+                or KT_HEADER_BYTES + n * stride != size):
+            raise errors.LayoutMismatch(
+                f"channel {self.name!r} header is inconsistent: {n} slots of {region} bytes, "
+                f"stride {stride}, segment {size} bytes")
+        self.num_slots = n
+        self.region_bytes = region
+
+    cdef _open_semaphores(self, bint create):
+        req, rep = _semaphore_names(self.name)
+        cdef int flags = (O_CREAT | O_EXCL) if create else 0
+        cdef bytes breq = req.encode(), brep = rep.encode()
+        self._sem_req = sem_open(breq, flags, <int>0o600, <unsigned int>0)
+        if self._sem_req == SEM_FAILED:
+            self._sem_req = NULL
+            raise errors.ChannelNotFound(f"semaphore {req!r}: {os.strerror(errno)}")
+        self._sem_rep = sem_open(brep, flags, <int>0o600, <unsigned int>0)
+        if self._sem_rep == SEM_FAILED:
+            self._sem_rep = NULL
+            raise errors.ChannelNotFound(f"semaphore {rep!r}: {os.strerror(errno)}")
+
+    def close(self):
+        """Stop the heartbeat and unmap; the producer also unlinks the segment and semaphores."""
+        if self._closed:
+            return
+        self._closed = True
+        _live_channels.discard(self)
+        kt_heartbeat_stop(&self._hb)
+        if self._owner_pid == os.getpid() and self._base != NULL:
+            if self.is_producer:
+                self._hdr.producer_heartbeat_ns = 0
+            elif self._known_epoch:
+                kt_detach_consumer(self._base, self._known_epoch)
+                kt_notify(&self._hdr.producer_sleeping, self._sem_rep)
+        if self._sem_req != NULL:
+            sem_close(self._sem_req)
+            self._sem_req = NULL
+        if self._sem_rep != NULL:
+            sem_close(self._sem_rep)
+            self._sem_rep = NULL
+        self._base = NULL
+        self._hdr = NULL
+        self._mv = None
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # views handed out are still alive; the mapping goes when they do
+        if self.is_producer and self._owner_pid == os.getpid():
+            _unlink_all(self.name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __dealloc__(self):
+        kt_heartbeat_stop(&self._hb)
+
+    @property
+    def closed(self):
+        return self._closed
+
+    @property
+    def epoch(self):
+        """The epoch this end works in (consumer: the one it attached as)."""
+        return self._known_epoch
+
+    def peer_alive(self):
+        """True when the other side's heartbeat is fresh."""
+        self._check_open()
+        if self.is_producer:
+            return kt_heartbeat_age_ns(&self._hdr.consumer_heartbeat_ns) < self._peer_timeout_ns
+        return kt_heartbeat_age_ns(&self._hdr.producer_heartbeat_ns) < self._peer_timeout_ns
+
+    cdef _check_open(self):
+        if self._closed:
+            raise errors.ChannelClosed(f"channel {self.name!r} is closed")
+
+    # ------------------------------------------------------------------------ array layout
+    cdef uint64_t _region_offset(self, uint32_t index, bint reply):
+        return (KT_HEADER_BYTES + <uint64_t>index * self._hdr.slot_stride + KT_SLOT_HEADER_BYTES
+                + (self.region_bytes if reply else 0))
+
+    cdef list _lay_out(self, kt_meta* meta, list codes, list shapes, uint64_t region_off,
+                       str what):
+        """Write array metadata into `meta` and return writable views on the region."""
+        cdef uint32_t n = len(codes)
+        if n > KT_MAX_ARRAYS:
+            raise ValueError(f"{what}: at most {KT_MAX_ARRAYS} arrays, got {n}")
+        cdef uint64_t off = 0, count, nbytes
+        cdef uint32_t i, d, ndim
+        views = []
+        for i in range(n):
+            shape = shapes[i]
+            ndim = len(shape)
+            if ndim > KT_MAX_DIMS:
+                raise ValueError(f"{what}: array {i} has {ndim} dims, at most {KT_MAX_DIMS}")
+            dt = DTYPES[codes[i]][1]
+            count = 1
+            for d in range(ndim):
+                count *= <uint64_t>shape[d]
+            nbytes = count * dt.itemsize
+            off = _align(off, KT_ARRAY_ALIGN)
+            if off + nbytes > self.region_bytes:
+                raise errors.PayloadTooLarge(
+                    f"{what}: arrays need at least {off + nbytes} bytes, a slot region holds "
+                    f"{self.region_bytes} (ChannelConfig.region_bytes)")
+            meta.arrays[i].dtype = codes[i]
+            meta.arrays[i].ndim = ndim
+            for d in range(KT_MAX_DIMS):
+                meta.arrays[i].shape[d] = shape[d] if d < ndim else 0
+            meta.arrays[i].offset = off
+            meta.arrays[i].nbytes = nbytes
+            views.append(np.ndarray(shape, dt, self._mm, region_off + off))
+            off += nbytes
+        meta.num_arrays = n
+        meta.message_len = 0
+        return views
+
+    cdef tuple _views(self, kt_meta* meta, uint64_t region_off, str what):
+        """Validate metadata read from the segment and return (arrays, dtype names)."""
+        cdef uint32_t n = meta.num_arrays
+        if n > KT_MAX_ARRAYS:
+            raise errors.MalformedMessage(f"{what}: num_arrays {n} > {KT_MAX_ARRAYS}")
+        arrays, names = [], []
+        for i in range(n):
+            code = meta.arrays[i].dtype
+            ndim = meta.arrays[i].ndim
+            if code not in DTYPES:
+                raise errors.MalformedMessage(f"{what}: array {i} has unknown dtype code {code}")
+            if ndim > KT_MAX_DIMS:
+                raise errors.MalformedMessage(f"{what}: array {i} has ndim {ndim}")
+            name, dt = DTYPES[code]
+            shape = tuple(meta.arrays[i].shape[d] for d in range(ndim))
+            count = 1
+            for s in shape:
+                count *= s
+            off, nbytes = meta.arrays[i].offset, meta.arrays[i].nbytes
+            if nbytes != count * dt.itemsize or off % KT_ARRAY_ALIGN or off + nbytes > self.region_bytes:
+                raise errors.MalformedMessage(
+                    f"{what}: array {i} (shape {shape}, {name}) claims {nbytes} bytes at "
+                    f"offset {off}, region is {self.region_bytes} bytes")
+            arrays.append(np.ndarray(shape, dt, self._mm, region_off + off))
+            names.append(name)
+        return arrays, names
+
+    cdef str _message_text(self, kt_meta* meta, uint64_t region_off):
+        n = min(meta.message_len, self.region_bytes)
+        return bytes(self._mm[region_off:region_off + n]).decode("utf-8", "replace")
+
+    # ----------------------------------------------------------------------------- producer
+    def begin(self, uint32_t kind, uint32_t layer, specs, uint32_t num_tokens=0):
+        """Reserve the next slot and lay out arrays [(shape, dtype name)]; returns a Message
+        whose arrays are writable views. Publish it with commit()."""
+        self._check_open()
+        if not self.is_producer:
+            raise errors.KtshmError("begin() is the producer's; this end is a consumer")
+        cdef uint64_t seq = self._next_seq
+        cdef uint32_t index = seq % self.num_slots
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef uint64_t w = kt_load_acquire(&slot.word)
+        cdef uint32_t state = kt_word_state(w)
+        if state != KT_SLOT_FREE:
+            if state == KT_SLOT_REPLY and slot.seq in self._abandoned:
+                self._abandoned.discard(slot.seq)
+                self._inflight.pop(slot.seq, None)
+            else:
+                raise errors.ChannelFull(
+                    f"slot {index} still holds request {slot.seq}; receive or release it first "
+                    f"({self.num_slots} slots)")
+        codes = [_dtype_code(dt) for _, dt in specs]
+        arrays = self._lay_out(&slot.request, codes, [s for s, _ in specs],
+                               self._region_offset(index, False), "request")
+        slot.request.kind = kind
+        slot.request.layer = layer
+        slot.request.num_tokens = num_tokens
+        slot.request.status = KT_OK
+        self._next_seq += 1
+        return Message(seq, index, kind, layer, num_tokens, KT_OK, arrays,
+                       [DTYPES[c][0] for c in codes])
+
+    def commit(self, msg):
+        """Publish a request prepared by begin(); returns its sequence number."""
+        cdef uint64_t seq = msg.seq
+        cdef uint32_t index = msg.slot
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        if not self._inflight:
+            # NOTE: with nothing in flight there is nothing to resend: adopt the newest consumer.
+            self._known_epoch = kt_current_epoch(self._base)
+        slot.seq = seq
+        slot.epoch = self._known_epoch
+        self._inflight[seq] = self._known_epoch
+        kt_store_release(&slot.word, kt_word(seq, self._known_epoch, KT_SLOT_REQUEST))
+        kt_notify(&self._hdr.consumer_sleeping, self._sem_req)
+        return seq
+
+    def send(self, uint32_t kind, uint32_t layer, arrays, dtypes=None, uint32_t num_tokens=0):
+        """Copy arrays into the next slot and publish them; returns the sequence number.
+
+        dtypes optionally names each array's wire dtype (e.g. "bfloat16" for uint16 bits)."""
+        msg = self.begin(kind, layer, _specs_of(arrays, dtypes), num_tokens)
+        for dst, src in zip(msg.arrays, arrays):
+            dst[...] = src
+        return self.commit(msg)
+
+    def recv(self, uint64_t seq, timeout=None):
+        """Wait for the reply to `seq`; returns a Message viewing the reply region.
+
+        The slot stays reserved until release(seq): copy what must outlive it. An error reply
+        raises RemoteError (and releases the slot)."""
+        self._check_open()
+        if not self.is_producer:
+            raise errors.KtshmError("recv() is the producer's; the consumer uses recv_request()")
+        if seq not in self._inflight:
+            raise errors.KtshmError(f"request {seq} is not in flight on {self.name!r}")
+        cdef uint32_t index = seq % self.num_slots
+        cdef kt_wait_args a
+        a.base = self._base
+        a.is_producer = 1
+        a.slot_index = index
+        a.expect_word = kt_word(seq, self._inflight[seq], KT_SLOT_REPLY)
+        a.known_epoch = self._known_epoch
+        a.spin_ns = self._spin_ns
+        a.deadline_ns = self._deadline(timeout)
+        a.peer_timeout_ns = self._peer_timeout_ns
+        a.sem = self._sem_rep
+        cdef int st
+        with nogil:
+            st = kt_wait(&a)
+        if st != KT_OK:
+            self._raise_wait(st, f"waiting for the reply to request {seq} on {self.name!r}")
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        roff = self._region_offset(index, True)
+        if slot.reply.status != KT_OK:
+            status, text = slot.reply.status, self._message_text(&slot.reply, roff)
+            self.release(seq)
+            raise errors.RemoteError(status, text)
+        try:
+            arrays, names = self._views(&slot.reply, roff, f"reply to request {seq}")
+        except errors.MalformedMessage:
+            self.release(seq)
+            raise
+        return Message(seq, index, slot.reply.kind, slot.reply.layer, slot.reply.num_tokens,
+                       KT_OK, arrays, names)
+
+    def release(self, uint64_t seq):
+        """Free the slot of a received request for reuse."""
+        self._check_open()
+        self._inflight.pop(seq, None)
+        cdef uint32_t index = seq % self.num_slots
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        if slot.seq == seq:
+            kt_store_release(&slot.word, kt_word(seq, 0, KT_SLOT_FREE))
+
+    def call(self, uint32_t kind, uint32_t layer, arrays, dtypes=None, uint32_t num_tokens=0,
+             timeout=None):
+        """send + recv + copy out + release: the simple, copying round trip."""
+        seq = self.send(kind, layer, arrays, dtypes, num_tokens)
+        reply = self.recv(seq, timeout)
+        try:
+            return [a.copy() for a in reply.arrays]
+        finally:
+            self.release(seq)
+
+    def abandon(self, uint64_t seq):
+        """Give up on a request: its slot is reused once the consumer is done with it."""
+        self._check_open()
+        if seq not in self._inflight:
+            return
+        cdef uint32_t index = seq % self.num_slots
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef uint64_t stamp = self._inflight[seq]
+        if kt_cas(&slot.word, kt_word(seq, stamp, KT_SLOT_REQUEST), kt_word(seq, 0, KT_SLOT_FREE)):
+            self._inflight.pop(seq)
+            return
+        if kt_word_state(kt_load_acquire(&slot.word)) == KT_SLOT_REPLY:
+            self.release(seq)
+            return
+        self._abandoned.add(seq)
+
+    def inflight(self):
+        """Sequence numbers sent and not yet released, oldest first."""
+        return sorted(s for s in self._inflight if s not in self._abandoned)
+
+    def resend_inflight(self):
+        """After PeerRestarted: re-stamp every request the old consumer did not answer with the
+        new epoch, so the new consumer runs them. Replies it did publish stay valid. Returns the
+        resent sequence numbers."""
+        self._check_open()
+        cdef uint32_t epoch = kt_current_epoch(self._base)
+        cdef kt_slot_header* slot
+        cdef uint64_t w
+        resent = []
+        for seq in sorted(self._inflight):
+            slot = kt_slot(self._base, seq % self.num_slots)
+            w = kt_load_acquire(&slot.word)
+            if kt_word_state(w) == KT_SLOT_REPLY and kt_word_seq32(w) == (seq & 0xffffffff):
+                continue
+            if seq in self._abandoned:
+                self._abandoned.discard(seq)
+                del self._inflight[seq]
+                kt_store_release(&slot.word, kt_word(seq, 0, KT_SLOT_FREE))
+                continue
+            slot.epoch = epoch
+            self._inflight[seq] = epoch
+            kt_store_release(&slot.word, kt_word(seq, epoch, KT_SLOT_REQUEST))
+            resent.append(seq)
+        self._known_epoch = epoch
+        kt_notify(&self._hdr.consumer_sleeping, self._sem_req)
+        return resent
+
+    def wait_for_peer(self, timeout=None):
+        """Producer: wait until a consumer with a fresh heartbeat is attached; returns its epoch.
+
+        Polls every millisecond up to the deadline, then raises ChannelTimeout."""
+        self._check_open()
+        deadline = time.monotonic() + (self.config.peer_timeout_s * 20 if timeout is None else timeout)
+        while True:
+            if (self._hdr.consumer_pid != 0
+                    and kt_heartbeat_age_ns(&self._hdr.consumer_heartbeat_ns) < self._peer_timeout_ns):
+                return kt_current_epoch(self._base)
+            if time.monotonic() >= deadline:
+                raise errors.ChannelTimeout(f"no consumer attached to {self.name!r} in time")
+            time.sleep(0.001)
+
+    # ----------------------------------------------------------------------------- consumer
+    def recv_request(self, timeout=None):
+        """Consumer: wait for the oldest request of this epoch and take it (state BUSY).
+
+        A request with garbage metadata is answered with an EBADMSG error reply and raises
+        MalformedMessage; the channel stays usable."""
+        self._check_open()
+        if self.is_producer:
+            raise errors.KtshmError("recv_request() is the consumer's")
+        cdef kt_wait_args a
+        a.base = self._base
+        a.is_producer = 0
+        a.known_epoch = self._known_epoch
+        a.spin_ns = self._spin_ns
+        a.deadline_ns = self._deadline(timeout)
+        a.peer_timeout_ns = self._peer_timeout_ns
+        a.sem = self._sem_req
+        cdef int st
+        cdef kt_slot_header* slot
+        cdef uint64_t busy
+        while True:
+            with nogil:
+                st = kt_wait(&a)
+            if st != KT_OK:
+                self._raise_wait(st, f"waiting for a request on {self.name!r}")
+            slot = kt_slot(self._base, a.found_index)
+            busy = kt_word(kt_word_seq32(a.found_word), kt_word_epoch(a.found_word), KT_SLOT_BUSY)
+            if kt_cas(&slot.word, a.found_word, busy):
+                break  # else: the producer abandoned or re-stamped it meanwhile
+        seq = slot.seq
+        index = a.found_index
+        try:
+            arrays, names = self._views(&slot.request, self._region_offset(index, False),
+                                        f"request {seq}")
+        except errors.MalformedMessage as exc:
+            self._publish_error(index, seq, errors.EBADMSG, str(exc))
+            raise
+        msg = Message(seq, index, slot.request.kind, slot.request.layer,
+                      slot.request.num_tokens, KT_OK, arrays, names)
+        return msg
+
+    def begin_reply(self, request, specs):
+        """Lay out reply arrays [(shape, dtype name)] for `request`; returns writable views."""
+        self._check_open()
+        cdef uint32_t index = request.slot
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        return self._lay_out(&slot.reply, [_dtype_code(dt) for _, dt in specs],
+                             [s for s, _ in specs], self._region_offset(index, True),
+                             f"reply to request {request.seq}")
+
+    def commit_reply(self, request, int32_t status=KT_OK):
+        """Publish the reply laid out by begin_reply. Returns False when the request was
+        resent or abandoned meanwhile (the reply is discarded)."""
+        cdef uint32_t index = request.slot
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        slot.reply.kind = request.kind
+        slot.reply.layer = request.layer
+        slot.reply.num_tokens = request.num_tokens
+        slot.reply.status = status
+        return self._publish(index, request.seq)
+
+    def reply(self, request, arrays=(), dtypes=None):
+        """Copy arrays into the reply region of `request` and publish it."""
+        views = self.begin_reply(request, _specs_of(arrays, dtypes))
+        for dst, src in zip(views, arrays):
+            dst[...] = src
+        return self.commit_reply(request)
+
+    def reply_error(self, request, int32_t status, str message):
+        """Answer `request` with an error status and a message (raised as RemoteError there)."""
+        self._check_open()
+        if status == KT_OK:
+            raise ValueError("reply_error needs a non-zero status")
+        return self._publish_error(request.slot, request.seq, status, message)
+
+    cdef bint _publish_error(self, uint32_t index, uint64_t seq, int32_t status, str message):
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        data = message.encode("utf-8")[: self.region_bytes]
+        off = self._region_offset(index, True)
+        self._mm[off:off + len(data)] = data
+        slot.reply.num_arrays = 0
+        slot.reply.message_len = len(data)
+        slot.reply.status = status
+        slot.reply.kind = 0
+        slot.reply.layer = 0
+        slot.reply.num_tokens = 0
+        return self._publish(index, seq)
+
+    cdef bint _publish(self, uint32_t index, uint64_t seq):
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef uint64_t busy = kt_word(seq, self._known_epoch, KT_SLOT_BUSY)
+        ok = kt_cas(&slot.word, busy, kt_word(seq, self._known_epoch, KT_SLOT_REPLY))
+        kt_notify(&self._hdr.producer_sleeping, self._sem_rep)
+        return bool(ok)
+
+    # ------------------------------------------------------------------------------ helpers
+    cdef uint64_t _deadline(self, timeout):
+        t = self.config.default_timeout_s if timeout is None else timeout
+        if t < 0:
+            raise ValueError(f"timeout must be >= 0, got {t}")
+        return kt_now_ns() + <uint64_t>(min(t, 1e7) * 1e9)
+
+    cdef _raise_wait(self, int st, str context):
+        cdef int err = errno
+        exc = errors.error_for_status(st, context, err)
+        if st == KT_EPEER_RESTARTED and self.is_producer:
+            exc.inflight = self.inflight()
+        raise exc
+
+
+def cleanup_stale(max_age_s=10.0):
+    """Unlink channels whose creator's heartbeat is older than max_age_s (a killed producer),
+    and orphaned semaphores of channels that no longer exist. Returns the names removed."""
+    removed = []
+    try:
+        entries = os.listdir("/dev/shm")
+    except OSError:
+        return removed
+    now_wall = time.time()
+    for entry in entries:
+        if entry.startswith(SEGMENT_PREFIX):
+            if _segment_is_stale(entry, max_age_s):
+                _unlink_all(entry)
+                removed.append(entry)
+        elif entry.startswith("sem." + SEGMENT_PREFIX):
+            name = entry[len("sem."):].rsplit(".", 1)[0]
+            if os.path.exists(f"/dev/shm/{name}"):
+                continue
+            try:
+                if now_wall - os.stat(f"/dev/shm/{entry}").st_mtime < max_age_s:
+                    continue
+                posix_ipc.unlink_semaphore("/" + entry[len("sem."):])
+                removed.append(entry)
+            except (OSError, posix_ipc.ExistentialError):
+                pass
+    return removed
+
+
+def _segment_is_stale(str name, double max_age_s):
+    path = f"/dev/shm/{name}"
+    try:
+        st = os.stat(path)
+        if st.st_uid != os.getuid():
+            return False
+        with open(path, "rb") as f:
+            head = f.read(KT_HEADER_BYTES)
+    except OSError:
+        return False
+    if len(head) < KT_HEADER_BYTES or int.from_bytes(head[0:8], "little") != KT_MAGIC:
+        # not (yet) initialised: only an old one is garbage
+        return time.time() - st.st_mtime > max_age_s
+    hb = int.from_bytes(head[64:72], "little")
+    if hb == 0:
+        return True
+    return (kt_now_ns() - hb) / 1e9 > max_age_s if kt_now_ns() > hb else False
