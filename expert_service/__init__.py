@@ -1,0 +1,1 @@
+"""expert_service: the CPU expert worker that holds routed experts in host RAM."""

@@ -1,0 +1,230 @@
+"""Read routed-expert weights from a Hugging Face MoE checkpoint directory (safetensors, mmap).
+
+The public face of checkpoint reading: ModelSpec, the errors and the shard helpers live in
+checkpoint_spec / checkpoint_errors / checkpoint_shard / checkpoint_fp8 and are re-exported here.
+
+Two layouts of a layer's experts are understood (see ModelSpec):
+  per-expert  ...experts.E.{gate,up,down}_proj.weight (Mixtral: ...experts.E.{w1,w3,w2}.weight)
+  fused       ...mlp.experts.gate_up_proj [E, 2I, H] and ...mlp.experts.down_proj [E, H, I]
+Storage dtypes: bf16, fp16, fp32, and float8_e4m3fn with `<name>_scale_inv` block scales.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from expert_service.checkpoint_errors import (
+    CheckpointDirNotFound,
+    CheckpointError,
+    ConfigNotFound,
+    InsufficientMemory,
+    InvalidConfig,
+    InvalidExpertRange,
+    LayerHasNoExperts,
+    MissingExpertTensor,
+    NotAnMoEModel,
+    SafetensorsNotFound,
+    ShardOutOfRange,
+    TensorShapeMismatch,
+    UnsupportedArchitecture,
+    UnsupportedTensorDtype,
+)
+from expert_service.checkpoint_fp8 import dequantize_fp8_blocks, fp8_scale_shape
+from expert_service.checkpoint_shard import (
+    available_memory_bytes,
+    check_memory_available,
+    estimate_shard_bytes,
+    parse_expert_range,
+    validate_shard,
+)
+from expert_service.checkpoint_spec import DEFAULT_FP8_BLOCK, SUPPORTED_FAMILIES, ModelSpec
+
+__all__ = [
+    "CheckpointDirNotFound",
+    "CheckpointError",
+    "CheckpointReader",
+    "ConfigNotFound",
+    "InsufficientMemory",
+    "InvalidConfig",
+    "InvalidExpertRange",
+    "LayerHasNoExperts",
+    "MissingExpertTensor",
+    "ModelSpec",
+    "NotAnMoEModel",
+    "ProgressCallback",
+    "SUPPORTED_FAMILIES",
+    "SafetensorsNotFound",
+    "ShardOutOfRange",
+    "TensorShapeMismatch",
+    "UnsupportedArchitecture",
+    "UnsupportedTensorDtype",
+    "available_memory_bytes",
+    "check_memory_available",
+    "estimate_shard_bytes",
+    "parse_expert_range",
+    "validate_shard",
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+FP8_DTYPE = "F8_E4M3"
+# safetensors dtype tag -> torch dtype for the formats we read as they are.
+_PLAIN_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_SUPPORTED_DTYPES = (*_PLAIN_DTYPES, FP8_DTYPE)
+
+# progress(done, total) after each expert read.
+ProgressCallback = Callable[[int, int], None]
+ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class CheckpointReader:
+    """Index of a checkpoint's tensors; reads one expert (or a batch of experts) on demand."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.spec = ModelSpec.from_config_dir(self.model_dir)
+        self._tensor_files = _index_tensors(self.model_dir)
+        self._handles: dict[Path, Any] = {}
+        self._layouts: dict[int, str] = {}
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    @property
+    def block_size(self) -> tuple[int, int]:
+        return self.spec.weight_block_size or DEFAULT_FP8_BLOCK
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._tensor_files
+
+    def expert_layout(self, layer: int) -> str:
+        """'per_expert' or 'fused': how this checkpoint stores the experts of `layer`."""
+        self.spec.check_expert(layer, 0)
+        if layer not in self._layouts:
+            gate_name = self.spec.expert_tensor_names(layer, 0)[0]
+            gate_up_name = self.spec.fused_tensor_names(layer)[0]
+            if gate_name in self._tensor_files:
+                self._layouts[layer] = "per_expert"
+            elif gate_up_name in self._tensor_files:
+                self._layouts[layer] = "fused"
+            else:
+                raise MissingExpertTensor(self.model_dir, gate_name, (gate_up_name,))
+        return self._layouts[layer]
+
+    def read_expert(
+        self, layer: int, expert: int, dtype: torch.dtype = torch.float32
+    ) -> ExpertWeights:
+        """(gate [I, H], up [I, H], down [H, I]) of one expert, converted to `dtype`."""
+        self.spec.check_expert(layer, expert)
+        hidden, inter = self.spec.hidden_size, self.spec.moe_intermediate_size
+        if self.expert_layout(layer) == "per_expert":
+            gate_name, up_name, down_name = self.spec.expert_tensor_names(layer, expert)
+            gate = self._read(gate_name, (inter, hidden))
+            up = self._read(up_name, (inter, hidden))
+            down = self._read(down_name, (hidden, inter))
+        else:
+            gate_up_name, down_name = self.spec.fused_tensor_names(layer)
+            gate_up = self._read(gate_up_name, (2 * inter, hidden), expert=expert, halves=2)
+            gate, up = gate_up[:inter], gate_up[inter:]
+            down = self._read(down_name, (hidden, inter), expert=expert)
+        return gate.to(dtype), up.to(dtype), down.to(dtype)
+
+    def read_experts(
+        self,
+        layer: int,
+        expert_ids: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        progress: ProgressCallback | None = None,
+    ) -> ExpertWeights:
+        """(gate [n, I, H], up [n, I, H], down [n, H, I]) for `expert_ids`, in that order."""
+        for expert in expert_ids:
+            self.spec.check_expert(layer, expert)
+        num, hidden, inter = len(expert_ids), self.spec.hidden_size, self.spec.moe_intermediate_size
+        gates = torch.empty((num, inter, hidden), dtype=dtype)
+        ups = torch.empty((num, inter, hidden), dtype=dtype)
+        downs = torch.empty((num, hidden, inter), dtype=dtype)
+        for i, expert in enumerate(expert_ids):
+            gates[i], ups[i], downs[i] = self.read_expert(layer, expert, dtype)
+            if progress is not None:
+                progress(i + 1, num)
+        return gates, ups, downs
+
+    def _handle(self, name: str) -> Any:
+        try:
+            path = self._tensor_files[name]
+        except KeyError:
+            raise MissingExpertTensor(self.model_dir, name) from None
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path]
+
+    def _read(
+        self, name: str, shape: tuple[int, int], *, expert: int | None = None, halves: int = 1
+    ) -> torch.Tensor:
+        """One [rows, cols] weight from `name` or `name[expert]`; FP8 comes back as float32."""
+        expected = shape if expert is None else (self.spec.num_experts, *shape)
+        tensor_slice = self._handle(name).get_slice(name)
+        found, stored = tuple(tensor_slice.get_shape()), tensor_slice.get_dtype()
+        if found != expected:
+            raise TensorShapeMismatch(self.model_dir, name, expected, found)
+        if stored not in _SUPPORTED_DTYPES:
+            raise UnsupportedTensorDtype(self.model_dir, name, stored, _SUPPORTED_DTYPES)
+        weight = tensor_slice[:] if expert is None else tensor_slice[expert : expert + 1][0]
+        if stored != FP8_DTYPE:
+            return weight
+        return self._dequantize(name, weight, expert, halves)
+
+    def _dequantize(
+        self, name: str, weight: torch.Tensor, expert: int | None, halves: int
+    ) -> torch.Tensor:
+        scale_name = f"{name}_scale_inv"
+        scale_slice = self._handle(scale_name).get_slice(scale_name)
+        found = tuple(scale_slice.get_shape())
+        lead = () if expert is None else (self.spec.num_experts,)
+        whole = (*lead, *fp8_scale_shape(tuple(weight.shape), self.block_size))
+        # NOTE: a fused gate_up may carry gate's and up's scales stacked, each blocked on its own.
+        rows = weight.shape[0] // halves
+        split = (*lead, halves * math.ceil(rows / self.block_size[0]), whole[-1])
+        if found not in (whole, split):
+            raise TensorShapeMismatch(self.model_dir, scale_name, whole, found)
+        scale = scale_slice[:] if expert is None else scale_slice[expert : expert + 1][0]
+        if found == whole:
+            return dequantize_fp8_blocks(weight, scale, self.block_size)
+        parts = zip(weight.split(rows), scale.split(scale.shape[0] // halves), strict=True)
+        return torch.cat([dequantize_fp8_blocks(w, s, self.block_size) for w, s in parts])
+
+
+def _index_tensors(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, from the index json when present, else by scanning."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InvalidConfig(index_path, f"no readable weight_map ({exc!r})") from exc
+        files = {name: model_dir / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                detail = f"{INDEX_FILE} names {file.name}, which is missing"
+                raise SafetensorsNotFound(model_dir, detail)
+        return files
+    paths = sorted(model_dir.glob("*.safetensors"))
+    if not paths:
+        raise SafetensorsNotFound(model_dir)
+    files: dict[str, Path] = {}
+    for path in paths:
+        with safe_open(str(path), framework="pt") as handle:
+            files.update(dict.fromkeys(handle.keys(), path))
+    return files

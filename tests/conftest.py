@@ -1,0 +1,12 @@
+"""Shared pytest setup: the repo root (the packages) and `tests/` (helper modules such as
+checkpoints.py) are importable however pytest is started."""
+
+import sys
+from pathlib import Path
+
+_TESTS_DIR = Path(__file__).resolve().parent
+# NOTE: the repo root goes first so that `expert_service` is the package, not tests/expert_service.
+for _path in (str(_TESTS_DIR.parent), str(_TESTS_DIR)):
+    if _path in sys.path:
+        sys.path.remove(_path)
+sys.path[:0] = [str(_TESTS_DIR.parent), str(_TESTS_DIR)]
