@@ -73,6 +73,7 @@ DTYPES = {
     6: ("uint8", np.dtype(np.uint8)),
     7: ("int8", np.dtype(np.int8)),
     8: ("uint16", np.dtype(np.uint16)),
+    9: ("float64", np.dtype(np.float64)),
 }
 DTYPE_CODES = {name: code for code, (name, _) in DTYPES.items()}
 
@@ -246,10 +247,8 @@ cdef class Channel:
         ch._setup(name, mm, config, is_producer=False)
         try:
             ch._validate_header(size)
-            age = kt_heartbeat_age_ns(&ch._hdr.consumer_heartbeat_ns)
-            if not force and ch._hdr.consumer_pid != 0 and age < ch._peer_timeout_ns:
-                raise errors.ChannelBusy(
-                    f"channel {name!r} already has a live consumer (pid {ch._hdr.consumer_pid})")
+            if not force:
+                ch._wait_consumer_gone()
             ch._open_semaphores(create=False)
             ch._known_epoch = kt_attach_consumer(ch._base, os.getpid())
             if kt_heartbeat_start(&ch._hb, &ch._hdr.consumer_heartbeat_ns,
@@ -261,6 +260,18 @@ cdef class Channel:
         # Wake a producer that may be blocked waiting for a reply: it will see the new epoch.
         kt_notify(&ch._hdr.producer_sleeping, ch._sem_rep)
         return ch
+
+    cdef _wait_consumer_gone(self):
+        """Give an attached consumer one peer timeout to show it is alive (a worker restarted
+        right after a crash finds its predecessor's heartbeat still fresh); then ChannelBusy."""
+        deadline = time.monotonic() + self.config.peer_timeout_s
+        while (self._hdr.consumer_pid != 0
+               and kt_heartbeat_age_ns(&self._hdr.consumer_heartbeat_ns) < self._peer_timeout_ns):
+            if time.monotonic() >= deadline:
+                raise errors.ChannelBusy(
+                    f"channel {self.name!r} already has a live consumer "
+                    f"(pid {self._hdr.consumer_pid}); detach it first or attach with force")
+            time.sleep(0.001)
 
     cdef _setup(self, str name, object mm, object config, bint is_producer):
         self._mm = mm
