@@ -12,11 +12,10 @@ import time
 import numpy as np
 import posix_ipc
 import pytest
-
-import ktshm
+from consumer_proc import KIND_BUSY, KIND_ECHO, KIND_EXIT, KIND_HANG, checksum
 from ktshm.channel import SEGMENT_PREFIX, new_channel_name
 
-from consumer_proc import KIND_BUSY, KIND_ECHO, KIND_EXIT, KIND_HANG, checksum
+import ktshm
 
 FAST = ktshm.ChannelConfig(num_slots=8, region_bytes=1 << 16, spin_us=50, peer_timeout_s=0.3)
 
@@ -50,8 +49,13 @@ def test_round_trip_in_one_process(producer, rng):
         for num_tokens in (1, 3, 17, 64):
             arrays = random_arrays(rng, num_tokens)
             bf16_bits = rng.integers(0, 1 << 16, size=(num_tokens, 8), dtype=np.uint16)
-            seq = producer.send(7, 3, [*arrays, bf16_bits],
-                                dtypes=[None, None, None, "bfloat16"], num_tokens=num_tokens)
+            seq = producer.send(
+                7,
+                3,
+                [*arrays, bf16_bits],
+                dtypes=[None, None, None, "bfloat16"],
+                num_tokens=num_tokens,
+            )
             req = consumer.recv_request(timeout=5)
             assert (req.seq, req.kind, req.layer, req.num_tokens) == (seq, 7, 3, num_tokens)
             assert req.dtypes == ["float32", "int32", "float32", "bfloat16"]
@@ -138,7 +142,7 @@ def test_replies_can_be_received_out_of_order(producer):
 
 
 def test_channel_full_when_every_slot_is_in_flight(producer):
-    for i in range(producer.num_slots):
+    for _ in range(producer.num_slots):
         producer.send(0, 0, [np.zeros(4, np.float32)])
     with pytest.raises(ktshm.ChannelFull, match="receive or release"):
         producer.send(0, 0, [np.zeros(4, np.float32)])
@@ -420,8 +424,11 @@ def test_consumer_sees_producer_death_within_a_second():
 
 # ------------------------------------------------------------------------- hygiene
 def test_segment_and_semaphores_are_owner_only(producer):
-    paths = [f"/dev/shm/{producer.name}", f"/dev/shm/sem.{producer.name}.req",
-             f"/dev/shm/sem.{producer.name}.rep"]
+    paths = [
+        f"/dev/shm/{producer.name}",
+        f"/dev/shm/sem.{producer.name}.req",
+        f"/dev/shm/sem.{producer.name}.rep",
+    ]
     for path in paths:
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
     assert producer.name.startswith(SEGMENT_PREFIX)
