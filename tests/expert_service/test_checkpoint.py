@@ -18,6 +18,7 @@ from checkpoints import (
     dequantize_fp8_reference,
     load_reference_model,
     make_tiny_checkpoint,
+    moe_block,
     moe_layer_indices,
     reference_expert_weights,
     tiny_config,
@@ -503,3 +504,31 @@ def test_memory_check(monkeypatch: pytest.MonkeyPatch) -> None:
         "5.50 GiB" in message and "3.00 GiB" in message and "KTSERVE_MEMORY_LIMIT_BYTES" in message
     )
     assert err.value.required_bytes == 5 * GIB + GIB // 2 and err.value.available_bytes == 3 * GIB
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_weights_reproduce_transformers_experts_forward(
+    family: str, seed: int, tmp_path: Path
+) -> None:
+    """gate/up/down as read compute what transformers' own experts module computes (DESIGN's MoE
+    call contract), so their order and orientation are right, not only their values."""
+    path = make_tiny_checkpoint(family, tmp_path, seed=seed)
+    model = load_reference_model(path)
+    reader = CheckpointReader(path)
+    spec = reader.spec
+    generator = torch.Generator().manual_seed(seed)
+    num_tokens, top_k = 7, spec.num_experts_per_tok
+    x = torch.randn(num_tokens, spec.hidden_size, generator=generator)  # [T, H]
+    ids = torch.stack([torch.randperm(spec.num_experts, generator=generator)[:top_k] for _ in x])
+    weights = torch.rand(num_tokens, top_k, generator=generator)  # [T, k]
+    for layer in spec.moe_layers:
+        with torch.no_grad():
+            want = moe_block(model, layer).experts(x, ids, weights)  # [T, H]
+        gates, ups, downs = reader.read_experts(layer, range(spec.num_experts))
+        got = torch.zeros_like(x)
+        for t in range(num_tokens):
+            for j in range(top_k):
+                e = int(ids[t, j])
+                hidden = torch.nn.functional.silu(gates[e] @ x[t]) * (ups[e] @ x[t])  # [I]
+                got[t] += weights[t, j] * (downs[e] @ hidden)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
