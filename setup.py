@@ -12,6 +12,7 @@ import pathlib
 import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 from setuptools.command.egg_info import egg_info
 
@@ -42,6 +43,9 @@ def generate_protos() -> None:
     ] + [f"{PROTO_PACKAGE_DIR}/{p.name}" for p in protos]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {[p.name for p in protos]}")
+    init = out_dir / "__init__.py"
+    if not init.exists():
+        init.write_text('"""gRPC/protobuf modules generated from proto/ktserve/v1 at build time."""\n')
 
 
 class BuildPyWithProtos(build_py):
@@ -67,10 +71,50 @@ def extensions() -> list[Extension]:
         ),
     ]
     # --- kernel extensions (expert_service/kernels) are appended below ---
+    kdir = "expert_service/kernels"
+    exts.append(
+        Extension(
+            "expert_service.kernels._ext",
+            sources=[f"{kdir}/_ext.pyx"] + [f"{kdir}/{name}" for name in KERNEL_SOURCES],
+            include_dirs=[kdir],
+            language="c++",
+            extra_compile_args=["-O3", "-std=c++17", "-fno-plt"],
+            extra_link_args=["-lpthread"],
+        )
+    )
     return cythonize(exts, language_level=3, compiler_directives={"boundscheck": False})
+
+
+# One translation unit per instruction set, each compiled with its own flags (see BuildExtPerIsa).
+KERNEL_ISA_FLAGS = {
+    "ktk_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+    "ktk_avx512.cpp": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                       "-mavx512bf16", "-mavx512vnni"],
+    "ktk_amx.cpp": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                    "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
+}  # fmt: skip
+KERNEL_SOURCES = ["ktk_cpu.cpp", "ktk_pool.cpp", "ktk_pack.cpp", "ktk_moe.cpp", *KERNEL_ISA_FLAGS]
+
+
+class BuildExtPerIsa(build_ext):
+    """Adds KERNEL_ISA_FLAGS to the compile of the matching source file only."""
+
+    def build_extensions(self) -> None:
+        compile_one = self.compiler._compile
+
+        def _compile(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            extra = list(extra_postargs) + KERNEL_ISA_FLAGS.get(pathlib.Path(src).name, [])
+            compile_one(obj, src, ext, cc_args, extra, pp_opts)
+
+        self.compiler._compile = _compile
+        super().build_extensions()
 
 
 setup(
     ext_modules=extensions(),
-    cmdclass={"build_py": BuildPyWithProtos, "egg_info": EggInfoWithProtos},
+    cmdclass={
+        "build_py": BuildPyWithProtos,
+        "egg_info": EggInfoWithProtos,
+        "build_ext": BuildExtPerIsa,
+    },
 )

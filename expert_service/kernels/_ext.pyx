@@ -1,0 +1,140 @@
+# cython: language_level=3
+"""Thin Cython layer over ktk.h: raw addresses in, status codes turned into exceptions here."""
+
+from libc.stdint cimport int32_t, uintptr_t
+
+
+cdef extern from "ktk.h":
+    enum:
+        KTK_OK
+        KTK_ERR_BAD_ID
+        KTK_ERR_NOMEM
+        KTK_ERR_BAD_ISA
+        KTK_ERR_BAD_ARG
+
+    ctypedef struct ktk_pack_args:
+        int fmt, E, H, I, src_dtype, num_threads
+        const void* gate
+        const void* up
+        const void* down
+        void* w13
+        void* w2
+        void* s13
+        void* s2
+        int32_t* r13
+        int32_t* r2
+
+    ctypedef struct ktk_kernel:
+        pass
+
+    ctypedef struct ktk_forward_args:
+        int fmt, E, H, I
+        const void* w13
+        const void* w2
+        const void* s13
+        const void* s2
+        const int32_t* r13
+        const int32_t* r2
+        int T, k
+        const void* x
+        int x_dtype
+        const int32_t* ids
+        const float* weights
+        void* out
+        int out_dtype
+
+    int ktk_isa_supported(int isa) nogil
+    int ktk_pack(const ktk_pack_args* a) nogil
+    ktk_kernel* ktk_kernel_create(int num_threads, int isa, int pin) nogil
+    void ktk_kernel_destroy(ktk_kernel* kern) nogil
+    int ktk_forward(ktk_kernel* kern, const ktk_forward_args* a) nogil
+
+
+cdef int _check(int status) except -1:
+    if status == KTK_OK:
+        return 0
+    if status == KTK_ERR_BAD_ID:
+        raise ValueError("ids must be -1 or in [0, num_experts)")
+    if status == KTK_ERR_NOMEM:
+        raise MemoryError("kernel scratch allocation failed")
+    if status == KTK_ERR_BAD_ISA:
+        raise RuntimeError("instruction set not supported on this CPU")
+    raise ValueError(f"bad kernel argument (status {status})")
+
+
+def isa_supported(int isa) -> bool:
+    return bool(ktk_isa_supported(isa))
+
+
+def pack(int fmt, int E, int H, int I, int src_dtype, uintptr_t gate, uintptr_t up,
+         uintptr_t down, uintptr_t w13, uintptr_t w2, uintptr_t s13, uintptr_t s2,
+         uintptr_t r13, uintptr_t r2, int num_threads) -> None:
+    cdef ktk_pack_args a
+    a.fmt = fmt
+    a.E = E
+    a.H = H
+    a.I = I
+    a.src_dtype = src_dtype
+    a.num_threads = num_threads
+    a.gate = <const void*>gate
+    a.up = <const void*>up
+    a.down = <const void*>down
+    a.w13 = <void*>w13
+    a.w2 = <void*>w2
+    a.s13 = <void*>s13
+    a.s2 = <void*>s2
+    a.r13 = <int32_t*>r13
+    a.r2 = <int32_t*>r2
+    cdef int status
+    with nogil:
+        status = ktk_pack(&a)
+    _check(status)
+
+
+cdef class Kernel:
+    """Owns the C kernel (thread pool + scratch). Not thread-safe: one call at a time."""
+
+    cdef ktk_kernel* _k
+
+    def __cinit__(self, int num_threads, int isa, bint pin):
+        self._k = ktk_kernel_create(num_threads, isa, pin)
+        if self._k == NULL:
+            raise RuntimeError("instruction set not supported on this CPU")
+
+    def close(self) -> None:
+        if self._k != NULL:
+            ktk_kernel_destroy(self._k)
+            self._k = NULL
+
+    def __dealloc__(self):
+        self.close()
+
+    def forward(self, int fmt, int E, int H, int I, uintptr_t w13, uintptr_t w2, uintptr_t s13,
+                uintptr_t s2, uintptr_t r13, uintptr_t r2, int T, int k, uintptr_t x,
+                int x_dtype, uintptr_t ids, uintptr_t weights, uintptr_t out,
+                int out_dtype) -> None:
+        if self._k == NULL:
+            raise RuntimeError("kernel is closed")
+        cdef ktk_forward_args a
+        a.fmt = fmt
+        a.E = E
+        a.H = H
+        a.I = I
+        a.w13 = <const void*>w13
+        a.w2 = <const void*>w2
+        a.s13 = <const void*>s13
+        a.s2 = <const void*>s2
+        a.r13 = <const int32_t*>r13
+        a.r2 = <const int32_t*>r2
+        a.T = T
+        a.k = k
+        a.x = <const void*>x
+        a.x_dtype = x_dtype
+        a.ids = <const int32_t*>ids
+        a.weights = <const float*>weights
+        a.out = <void*>out
+        a.out_dtype = out_dtype
+        cdef int status
+        with nogil:
+            status = ktk_forward(self._k, &a)
+        _check(status)

@@ -1,0 +1,75 @@
+"""MoEKernel: the fused routed-experts forward on the CPU, with a persistent thread pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from expert_service.kernels import _ext
+from expert_service.kernels.arrays import DT_BF16, DT_F32, raw
+from expert_service.kernels.isa import ISA_CODES, check_isa, default_isa
+from expert_service.kernels.packing import FORMAT_CODES, PackedExperts
+
+_ACT_DTYPES = {"f32": DT_F32, "bf16": DT_BF16}
+
+
+class MoEKernel:
+    """Computes out[t] = sum_j w[t,j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t,j].
+
+    num_threads counts the calling thread: it runs as worker 0 and num_threads - 1 pool threads
+    are created once. Pool threads spin for KTSERVE_KERNEL_SPIN_US (default 200) microseconds
+    after a call, then sleep on a futex. pin=True pins pool thread i to the i-th allowed CPU.
+    Leave the feeding threads a core: a spinning pool given every core fights them for it.
+    One forward call at a time per kernel (not thread-safe).
+    """
+
+    def __init__(self, num_threads: int, isa: str | None = None, *, pin: bool = False) -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self.isa = check_isa(isa) if isa is not None else default_isa()
+        self.num_threads = num_threads
+        self._k: _ext.Kernel | None = _ext.Kernel(num_threads, ISA_CODES[self.isa], pin)
+
+    def close(self) -> None:
+        if self._k is not None:
+            self._k.close()
+            self._k = None
+
+    def __enter__(self) -> MoEKernel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def forward(self, packed: PackedExperts, x: Any, ids: Any, weights: Any, out: Any) -> None:
+        """x [T,H] f32/bf16, ids [T,k] int32 (-1 skips), weights [T,k] f32 -> out [T,H] f32/bf16."""
+        if self._k is None:
+            raise ValueError("MoEKernel is closed")
+        H = packed.hidden_size
+        rx, rids, rw, rout = raw(x, "x"), raw(ids, "ids"), raw(weights, "weights"), raw(out, "out")
+        if len(rx.shape) != 2 or rx.shape[1] != H:
+            raise ValueError(f"x must be [T, {H}], got {rx.shape}")
+        T = rx.shape[0]
+        if len(rids.shape) != 2 or rids.shape[0] != T:
+            raise ValueError(f"ids must be [{T}, k], got {rids.shape}")
+        k = rids.shape[1]
+        if rw.shape != (T, k):
+            raise ValueError(f"weights must be [{T}, {k}] like ids, got {rw.shape}")
+        if rout.shape != (T, H):
+            raise ValueError(f"out must be [{T}, {H}], got {rout.shape}")
+        if rx.kind not in _ACT_DTYPES:
+            raise ValueError(f"x must be float32 or bf16 (uint16 / torch.bfloat16), got {rx.kind}")
+        if rout.kind not in _ACT_DTYPES:
+            raise ValueError(
+                f"out must be float32 or bf16 (uint16 / torch.bfloat16), got {rout.kind}"
+            )
+        if rids.kind != "i32":
+            raise ValueError(f"ids must be int32, got {rids.kind}")
+        if rw.kind != "f32":
+            raise ValueError(f"weights must be float32, got {rw.kind}")
+        w13, w2, s13, s2, r13, r2 = packed.pointers()
+        # NOTE: ids outside [-1, E) are rejected in C before any memory is written.
+        self._k.forward(
+            FORMAT_CODES[packed.fmt], packed.num_experts, H, packed.intermediate_size,
+            w13, w2, s13, s2, r13, r2, T, k, rx.ptr, _ACT_DTYPES[rx.kind], rids.ptr, rw.ptr,
+            rout.ptr, _ACT_DTYPES[rout.kind],
+        )  # fmt: skip

@@ -1,0 +1,89 @@
+/* ktk: the CPU MoE kernel's C interface (shared by the generic and the per-ISA translation units).
+ *
+ * Packed weight layout (one per format, read by every ISA). Hp = roundup(H, 64), Ip = roundup(I, 64).
+ * Weights come in blocks of 16 output rows; a block holds its rows for the whole (padded) K:
+ *   bf16: uint16 [K/2][16][2]   element (k, r) at (k/2)*32 + r*2 + k%2         (AMX-BF16 B-tile order)
+ *   int8: int8   [K/4][16][4]   element (k, r) at (k/4)*64 + r*4 + k%4         (AMX-INT8 B-tile order)
+ *   int4: uint8  [K/32][4][64]  group g = k/32, quad q = (k%32)/4, byte g*256 + (q%4)*64 + r*4 + k%4
+ *         holds quad q in its low nibble (q < 4) or high nibble (q >= 4), stored as value + 8.
+ * w13 (per expert): 2*Ip/16 blocks over K = Hp; block 2b = gate rows 16b.., block 2b+1 = up rows 16b..
+ * w2  (per expert): Hp/16 blocks over K = Ip; block b = down rows 16b..
+ * Scales, indexed by block j and row r: int8: fp32 s[j*16 + r] (symmetric per output row), int32
+ * rowsum[j*16 + r] = sum_k q; int4: bf16 s[(j*(K/32) + g)*16 + r] (symmetric per group of 32 along K).
+ * Padding rows/columns are zero.
+ */
+#ifndef KTK_H
+#define KTK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Status codes: one table, mirrored in _ext.pyx. */
+enum {
+  KTK_OK = 0,
+  KTK_ERR_BAD_ID = 1,   /* an expert id outside [-1, E) */
+  KTK_ERR_NOMEM = 2,    /* scratch allocation failed */
+  KTK_ERR_BAD_ISA = 3,  /* the ISA is not compiled in or not supported by this CPU */
+  KTK_ERR_BAD_ARG = 4,  /* a shape or format the kernel does not know */
+};
+
+enum { KTK_FMT_BF16 = 0, KTK_FMT_INT8 = 1, KTK_FMT_INT4 = 2 };
+enum { KTK_ISA_AVX2 = 0, KTK_ISA_AVX512 = 1, KTK_ISA_AMX = 2 };
+enum { KTK_DT_F32 = 0, KTK_DT_BF16 = 1, KTK_DT_F16 = 2 };
+
+/* Per-ISA micro kernels: out[m][r] = sum_k W[r][k] * X[m][k] for the 16 rows r of one block,
+ * m < M tokens whose activations are rows of X (stride ldx elements), K a multiple of 64.
+ * int8/int4: X holds int8 activations with per-row scale xs[m]; the result is dequantized.
+ * int4: xg[m*ldg + g] = sum of X[m][32g .. 32g+31]. */
+typedef struct {
+  void (*dot_bf16)(const uint16_t* w, int K, const uint16_t* x, int ldx, int M, float* out);
+  void (*dot_int8)(const int8_t* w, const float* ws, const int32_t* wsum, int K, const int8_t* x,
+                   int ldx, const float* xs, int M, float* out);
+  void (*dot_int4)(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
+                   const float* xs, const int32_t* xg, int ldg, int M, float* out);
+} ktk_ops;
+
+const ktk_ops* ktk_ops_avx2(void);
+const ktk_ops* ktk_ops_avx512(void);
+const ktk_ops* ktk_ops_amx(void);
+
+/* CPU features (CPUID + OS state; AMX also asks the kernel for tile-data permission). */
+int ktk_isa_supported(int isa);
+
+/* Packing (multithreaded, any source dtype): gate, up [E, I, H]; down [E, H, I], contiguous. */
+typedef struct {
+  int fmt, E, H, I, src_dtype, num_threads;
+  const void *gate, *up, *down;
+  void *w13, *w2;          /* packed weights */
+  void *s13, *s2;          /* scales (int8: fp32 per row, int4: bf16 per group) */
+  int32_t *r13, *r2;       /* int8 row sums of q */
+} ktk_pack_args;
+int ktk_pack(const ktk_pack_args* a);
+
+/* The forward call. */
+typedef struct ktk_kernel ktk_kernel;
+typedef struct {
+  int fmt, E, H, I;
+  const void *w13, *w2, *s13, *s2;
+  const int32_t *r13, *r2;
+  int T, k;
+  const void* x;
+  int x_dtype; /* KTK_DT_F32 or KTK_DT_BF16 */
+  const int32_t* ids;
+  const float* weights;
+  void* out;
+  int out_dtype;
+} ktk_forward_args;
+
+ktk_kernel* ktk_kernel_create(int num_threads, int isa, int pin);
+void ktk_kernel_destroy(ktk_kernel* kern);
+int ktk_forward(ktk_kernel* kern, const ktk_forward_args* a);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,202 @@
+// AMX micro kernels (AMX-BF16 for bf16 weights, AMX-INT8 for int8 and int4 weights with int8
+// activations). The packed blocks are already in B-tile order, so a weight block of 16 rows is
+// streamed by tileloadd with a 64-byte stride. Small M (decode) goes to the AVX-512 kernels.
+//
+// NOTE: A tiles always load 16 activation rows and C tiles store 16 output rows; the caller pads
+// its activation and output buffers by 16 rows so rows past M are readable/writable scratch.
+// Internal linkage only (see ktk_avx2.cpp for why).
+#include <immintrin.h>
+
+#include "ktk.h"
+
+namespace {
+
+constexpr int kMinM = 8;  // below this, the AVX-512 kernels are faster
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-3: C (16 x 16 fp32/int32); 4: B; 5, 6: A.
+void configure(int b_rows, int a_colsb) {
+  TileConfig cfg = {};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 4; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  cfg.rows[4] = uint8_t(b_rows);
+  cfg.colsb[4] = 64;
+  for (int t = 5; t < 7; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = uint16_t(a_colsb);
+  }
+  _tile_loadconfig(&cfg);
+}
+
+template <int NC>
+void bf16_pass(const uint16_t* w, int K, const uint16_t* x, int ldx, float* out) {
+  if (NC > 0) _tile_zero(0);
+  if (NC > 1) _tile_zero(1);
+  if (NC > 2) _tile_zero(2);
+  if (NC > 3) _tile_zero(3);
+  const long sx = long(ldx) * 2;
+  for (int k = 0; k < K; k += 32) {
+    _tile_loadd(4, w + k * 16, 64);
+    _tile_loadd(5, x + k, sx);
+    _tile_dpbf16ps(0, 5, 4);
+    if (NC > 1) {
+      _tile_loadd(6, x + size_t(16) * ldx + k, sx);
+      _tile_dpbf16ps(1, 6, 4);
+    }
+    if (NC > 2) {
+      _tile_loadd(5, x + size_t(32) * ldx + k, sx);
+      _tile_dpbf16ps(2, 5, 4);
+    }
+    if (NC > 3) {
+      _tile_loadd(6, x + size_t(48) * ldx + k, sx);
+      _tile_dpbf16ps(3, 6, 4);
+    }
+  }
+  _tile_stored(0, out, 64);
+  if (NC > 1) _tile_stored(1, out + 256, 64);
+  if (NC > 2) _tile_stored(2, out + 512, 64);
+  if (NC > 3) _tile_stored(3, out + 768, 64);
+}
+
+void dot_bf16(const uint16_t* w, int K, const uint16_t* x, int ldx, int M, float* out) {
+  if (M < kMinM) return ktk_ops_avx512()->dot_bf16(w, K, x, ldx, M, out);
+  configure(16, 64);
+  for (int m = 0; m < M; m += 64) {
+    int nc = (M - m + 15) / 16;
+    const uint16_t* xm = x + size_t(m) * ldx;
+    if (nc >= 4)
+      bf16_pass<4>(w, K, xm, ldx, out + m * 16);
+    else if (nc == 3)
+      bf16_pass<3>(w, K, xm, ldx, out + m * 16);
+    else if (nc == 2)
+      bf16_pass<2>(w, K, xm, ldx, out + m * 16);
+    else
+      bf16_pass<1>(w, K, xm, ldx, out + m * 16);
+  }
+  _tile_release();
+}
+
+template <int NC>
+void int8_pass(const int8_t* w, int K, const int8_t* x, int ldx, int32_t* c) {
+  if (NC > 0) _tile_zero(0);
+  if (NC > 1) _tile_zero(1);
+  if (NC > 2) _tile_zero(2);
+  if (NC > 3) _tile_zero(3);
+  for (int k = 0; k < K; k += 64) {
+    _tile_loadd(4, w + k * 16, 64);
+    _tile_loadd(5, x + k, ldx);
+    _tile_dpbssd(0, 5, 4);
+    if (NC > 1) {
+      _tile_loadd(6, x + size_t(16) * ldx + k, ldx);
+      _tile_dpbssd(1, 6, 4);
+    }
+    if (NC > 2) {
+      _tile_loadd(5, x + size_t(32) * ldx + k, ldx);
+      _tile_dpbssd(2, 5, 4);
+    }
+    if (NC > 3) {
+      _tile_loadd(6, x + size_t(48) * ldx + k, ldx);
+      _tile_dpbssd(3, 6, 4);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if (NC > 1) _tile_stored(1, c + 256, 64);
+  if (NC > 2) _tile_stored(2, c + 512, 64);
+  if (NC > 3) _tile_stored(3, c + 768, 64);
+}
+
+void dot_int8(const int8_t* w, const float* ws, const int32_t* wsum, int K, const int8_t* x,
+              int ldx, const float* xs, int M, float* out) {
+  if (M < kMinM) return ktk_ops_avx512()->dot_int8(w, ws, wsum, K, x, ldx, xs, M, out);
+  alignas(64) int32_t c[64 * 16];
+  const __m512 s = _mm512_loadu_ps(ws);
+  configure(16, 64);
+  for (int m = 0; m < M; m += 64) {
+    int nc = (M - m + 15) / 16;
+    const int8_t* xm = x + size_t(m) * ldx;
+    if (nc >= 4)
+      int8_pass<4>(w, K, xm, ldx, c);
+    else if (nc == 3)
+      int8_pass<3>(w, K, xm, ldx, c);
+    else if (nc == 2)
+      int8_pass<2>(w, K, xm, ldx, c);
+    else
+      int8_pass<1>(w, K, xm, ldx, c);
+    int rows = M - m < 64 ? M - m : 64;
+    for (int i = 0; i < rows; ++i) {
+      __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(c + i * 16));
+      _mm512_storeu_ps(out + (m + i) * 16, _mm512_mul_ps(v, _mm512_mul_ps(s, _mm512_set1_ps(xs[m + i]))));
+    }
+  }
+  _tile_release();
+}
+
+// Unpacks one group (256 bytes of nibbles) to the signed int8 B tile [8 quads][16 rows][4].
+inline void unpack_group(const uint8_t* wg, int8_t* bq) {
+  const __m512i nib = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+  for (int c = 0; c < 4; ++c) {
+    __m512i v = _mm512_loadu_si512(wg + c * 64);
+    __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, nib), eight);
+    __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), nib), eight);
+    _mm512_store_si512(bq + c * 64, lo);
+    _mm512_store_si512(bq + (c + 4) * 64, hi);
+  }
+}
+
+// One pass over up to 16 * NC tokens: per group, C = A x B on the tile unit, then
+// acc += C * scale on AVX-512 (the group scales differ per output row, so C is flushed per group).
+template <int NC>
+void int4_pass(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
+               const float* xs, int rows, float* out) {
+  alignas(64) int8_t bq[512];
+  alignas(64) int32_t c[16 * 16];
+  __m512 acc[NC * 16];
+  for (int i = 0; i < NC * 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int g = 0; g < K / 32; ++g) {
+    unpack_group(w + g * 256, bq);
+    _tile_loadd(4, bq, 64);
+    __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + g * 16))), 16));
+    for (int ch = 0; ch < NC; ++ch) {
+      _tile_zero(0);
+      _tile_loadd(5, x + size_t(16 * ch) * ldx + g * 32, ldx);
+      _tile_dpbssd(0, 5, 4);
+      _tile_stored(0, c, 64);
+      for (int i = 0; i < 16; ++i)
+        acc[ch * 16 + i] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + i * 16)), sc, acc[ch * 16 + i]);
+    }
+  }
+  for (int i = 0; i < rows; ++i) _mm512_storeu_ps(out + i * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(xs[i])));
+}
+
+void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
+              const float* xs, const int32_t* xg, int ldg, int M, float* out) {
+  if (M < kMinM) return ktk_ops_avx512()->dot_int4(w, gs, K, x, ldx, xs, xg, ldg, M, out);
+  configure(8, 32);
+  for (int m = 0; m < M; m += 32) {
+    int rows = M - m < 32 ? M - m : 32;
+    const int8_t* xm = x + size_t(m) * ldx;
+    if (rows > 16)
+      int4_pass<2>(w, gs, K, xm, ldx, xs + m, rows, out + m * 16);
+    else
+      int4_pass<1>(w, gs, K, xm, ldx, xs + m, rows, out + m * 16);
+  }
+  _tile_release();
+}
+
+const ktk_ops kOps = {dot_bf16, dot_int8, dot_int4};
+
+}  // namespace
+
+extern "C" const ktk_ops* ktk_ops_amx(void) { return &kOps; }

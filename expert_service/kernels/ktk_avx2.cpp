@@ -1,0 +1,147 @@
+// AVX2 + FMA micro kernels. Compiled with -mavx2 -mfma -mf16c only; everything except the exported
+// ops table getter has internal linkage (anonymous namespace) and no std:: templates are used, so
+// no code from here can be picked by the linker for another ISA's translation unit (and vice versa).
+#include <immintrin.h>
+
+#include "ktk.h"
+
+namespace {
+
+inline __m256 bf16x8_to_f32(const uint16_t* p) {
+  __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+}
+
+inline __m256i bcast32(const void* p) {
+  return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+}
+
+template <int MT>
+void dot_bf16_tile(const uint16_t* w, int K, const uint16_t* x, int ldx, float* out) {
+  const __m256i hi_mask = _mm256_set1_epi32(int(0xffff0000u));
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int p = 0; p < K / 2; ++p) {
+    __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
+    __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
+    __m256 w0e = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+    __m256 w0o = _mm256_castsi256_ps(_mm256_and_si256(w0, hi_mask));
+    __m256 w1e = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    __m256 w1o = _mm256_castsi256_ps(_mm256_and_si256(w1, hi_mask));
+    for (int m = 0; m < MT; ++m) {
+      __m256i xb = bcast32(x + size_t(m) * ldx + 2 * p);
+      __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(xb, 16));
+      __m256 xo = _mm256_castsi256_ps(_mm256_and_si256(xb, hi_mask));
+      acc[m][0] = _mm256_fmadd_ps(w0e, xe, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w1e, xe, acc[m][1]);
+      acc[m][0] = _mm256_fmadd_ps(w0o, xo, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(w1o, xo, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    _mm256_storeu_ps(out + m * 16, acc[m][0]);
+    _mm256_storeu_ps(out + m * 16 + 8, acc[m][1]);
+  }
+}
+
+void dot_bf16(const uint16_t* w, int K, const uint16_t* x, int ldx, int M, float* out) {
+  int m = 0;
+  for (; m + 4 <= M; m += 4) dot_bf16_tile<4>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+  for (; m + 2 <= M; m += 2) dot_bf16_tile<2>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+  for (; m < M; ++m) dot_bf16_tile<1>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+}
+
+// int8 x int8 with the sign trick: maddubs(|x|, sign(w, x)) never saturates for |q| <= 127.
+template <int MT>
+void dot_int8_tile(const int8_t* w, const float* ws, int K, const int8_t* x, int ldx,
+                   const float* xs, float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+  for (int q = 0; q < K / 4; ++q) {
+    __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64));
+    __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64 + 32));
+    for (int m = 0; m < MT; ++m) {
+      __m256i xb = bcast32(x + size_t(m) * ldx + 4 * q);
+      __m256i ax = _mm256_abs_epi8(xb);
+      __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb));
+      __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb));
+      acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(p0, ones));
+      acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(p1, ones));
+    }
+  }
+  __m256 s0 = _mm256_loadu_ps(ws), s1 = _mm256_loadu_ps(ws + 8);
+  for (int m = 0; m < MT; ++m) {
+    __m256 xsb = _mm256_set1_ps(xs[m]);
+    _mm256_storeu_ps(out + m * 16, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][0]), _mm256_mul_ps(s0, xsb)));
+    _mm256_storeu_ps(out + m * 16 + 8,
+                     _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][1]), _mm256_mul_ps(s1, xsb)));
+  }
+}
+
+void dot_int8(const int8_t* w, const float* ws, const int32_t*, int K, const int8_t* x, int ldx,
+              const float* xs, int M, float* out) {
+  int m = 0;
+  for (; m + 4 <= M; m += 4) dot_int8_tile<4>(w, ws, K, x + size_t(m) * ldx, ldx, xs + m, out + m * 16);
+  for (; m + 2 <= M; m += 2) dot_int8_tile<2>(w, ws, K, x + size_t(m) * ldx, ldx, xs + m, out + m * 16);
+  for (; m < M; ++m) dot_int8_tile<1>(w, ws, K, x + size_t(m) * ldx, ldx, xs + m, out + m * 16);
+}
+
+// int4: nibbles (value + 8, unsigned) times signed int8 x; per group: -8 * sum(x) correction.
+template <int MT>
+void dot_int4_tile(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
+                   const float* xs, const int32_t* xg, int ldg, float* out) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i nib = _mm256_set1_epi8(0x0f);
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int g = 0; g < K / 32; ++g) {
+    __m256i s16[MT][2];
+    for (int m = 0; m < MT; ++m) s16[m][0] = s16[m][1] = _mm256_setzero_si256();
+    const uint8_t* wg = w + g * 256;
+    for (int c = 0; c < 4; ++c) {
+      __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64));
+      __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64 + 32));
+      __m256i lo0 = _mm256_and_si256(v0, nib), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nib);
+      __m256i lo1 = _mm256_and_si256(v1, nib), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nib);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* xm = x + size_t(m) * ldx + g * 32;
+        __m256i xl = bcast32(xm + 4 * c), xh = bcast32(xm + 4 * (c + 4));
+        s16[m][0] = _mm256_add_epi16(s16[m][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl),
+                                                                  _mm256_maddubs_epi16(hi0, xh)));
+        s16[m][1] = _mm256_add_epi16(s16[m][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl),
+                                                                  _mm256_maddubs_epi16(hi1, xh)));
+      }
+    }
+    __m256 sc0 = bf16x8_to_f32(gs + g * 16), sc1 = bf16x8_to_f32(gs + g * 16 + 8);
+    for (int m = 0; m < MT; ++m) {
+      __m256i corr = _mm256_set1_epi32(8 * xg[size_t(m) * ldg + g]);
+      __m256i i0 = _mm256_sub_epi32(_mm256_madd_epi16(s16[m][0], ones), corr);
+      __m256i i1 = _mm256_sub_epi32(_mm256_madd_epi16(s16[m][1], ones), corr);
+      acc[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), sc0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), sc1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    __m256 xsb = _mm256_set1_ps(xs[m]);
+    _mm256_storeu_ps(out + m * 16, _mm256_mul_ps(acc[m][0], xsb));
+    _mm256_storeu_ps(out + m * 16 + 8, _mm256_mul_ps(acc[m][1], xsb));
+  }
+}
+
+void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
+              const float* xs, const int32_t* xg, int ldg, int M, float* out) {
+  int m = 0;
+  for (; m + 2 <= M; m += 2)
+    dot_int4_tile<2>(w, gs, K, x + size_t(m) * ldx, ldx, xs + m, xg + size_t(m) * ldg, ldg,
+                     out + m * 16);
+  for (; m < M; ++m)
+    dot_int4_tile<1>(w, gs, K, x + size_t(m) * ldx, ldx, xs + m, xg + size_t(m) * ldg, ldg,
+                     out + m * 16);
+}
+
+const ktk_ops kOps = {dot_bf16, dot_int8, dot_int4};
+
+}  // namespace
+
+extern "C" const ktk_ops* ktk_ops_avx2(void) { return &kOps; }

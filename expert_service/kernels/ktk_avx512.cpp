@@ -1,0 +1,115 @@
+// AVX-512 (F/BW/VL + BF16 + VNNI) micro kernels: one zmm holds the 16 rows of a block, so every
+// 64-byte weight vector feeds one vdpbf16ps / vpdpbusd per token. Internal linkage only (see
+// ktk_avx2.cpp for why).
+#include <immintrin.h>
+
+#include "ktk.h"
+
+namespace {
+
+inline __m512i bcast32(const void* p) {
+  return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+}
+
+template <int MT>
+void dot_bf16_tile(const uint16_t* w, int K, const uint16_t* x, int ldx, float* out) {
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int p = 0; p < K / 2; ++p) {
+    __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 32);
+    for (int m = 0; m < MT; ++m)
+      acc[m] = _mm512_dpbf16_ps(acc[m], wv, (__m512bh)bcast32(x + size_t(m) * ldx + 2 * p));
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * 16, acc[m]);
+}
+
+void dot_bf16(const uint16_t* w, int K, const uint16_t* x, int ldx, int M, float* out) {
+  int m = 0;
+  for (; m + 8 <= M; m += 8) dot_bf16_tile<8>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+  for (; m + 4 <= M; m += 4) dot_bf16_tile<4>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+  for (; m + 2 <= M; m += 2) dot_bf16_tile<2>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+  for (; m < M; ++m) dot_bf16_tile<1>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+}
+
+// int8: vpdpbusd(u8 x, s8 w) with x + 128 as the unsigned operand; minus 128 * rowsum(w).
+template <int MT>
+void dot_int8_tile(const int8_t* w, const float* ws, const int32_t* wsum, int K, const int8_t* x,
+                   int ldx, const float* xs, float* out) {
+  const __m512i flip = _mm512_set1_epi32(int(0x80808080u));
+  __m512i acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_si512();
+  for (int q = 0; q < K / 4; ++q) {
+    __m512i wv = _mm512_loadu_si512(w + q * 64);
+    for (int m = 0; m < MT; ++m) {
+      __m512i xb = _mm512_xor_si512(bcast32(x + size_t(m) * ldx + 4 * q), flip);
+      acc[m] = _mm512_dpbusd_epi32(acc[m], xb, wv);
+    }
+  }
+  __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512(wsum), 7);
+  __m512 s = _mm512_loadu_ps(ws);
+  for (int m = 0; m < MT; ++m) {
+    __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m], corr));
+    _mm512_storeu_ps(out + m * 16, _mm512_mul_ps(v, _mm512_mul_ps(s, _mm512_set1_ps(xs[m]))));
+  }
+}
+
+void dot_int8(const int8_t* w, const float* ws, const int32_t* wsum, int K, const int8_t* x,
+              int ldx, const float* xs, int M, float* out) {
+  int m = 0;
+  for (; m + 8 <= M; m += 8)
+    dot_int8_tile<8>(w, ws, wsum, K, x + size_t(m) * ldx, ldx, xs + m, out + m * 16);
+  for (; m + 4 <= M; m += 4)
+    dot_int8_tile<4>(w, ws, wsum, K, x + size_t(m) * ldx, ldx, xs + m, out + m * 16);
+  for (; m + 2 <= M; m += 2)
+    dot_int8_tile<2>(w, ws, wsum, K, x + size_t(m) * ldx, ldx, xs + m, out + m * 16);
+  for (; m < M; ++m) dot_int8_tile<1>(w, ws, wsum, K, x + size_t(m) * ldx, ldx, xs + m, out + m * 16);
+}
+
+// int4: vpdpbusd(u8 nibbles, s8 x); per group: (acc - 8 * sum(x)) * scale.
+template <int MT>
+void dot_int4_tile(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
+                   const float* xs, const int32_t* xg, int ldg, float* out) {
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int g = 0; g < K / 32; ++g) {
+    __m512i ia[MT];
+    for (int m = 0; m < MT; ++m) ia[m] = _mm512_setzero_si512();
+    const uint8_t* wg = w + g * 256;
+    for (int c = 0; c < 4; ++c) {
+      __m512i v = _mm512_loadu_si512(wg + c * 64);
+      __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* xm = x + size_t(m) * ldx + g * 32;
+        ia[m] = _mm512_dpbusd_epi32(ia[m], lo, bcast32(xm + 4 * c));
+        ia[m] = _mm512_dpbusd_epi32(ia[m], hi, bcast32(xm + 4 * (c + 4)));
+      }
+    }
+    __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + g * 16))), 16));
+    for (int m = 0; m < MT; ++m) {
+      __m512i corr = _mm512_set1_epi32(8 * xg[size_t(m) * ldg + g]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ia[m], corr)), sc, acc[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * 16, _mm512_mul_ps(acc[m], _mm512_set1_ps(xs[m])));
+}
+
+void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
+              const float* xs, const int32_t* xg, int ldg, int M, float* out) {
+  int m = 0;
+  for (; m + 8 <= M; m += 8)
+    dot_int4_tile<8>(w, gs, K, x + size_t(m) * ldx, ldx, xs + m, xg + size_t(m) * ldg, ldg, out + m * 16);
+  for (; m + 4 <= M; m += 4)
+    dot_int4_tile<4>(w, gs, K, x + size_t(m) * ldx, ldx, xs + m, xg + size_t(m) * ldg, ldg, out + m * 16);
+  for (; m + 2 <= M; m += 2)
+    dot_int4_tile<2>(w, gs, K, x + size_t(m) * ldx, ldx, xs + m, xg + size_t(m) * ldg, ldg, out + m * 16);
+  for (; m < M; ++m)
+    dot_int4_tile<1>(w, gs, K, x + size_t(m) * ldx, ldx, xs + m, xg + size_t(m) * ldg, ldg, out + m * 16);
+}
+
+const ktk_ops kOps = {dot_bf16, dot_int8, dot_int4};
+
+}  // namespace
+
+extern "C" const ktk_ops* ktk_ops_avx512(void) { return &kOps; }

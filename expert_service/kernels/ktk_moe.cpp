@@ -1,0 +1,336 @@
+// The forward call: routing, activation quantization, and the three parallel phases
+// (gate/up + SiLU*up, intermediate quantization, down + weighted sum) around the ISA micro kernels.
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "ktk.h"
+#include "ktk_common.h"
+#include "ktk_pool.h"
+
+namespace {
+
+struct Buffer {
+  void* ptr = nullptr;
+  size_t size = 0;
+  bool reserve(size_t bytes) {
+    if (bytes <= size) return true;
+    free(ptr);
+    size = (bytes + 4095) / 4096 * 4096;
+    ptr = aligned_alloc(64, size);
+    if (!ptr) size = 0;
+    return ptr != nullptr;
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr);
+  }
+  ~Buffer() { free(ptr); }
+};
+
+}  // namespace
+
+struct ktk_kernel {
+  ktk_pool* pool = nullptr;
+  const ktk_ops* ops = nullptr;
+  int num_threads = 1;
+  Buffer counts, group_expert, group_off, slot_token, slot_weight;
+  Buffer xt, xa, xs, xg, h, ha, hs, hg, thread_tmp;
+};
+
+namespace {
+
+struct Call {
+  const ktk_forward_args* a;
+  const ktk_ops* ops;
+  ktk_pool* pool;
+  int Hp, Ip, P, G;
+  int gate_blocks, out_blocks;  // blocks of 16 rows that hold real rows: ceil(I/16), ceil(H/16)
+  size_t act_bytes;             // bytes per activation element: 2 (bf16) or 1 (int8)
+  const int32_t *group_expert, *group_off, *slot_token;
+  const float* slot_weight;
+  uint8_t* xt;  // [T][Hp] per-token prepared activations
+  uint8_t* xa;  // [P][Hp] gathered by slot
+  float* xs;    // [T] then [P] scales: xs[T + s]
+  int32_t* xg;  // [T][Hp/32] then [P][Hp/32]
+  float* h;     // [P][Ip] fp32
+  uint8_t* ha;  // [P][Ip] prepared intermediate
+  float* hs;    // [P]
+  int32_t* hg;  // [P][Ip/32]
+  float* thread_tmp;
+  size_t thread_tmp_floats;
+  std::atomic<int> next_gateup{0};
+  std::atomic<int> next_down{0};
+};
+
+inline float round_even(float v) {  // vectorizable round-half-even for |v| < 2^22
+  return (v + 12582912.0f) - 12582912.0f;
+}
+
+// Prepares one activation row: n_real values of src (f32 or bf16) into dst (padded to n_pad).
+void prep_row(int fmt, const void* src, int src_dtype, int n_real, int n_pad, uint8_t* dst,
+              float* scale, int32_t* gsum) {
+  const float* sf = static_cast<const float*>(src);
+  const uint16_t* sb = static_cast<const uint16_t*>(src);
+  if (fmt == KTK_FMT_BF16) {
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+    if (src_dtype == KTK_DT_BF16)
+      memcpy(d, sb, size_t(n_real) * 2);
+    else
+      for (int i = 0; i < n_real; ++i) d[i] = ktk_f32_to_bf16(sf[i]);
+    for (int i = n_real; i < n_pad; ++i) d[i] = 0;
+    return;
+  }
+  float amax = 0.0f;
+  if (src_dtype == KTK_DT_BF16)
+    for (int i = 0; i < n_real; ++i) amax = fmaxf(amax, fabsf(ktk_bf16_to_f32(sb[i])));
+  else
+    for (int i = 0; i < n_real; ++i) amax = fmaxf(amax, fabsf(sf[i]));
+  float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  *scale = amax / 127.0f;
+  int8_t* d = reinterpret_cast<int8_t*>(dst);
+  if (src_dtype == KTK_DT_BF16)
+    for (int i = 0; i < n_real; ++i) d[i] = int8_t(round_even(ktk_bf16_to_f32(sb[i]) * inv));
+  else
+    for (int i = 0; i < n_real; ++i) d[i] = int8_t(round_even(sf[i] * inv));
+  for (int i = n_real; i < n_pad; ++i) d[i] = 0;
+  for (int g = 0; g < n_pad / 32; ++g) {
+    int32_t s = 0;
+    for (int i = 0; i < 32; ++i) s += d[g * 32 + i];
+    gsum[g] = s;
+  }
+}
+
+inline void split(int total, int tid, int n, int* begin, int* end) {
+  *begin = int(int64_t(total) * tid / n);
+  *end = int(int64_t(total) * (tid + 1) / n);
+}
+
+inline float silu(float v) { return v / (1.0f + expf(-v)); }
+
+void gateup_item(Call& c, int item, float* tg, float* tu) {
+  const ktk_forward_args* a = c.a;
+  int g = item / c.gate_blocks, b = item % c.gate_blocks;
+  int e = c.group_expert[g], off = c.group_off[g], M = c.group_off[g + 1] - off;
+  size_t block_elems = size_t(16) * c.Hp;
+  size_t expert_blocks = size_t(2) * c.Ip / 16;
+  size_t jg = size_t(e) * expert_blocks + 2 * b;  // global block index of the gate block
+  if (a->fmt == KTK_FMT_BF16) {
+    const uint16_t* w = static_cast<const uint16_t*>(a->w13) + jg * block_elems;
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(c.xa) + size_t(off) * c.Hp;
+    c.ops->dot_bf16(w, c.Hp, x, c.Hp, M, tg);
+    c.ops->dot_bf16(w + block_elems, c.Hp, x, c.Hp, M, tu);
+  } else if (a->fmt == KTK_FMT_INT8) {
+    const int8_t* w = static_cast<const int8_t*>(a->w13) + jg * block_elems;
+    const float* ws = static_cast<const float*>(a->s13) + jg * 16;
+    const int32_t* wsum = a->r13 + jg * 16;
+    const int8_t* x = reinterpret_cast<const int8_t*>(c.xa) + size_t(off) * c.Hp;
+    const float* xs = c.xs + a->T + off;
+    c.ops->dot_int8(w, ws, wsum, c.Hp, x, c.Hp, xs, M, tg);
+    c.ops->dot_int8(w + block_elems, ws + 16, wsum + 16, c.Hp, x, c.Hp, xs, M, tu);
+  } else {
+    const uint8_t* w = static_cast<const uint8_t*>(a->w13) + jg * block_elems / 2;
+    size_t sblock = size_t(c.Hp / 32) * 16;
+    const uint16_t* gs = static_cast<const uint16_t*>(a->s13) + jg * sblock;
+    const int8_t* x = reinterpret_cast<const int8_t*>(c.xa) + size_t(off) * c.Hp;
+    const float* xs = c.xs + a->T + off;
+    int ldg = c.Hp / 32;
+    const int32_t* xg = c.xg + size_t(a->T) * ldg + size_t(off) * ldg;
+    c.ops->dot_int4(w, gs, c.Hp, x, c.Hp, xs, xg, ldg, M, tg);
+    c.ops->dot_int4(w + block_elems / 2, gs + sblock, c.Hp, x, c.Hp, xs, xg, ldg, M, tu);
+  }
+  for (int m = 0; m < M; ++m) {
+    float* hrow = c.h + size_t(off + m) * c.Ip + 16 * b;
+    for (int r = 0; r < 16; ++r) hrow[r] = silu(tg[m * 16 + r]) * tu[m * 16 + r];
+  }
+}
+
+void down_block(Call& c, int b, float* tmp, float* acc) {
+  const ktk_forward_args* a = c.a;
+  const int T = a->T, Ip = c.Ip;
+  memset(acc, 0, sizeof(float) * 16 * T);
+  size_t block_elems = size_t(16) * Ip;
+  size_t expert_blocks = size_t(c.Hp) / 16;
+  for (int g = 0; g < c.G; ++g) {
+    int e = c.group_expert[g], off = c.group_off[g], M = c.group_off[g + 1] - off;
+    size_t j = size_t(e) * expert_blocks + b;
+    if (a->fmt == KTK_FMT_BF16) {
+      const uint16_t* w = static_cast<const uint16_t*>(a->w2) + j * block_elems;
+      const uint16_t* x = reinterpret_cast<const uint16_t*>(c.ha) + size_t(off) * Ip;
+      c.ops->dot_bf16(w, Ip, x, Ip, M, tmp);
+    } else if (a->fmt == KTK_FMT_INT8) {
+      const int8_t* w = static_cast<const int8_t*>(a->w2) + j * block_elems;
+      const float* ws = static_cast<const float*>(a->s2) + j * 16;
+      const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
+      c.ops->dot_int8(w, ws, a->r2 + j * 16, Ip, x, Ip, c.hs + off, M, tmp);
+    } else {
+      const uint8_t* w = static_cast<const uint8_t*>(a->w2) + j * block_elems / 2;
+      size_t sblock = size_t(Ip / 32) * 16;
+      const uint16_t* gs = static_cast<const uint16_t*>(a->s2) + j * sblock;
+      const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
+      int ldg = Ip / 32;
+      c.ops->dot_int4(w, gs, Ip, x, Ip, c.hs + off, c.hg + size_t(off) * ldg, ldg, M, tmp);
+    }
+    for (int m = 0; m < M; ++m) {
+      float wt = c.slot_weight[off + m];
+      float* dst = acc + size_t(c.slot_token[off + m]) * 16;
+      for (int r = 0; r < 16; ++r) dst[r] += wt * tmp[m * 16 + r];
+    }
+  }
+  int row0 = 16 * b, rows = a->H - row0 < 16 ? a->H - row0 : 16;
+  if (a->out_dtype == KTK_DT_F32) {
+    float* out = static_cast<float*>(a->out);
+    for (int t = 0; t < T; ++t) memcpy(out + size_t(t) * a->H + row0, acc + t * 16, rows * 4);
+  } else {
+    uint16_t* out = static_cast<uint16_t*>(a->out);
+    for (int t = 0; t < T; ++t)
+      for (int r = 0; r < rows; ++r) out[size_t(t) * a->H + row0 + r] = ktk_f32_to_bf16(acc[t * 16 + r]);
+  }
+}
+
+void forward_task(void* raw, int tid, int n) {
+  Call& c = *static_cast<Call*>(raw);
+  const ktk_forward_args* a = c.a;
+  const int T = a->T, Hp = c.Hp, Ip = c.Ip, fmt = a->fmt;
+  const int ldgx = Hp / 32, ldgh = Ip / 32;
+  size_t xelem = a->x_dtype == KTK_DT_BF16 ? 2 : 4;
+  int lo, hi;
+  // Phase 0a: per-token activations.
+  split(T, tid, n, &lo, &hi);
+  for (int t = lo; t < hi; ++t)
+    prep_row(fmt, static_cast<const uint8_t*>(a->x) + size_t(t) * a->H * xelem, a->x_dtype, a->H,
+             Hp, c.xt + size_t(t) * Hp * c.act_bytes, c.xs + t, c.xg + size_t(t) * ldgx);
+  ktk_pool_barrier(c.pool);
+  // Phase 0b: gather them by slot (expert-major), so each expert's tokens are contiguous rows.
+  split(c.P, tid, n, &lo, &hi);
+  for (int s = lo; s < hi; ++s) {
+    int t = c.slot_token[s];
+    memcpy(c.xa + size_t(s) * Hp * c.act_bytes, c.xt + size_t(t) * Hp * c.act_bytes,
+           Hp * c.act_bytes);
+    c.xs[T + s] = c.xs[t];
+    if (fmt == KTK_FMT_INT4)
+      memcpy(c.xg + size_t(T + s) * ldgx, c.xg + size_t(t) * ldgx, sizeof(int32_t) * ldgx);
+  }
+  ktk_pool_barrier(c.pool);
+  // Phase 1: gate/up, SiLU * up -> h.
+  float* tmp = c.thread_tmp + c.thread_tmp_floats * tid;
+  size_t max_m = size_t(c.P > T ? c.P : T);
+  int items = c.G * c.gate_blocks;
+  for (int i; (i = c.next_gateup.fetch_add(1, std::memory_order_relaxed)) < items;)
+    gateup_item(c, i, tmp, tmp + 16 * (max_m + 16));
+  ktk_pool_barrier(c.pool);
+  // Phase 2: prepare h for the down projection.
+  split(c.P, tid, n, &lo, &hi);
+  for (int s = lo; s < hi; ++s)
+    prep_row(fmt, c.h + size_t(s) * Ip, KTK_DT_F32, a->I, Ip, c.ha + size_t(s) * Ip * c.act_bytes,
+             c.hs + s, c.hg + size_t(s) * ldgh);
+  ktk_pool_barrier(c.pool);
+  // Phase 3: down projection by blocks of 16 output rows, weighted sum into out.
+  for (int b; (b = c.next_down.fetch_add(1, std::memory_order_relaxed)) < c.out_blocks;)
+    down_block(c, b, tmp, tmp + 16 * (max_m + 16));
+}
+
+}  // namespace
+
+extern "C" {
+
+ktk_kernel* ktk_kernel_create(int num_threads, int isa, int pin) {
+  if (!ktk_isa_supported(isa)) return nullptr;
+  ktk_kernel* k = new ktk_kernel();
+  k->ops = isa == KTK_ISA_AMX ? ktk_ops_amx() : isa == KTK_ISA_AVX512 ? ktk_ops_avx512() : ktk_ops_avx2();
+  const char* spin = getenv("KTSERVE_KERNEL_SPIN_US");
+  k->pool = ktk_pool_create(num_threads, pin, spin ? atoi(spin) : 200);
+  k->num_threads = ktk_pool_size(k->pool);
+  return k;
+}
+
+void ktk_kernel_destroy(ktk_kernel* k) {
+  if (!k) return;
+  ktk_pool_destroy(k->pool);
+  delete k;
+}
+
+int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
+  if (a->fmt < KTK_FMT_BF16 || a->fmt > KTK_FMT_INT4 || a->T < 0 || a->k < 0 || a->E <= 0)
+    return KTK_ERR_BAD_ARG;
+  const int T = a->T, K = a->k, E = a->E;
+  // Routing: count per expert (validating ids before anything is written), then slots.
+  if (!k->counts.reserve(sizeof(int32_t) * (E + 1))) return KTK_ERR_NOMEM;
+  int32_t* counts = k->counts.as<int32_t>();
+  memset(counts, 0, sizeof(int32_t) * (E + 1));
+  int P = 0;
+  for (int i = 0; i < T * K; ++i) {
+    int e = a->ids[i];
+    if (e == -1) continue;
+    if (e < -1 || e >= E) return KTK_ERR_BAD_ID;
+    ++counts[e];
+    ++P;
+  }
+  Call c;
+  c.a = a;
+  c.ops = k->ops;
+  c.pool = k->pool;
+  c.Hp = int(ktk_round_up(a->H, 64));
+  c.Ip = int(ktk_round_up(a->I, 64));
+  c.P = P;
+  c.gate_blocks = (a->I + 15) / 16;
+  c.out_blocks = (a->H + 15) / 16;
+  c.act_bytes = a->fmt == KTK_FMT_BF16 ? 2 : 1;
+  const int n = k->num_threads;
+  size_t max_m = size_t(P > T ? P : T);
+  c.thread_tmp_floats = 32 * (max_m + 16);  // two [max_m + 16][16] buffers
+  bool ok = k->group_expert.reserve(sizeof(int32_t) * E) &&
+            k->group_off.reserve(sizeof(int32_t) * (E + 1)) &&
+            k->slot_token.reserve(sizeof(int32_t) * (P + 1)) &&
+            k->slot_weight.reserve(sizeof(float) * (P + 1)) &&
+            k->xt.reserve(size_t(T + 1) * c.Hp * c.act_bytes) &&
+            k->xa.reserve(size_t(P + 16) * c.Hp * c.act_bytes) &&
+            k->xs.reserve(sizeof(float) * (T + P + 1)) &&
+            k->xg.reserve(sizeof(int32_t) * (T + P + 1) * (c.Hp / 32)) &&
+            k->h.reserve(sizeof(float) * (P + 1) * c.Ip) &&
+            k->ha.reserve(size_t(P + 16) * c.Ip * c.act_bytes) &&
+            k->hs.reserve(sizeof(float) * (P + 1)) &&
+            k->hg.reserve(sizeof(int32_t) * (P + 1) * (c.Ip / 32)) &&
+            k->thread_tmp.reserve(sizeof(float) * c.thread_tmp_floats * n);
+  if (!ok) return KTK_ERR_NOMEM;
+  int32_t* gexp = k->group_expert.as<int32_t>();
+  int32_t* goff = k->group_off.as<int32_t>();
+  int G = 0;
+  for (int e = 0, off = 0; e < E; ++e) {
+    if (!counts[e]) continue;
+    gexp[G] = e;
+    goff[G++] = off;
+    int cnt = counts[e];
+    counts[e] = off;  // becomes the fill cursor
+    off += cnt;
+  }
+  goff[G] = P;
+  int32_t* stok = k->slot_token.as<int32_t>();
+  float* sw = k->slot_weight.as<float>();
+  for (int i = 0; i < T * K; ++i) {
+    int e = a->ids[i];
+    if (e < 0) continue;
+    int s = counts[e]++;
+    stok[s] = i / K;
+    sw[s] = a->weights[i];
+  }
+  c.G = G;
+  c.group_expert = gexp;
+  c.group_off = goff;
+  c.slot_token = stok;
+  c.slot_weight = sw;
+  c.xt = k->xt.as<uint8_t>();
+  c.xa = k->xa.as<uint8_t>();
+  c.xs = k->xs.as<float>();
+  c.xg = k->xg.as<int32_t>();
+  c.h = k->h.as<float>();
+  c.ha = k->ha.as<uint8_t>();
+  c.hs = k->hs.as<float>();
+  c.hg = k->hg.as<int32_t>();
+  c.thread_tmp = k->thread_tmp.as<float>();
+  ktk_pool_run(k->pool, forward_task, &c);
+  return KTK_OK;
+}
+
+}  // extern "C"

@@ -1,0 +1,18 @@
+/* A persistent thread pool: num_threads counts the calling thread, which runs as worker 0.
+ * Workers spin on a generation word for spin_us after each job, then sleep on it (futex).
+ * Used only by the generic translation units (never by an ISA-specific one). */
+#ifndef KTK_POOL_H
+#define KTK_POOL_H
+
+typedef void (*ktk_task_fn)(void* ctx, int tid, int num_threads);
+typedef struct ktk_pool ktk_pool;
+
+ktk_pool* ktk_pool_create(int num_threads, int pin, int spin_us);
+void ktk_pool_destroy(ktk_pool* pool);
+/* Runs fn(ctx, tid, n) on every thread (the caller is tid 0) and returns when all are done. */
+void ktk_pool_run(ktk_pool* pool, ktk_task_fn fn, void* ctx);
+/* A barrier among the threads of the running job; every thread must reach it. */
+void ktk_pool_barrier(ktk_pool* pool);
+int ktk_pool_size(const ktk_pool* pool);
+
+#endif

@@ -1,0 +1,166 @@
+"""Quantize and pack expert weights into the kernel's layout (one layout per format, any ISA).
+
+The layout (blocks of 16 output rows in AMX B-tile order, gate and up blocks interleaved) is drawn
+in ktk.h. Every buffer is a 2-D array [E, per-expert elements], so an expert range is a row slice.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from expert_service.kernels import _ext
+from expert_service.kernels.arrays import (
+    DT_BF16,
+    DT_F16,
+    DT_F32,
+    aligned_empty,
+    is_torch_tensor,
+    raw,
+)
+
+
+class WeightFormat(enum.StrEnum):
+    BF16 = "bf16"
+    INT8 = "int8"  # symmetric, one fp32 scale per output row
+    INT4 = "int4"  # symmetric, one bf16 scale per 32 inputs (group along K) per output row
+
+
+# NOTE: codes match KTK_FMT_* in ktk.h.
+FORMAT_CODES = {WeightFormat.BF16: 0, WeightFormat.INT8: 1, WeightFormat.INT4: 2}
+INT4_GROUP = 32
+
+
+def padded(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+def tensor_specs(fmt: WeightFormat, H: int, I: int) -> dict[str, tuple[np.dtype, int]]:  # noqa: E741
+    """name -> (dtype, elements per expert) of every packed buffer of one format."""
+    Hp, Ip = padded(H), padded(I)
+    if fmt == WeightFormat.BF16:
+        return {"w13": (np.dtype(np.uint16), 2 * Ip * Hp), "w2": (np.dtype(np.uint16), Hp * Ip)}
+    if fmt == WeightFormat.INT8:
+        return {
+            "w13": (np.dtype(np.int8), 2 * Ip * Hp),
+            "w2": (np.dtype(np.int8), Hp * Ip),
+            "s13": (np.dtype(np.float32), 2 * Ip),
+            "s2": (np.dtype(np.float32), Hp),
+            "r13": (np.dtype(np.int32), 2 * Ip),
+            "r2": (np.dtype(np.int32), Hp),
+        }
+    return {
+        "w13": (np.dtype(np.uint8), Ip * Hp),
+        "w2": (np.dtype(np.uint8), Hp * Ip // 2),
+        "s13": (np.dtype(np.uint16), 2 * Ip * Hp // INT4_GROUP),
+        "s2": (np.dtype(np.uint16), Hp * Ip // INT4_GROUP),
+    }
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """Packed weights of E experts (hidden H, intermediate I) in one format."""
+
+    fmt: WeightFormat
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    tensors: dict[str, np.ndarray]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fmt", WeightFormat(self.fmt))
+        if min(self.num_experts, self.hidden_size, self.intermediate_size) <= 0:
+            raise ValueError("num_experts, hidden_size and intermediate_size must be positive")
+        specs = tensor_specs(self.fmt, self.hidden_size, self.intermediate_size)
+        if set(self.tensors) != set(specs):
+            raise ValueError(
+                f"{self.fmt} needs tensors {sorted(specs)}, got {sorted(self.tensors)}"
+            )
+        for name, (dtype, per_expert) in specs.items():
+            t = self.tensors[name]
+            want = (self.num_experts, per_expert)
+            if not isinstance(t, np.ndarray) or t.dtype != dtype or t.shape != want:
+                got = (getattr(t, "dtype", type(t).__name__), getattr(t, "shape", None))
+                raise ValueError(f"tensor {name!r} must be {dtype} {want}, got {got}")
+            if not t.flags.c_contiguous:
+                raise ValueError(f"tensor {name!r} must be C-contiguous")
+
+    @classmethod
+    def from_tensors(
+        cls,
+        fmt: WeightFormat | str,
+        E: int,
+        H: int,
+        I: int,  # noqa: E741
+        tensors: dict[str, np.ndarray],
+    ) -> PackedExperts:
+        """Wraps existing buffers (e.g. memory-mapped) without copying; checks shapes and dtypes."""
+        return cls(WeightFormat(fmt), E, H, I, dict(tensors))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def expert_nbytes(self) -> int:
+        return self.nbytes // self.num_experts
+
+    def pointers(self) -> tuple[int, int, int, int, int, int]:
+        """Addresses of w13, w2, s13, s2, r13, r2 (0 where the format has no such buffer)."""
+        t = self.tensors
+        return tuple(
+            t[n].ctypes.data if n in t else 0 for n in ("w13", "w2", "s13", "s2", "r13", "r2")
+        )
+
+
+def _source(obj: Any, name: str) -> Any:
+    """A contiguous CPU buffer of a float dtype the packer reads (f32, bf16 or f16)."""
+    if is_torch_tensor(obj):
+        import torch
+
+        t = obj.detach().cpu()
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            t = t.float()
+        return t.contiguous()
+    arr = np.asarray(obj)
+    if arr.dtype not in (np.float32, np.float16):
+        arr = arr.astype(np.float32)
+    return np.ascontiguousarray(arr)
+
+
+def pack_experts(
+    gate: Any, up: Any, down: Any, fmt: WeightFormat | str, num_threads: int | None = None
+) -> PackedExperts:
+    """Quantizes and packs gate, up [E, I, H] and down [E, H, I] (torch tensors or numpy arrays)."""
+    fmt = WeightFormat(fmt)
+    srcs = [raw(_source(a, n), n) for a, n in ((gate, "gate"), (up, "up"), (down, "down"))]
+    if len({s.kind for s in srcs}) != 1:  # mixed dtypes: read all three as fp32
+        srcs = [raw(_source(np.asarray(_to_f32(a)), n), n) for a, n in zip((gate, up, down), "gud")]
+    g, u, d = srcs
+    if len(g.shape) != 3 or g.shape != u.shape:
+        raise ValueError(
+            f"gate and up must have the same shape [E, I, H], got {g.shape}, {u.shape}"
+        )
+    E, I, H = g.shape  # noqa: E741
+    if d.shape != (E, H, I):
+        raise ValueError(f"down must be [E, H, I] = {(E, H, I)}, got {d.shape}")
+    tensors = {n: aligned_empty((E, k), dt) for n, (dt, k) in tensor_specs(fmt, H, I).items()}
+    ptr = {n: t.ctypes.data for n, t in tensors.items()}
+    src_dtype = {"f32": DT_F32, "bf16": DT_BF16, "f16": DT_F16}[g.kind]
+    threads = num_threads or len(os.sched_getaffinity(0))
+    _ext.pack(
+        FORMAT_CODES[fmt], E, H, I, src_dtype, g.ptr, u.ptr, d.ptr,
+        ptr["w13"], ptr["w2"], ptr.get("s13", 0), ptr.get("s2", 0), ptr.get("r13", 0),
+        ptr.get("r2", 0), threads,
+    )  # fmt: skip
+    return PackedExperts(fmt, E, H, I, tensors)
+
+
+def _to_f32(obj: Any) -> Any:
+    return (
+        obj.detach().float().cpu().numpy() if is_torch_tensor(obj) else np.asarray(obj, np.float32)
+    )
