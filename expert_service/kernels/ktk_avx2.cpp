@@ -19,8 +19,8 @@ inline __m256i bcast32(const void* p) {
 template <int MT>
 void dot_bf16_tile(const uint16_t* w, int K, const uint16_t* x, int ldx, float* out) {
   const __m256i hi_mask = _mm256_set1_epi32(int(0xffff0000u));
-  __m256 acc[MT][2];
-  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  __m256 acc[MT][2], odd[MT][2];  // even and odd k in separate chains
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = odd[m][0] = odd[m][1] = _mm256_setzero_ps();
   for (int p = 0; p < K / 2; ++p) {
     __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
     __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
@@ -34,13 +34,13 @@ void dot_bf16_tile(const uint16_t* w, int K, const uint16_t* x, int ldx, float* 
       __m256 xo = _mm256_castsi256_ps(_mm256_and_si256(xb, hi_mask));
       acc[m][0] = _mm256_fmadd_ps(w0e, xe, acc[m][0]);
       acc[m][1] = _mm256_fmadd_ps(w1e, xe, acc[m][1]);
-      acc[m][0] = _mm256_fmadd_ps(w0o, xo, acc[m][0]);
-      acc[m][1] = _mm256_fmadd_ps(w1o, xo, acc[m][1]);
+      odd[m][0] = _mm256_fmadd_ps(w0o, xo, odd[m][0]);
+      odd[m][1] = _mm256_fmadd_ps(w1o, xo, odd[m][1]);
     }
   }
   for (int m = 0; m < MT; ++m) {
-    _mm256_storeu_ps(out + m * 16, acc[m][0]);
-    _mm256_storeu_ps(out + m * 16 + 8, acc[m][1]);
+    _mm256_storeu_ps(out + m * 16, _mm256_add_ps(acc[m][0], odd[m][0]));
+    _mm256_storeu_ps(out + m * 16 + 8, _mm256_add_ps(acc[m][1], odd[m][1]));
   }
 }
 

@@ -23,7 +23,21 @@ void dot_bf16_tile(const uint16_t* w, int K, const uint16_t* x, int ldx, float* 
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * 16, acc[m]);
 }
 
+// One token: four accumulators over k break the vdpbf16ps latency chain.
+void dot_bf16_one(const uint16_t* w, int K, const uint16_t* x, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int p = 0; p < K / 2; p += 4) {
+    const uint16_t* wp = w + p * 32;
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(wp), (__m512bh)bcast32(x + 2 * p));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(wp + 32), (__m512bh)bcast32(x + 2 * p + 2));
+    a2 = _mm512_dpbf16_ps(a2, (__m512bh)_mm512_loadu_si512(wp + 64), (__m512bh)bcast32(x + 2 * p + 4));
+    a3 = _mm512_dpbf16_ps(a3, (__m512bh)_mm512_loadu_si512(wp + 96), (__m512bh)bcast32(x + 2 * p + 6));
+  }
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
 void dot_bf16(const uint16_t* w, int K, const uint16_t* x, int ldx, int M, float* out) {
+  if (M == 1) return dot_bf16_one(w, K, x, out);
   int m = 0;
   for (; m + 8 <= M; m += 8) dot_bf16_tile<8>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
   for (; m + 4 <= M; m += 4) dot_bf16_tile<4>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
@@ -53,8 +67,29 @@ void dot_int8_tile(const int8_t* w, const float* ws, const int32_t* wsum, int K,
   }
 }
 
+void dot_int8_one(const int8_t* w, const float* ws, const int32_t* wsum, int K, const int8_t* x,
+                  const float* xs, float* out) {
+  const __m512i flip = _mm512_set1_epi32(int(0x80808080u));
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  for (int q = 0; q < K / 4; q += 4) {
+    const int8_t* wq = w + q * 64;
+    a0 = _mm512_dpbusd_epi32(a0, _mm512_xor_si512(bcast32(x + 4 * q), flip), _mm512_loadu_si512(wq));
+    a1 = _mm512_dpbusd_epi32(a1, _mm512_xor_si512(bcast32(x + 4 * q + 4), flip),
+                             _mm512_loadu_si512(wq + 64));
+    a2 = _mm512_dpbusd_epi32(a2, _mm512_xor_si512(bcast32(x + 4 * q + 8), flip),
+                             _mm512_loadu_si512(wq + 128));
+    a3 = _mm512_dpbusd_epi32(a3, _mm512_xor_si512(bcast32(x + 4 * q + 12), flip),
+                             _mm512_loadu_si512(wq + 192));
+  }
+  __m512i acc = _mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3));
+  acc = _mm512_sub_epi32(acc, _mm512_slli_epi32(_mm512_loadu_si512(wsum), 7));
+  __m512 s = _mm512_mul_ps(_mm512_loadu_ps(ws), _mm512_set1_ps(xs[0]));
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(acc), s));
+}
+
 void dot_int8(const int8_t* w, const float* ws, const int32_t* wsum, int K, const int8_t* x,
               int ldx, const float* xs, int M, float* out) {
+  if (M == 1) return dot_int8_one(w, ws, wsum, K, x, xs, out);
   int m = 0;
   for (; m + 8 <= M; m += 8)
     dot_int8_tile<8>(w, ws, wsum, K, x + size_t(m) * ldx, ldx, xs + m, out + m * 16);
@@ -95,8 +130,35 @@ void dot_int4_tile(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x,
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * 16, _mm512_mul_ps(acc[m], _mm512_set1_ps(xs[m])));
 }
 
+// One token: per group, low and high nibbles feed separate chains; two fp32 accumulators.
+void dot_int4_one(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, const float* xs,
+                  const int32_t* xg, float* out) {
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  __m512 f0 = _mm512_setzero_ps(), f1 = f0;
+  for (int g = 0; g < K / 32; ++g) {
+    const uint8_t* wg = w + g * 256;
+    const int8_t* xm = x + g * 32;
+    __m512i lo = _mm512_setzero_si512(), hi = lo;
+    for (int c = 0; c < 4; ++c) {
+      __m512i v = _mm512_loadu_si512(wg + c * 64);
+      lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, nib), bcast32(xm + 4 * c));
+      hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib),
+                               bcast32(xm + 4 * (c + 4)));
+    }
+    __m512i ia = _mm512_sub_epi32(_mm512_add_epi32(lo, hi), _mm512_set1_epi32(8 * xg[g]));
+    __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + g * 16))), 16));
+    if (g & 1)
+      f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), sc, f1);
+    else
+      f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), sc, f0);
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_add_ps(f0, f1), _mm512_set1_ps(xs[0])));
+}
+
 void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
               const float* xs, const int32_t* xg, int ldg, int M, float* out) {
+  if (M == 1) return dot_int4_one(w, gs, K, x, xs, xg, out);
   int m = 0;
   for (; m + 8 <= M; m += 8)
     dot_int4_tile<8>(w, gs, K, x + size_t(m) * ldx, ldx, xs + m, xg + size_t(m) * ldg, ldg, out + m * 16);

@@ -1,6 +1,6 @@
 // The forward call: routing, activation quantization, and the three parallel phases
 // (gate/up + SiLU*up, intermediate quantization, down + weighted sum) around the ISA micro kernels.
-#include <atomic>
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -60,8 +60,6 @@ struct Call {
   int32_t* hg;  // [P][Ip/32]
   float* thread_tmp;
   size_t thread_tmp_floats;
-  std::atomic<int> next_gateup{0};
-  std::atomic<int> next_down{0};
 };
 
 inline float round_even(float v) {  // vectorizable round-half-even for |v| < 2^22
@@ -146,46 +144,78 @@ void gateup_item(Call& c, int item, float* tg, float* tu) {
   }
 }
 
-void down_block(Call& c, int b, float* tmp, float* acc) {
+constexpr int kDownChunk = 64;  // output blocks per accumulation chunk (1024 rows)
+
+// Output blocks [b0, b1) (b1 - b0 <= kDownChunk): expert by expert, so that each expert's rows of
+// the range stream contiguously; weighted sum in acc [T][(b1 - b0) * 16], then written to out.
+void down_range(Call& c, int b0, int b1, float* tmp, float* acc) {
   const ktk_forward_args* a = c.a;
-  const int T = a->T, Ip = c.Ip;
-  memset(acc, 0, sizeof(float) * 16 * T);
+  const int T = a->T, Ip = c.Ip, width = (b1 - b0) * 16;
+  memset(acc, 0, sizeof(float) * width * T);
   size_t block_elems = size_t(16) * Ip;
   size_t expert_blocks = size_t(c.Hp) / 16;
   for (int g = 0; g < c.G; ++g) {
     int e = c.group_expert[g], off = c.group_off[g], M = c.group_off[g + 1] - off;
-    size_t j = size_t(e) * expert_blocks + b;
-    if (a->fmt == KTK_FMT_BF16) {
-      const uint16_t* w = static_cast<const uint16_t*>(a->w2) + j * block_elems;
-      const uint16_t* x = reinterpret_cast<const uint16_t*>(c.ha) + size_t(off) * Ip;
-      c.ops->dot_bf16(w, Ip, x, Ip, M, tmp);
-    } else if (a->fmt == KTK_FMT_INT8) {
-      const int8_t* w = static_cast<const int8_t*>(a->w2) + j * block_elems;
-      const float* ws = static_cast<const float*>(a->s2) + j * 16;
-      const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
-      c.ops->dot_int8(w, ws, a->r2 + j * 16, Ip, x, Ip, c.hs + off, M, tmp);
-    } else {
-      const uint8_t* w = static_cast<const uint8_t*>(a->w2) + j * block_elems / 2;
-      size_t sblock = size_t(Ip / 32) * 16;
-      const uint16_t* gs = static_cast<const uint16_t*>(a->s2) + j * sblock;
-      const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
-      int ldg = Ip / 32;
-      c.ops->dot_int4(w, gs, Ip, x, Ip, c.hs + off, c.hg + size_t(off) * ldg, ldg, M, tmp);
-    }
-    for (int m = 0; m < M; ++m) {
-      float wt = c.slot_weight[off + m];
-      float* dst = acc + size_t(c.slot_token[off + m]) * 16;
-      for (int r = 0; r < 16; ++r) dst[r] += wt * tmp[m * 16 + r];
+    for (int b = b0; b < b1; ++b) {
+      size_t j = size_t(e) * expert_blocks + b;
+      if (a->fmt == KTK_FMT_BF16) {
+        const uint16_t* w = static_cast<const uint16_t*>(a->w2) + j * block_elems;
+        const uint16_t* x = reinterpret_cast<const uint16_t*>(c.ha) + size_t(off) * Ip;
+        c.ops->dot_bf16(w, Ip, x, Ip, M, tmp);
+      } else if (a->fmt == KTK_FMT_INT8) {
+        const int8_t* w = static_cast<const int8_t*>(a->w2) + j * block_elems;
+        const float* ws = static_cast<const float*>(a->s2) + j * 16;
+        const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
+        c.ops->dot_int8(w, ws, a->r2 + j * 16, Ip, x, Ip, c.hs + off, M, tmp);
+      } else {
+        const uint8_t* w = static_cast<const uint8_t*>(a->w2) + j * block_elems / 2;
+        size_t sblock = size_t(Ip / 32) * 16;
+        const uint16_t* gs = static_cast<const uint16_t*>(a->s2) + j * sblock;
+        const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
+        int ldg = Ip / 32;
+        c.ops->dot_int4(w, gs, Ip, x, Ip, c.hs + off, c.hg + size_t(off) * ldg, ldg, M, tmp);
+      }
+      for (int m = 0; m < M; ++m) {
+        float wt = c.slot_weight[off + m];
+        float* dst = acc + size_t(c.slot_token[off + m]) * width + (b - b0) * 16;
+        for (int r = 0; r < 16; ++r) dst[r] += wt * tmp[m * 16 + r];
+      }
     }
   }
-  int row0 = 16 * b, rows = a->H - row0 < 16 ? a->H - row0 : 16;
+  int row0 = 16 * b0, rows = a->H - row0 < width ? a->H - row0 : width;
   if (a->out_dtype == KTK_DT_F32) {
     float* out = static_cast<float*>(a->out);
-    for (int t = 0; t < T; ++t) memcpy(out + size_t(t) * a->H + row0, acc + t * 16, rows * 4);
+    for (int t = 0; t < T; ++t) memcpy(out + size_t(t) * a->H + row0, acc + size_t(t) * width, rows * 4);
   } else {
     uint16_t* out = static_cast<uint16_t*>(a->out);
     for (int t = 0; t < T; ++t)
-      for (int r = 0; r < rows; ++r) out[size_t(t) * a->H + row0 + r] = ktk_f32_to_bf16(acc[t * 16 + r]);
+      for (int r = 0; r < rows; ++r)
+        out[size_t(t) * a->H + row0 + r] = ktk_f32_to_bf16(acc[size_t(t) * width + r]);
+  }
+}
+
+// The gate/up items [begin, end) of thread tid: contiguous in (group, block) order, so a thread
+// streams long runs of one expert's weights; split by cost (tokens of the item's expert + 2).
+void gateup_share(const Call& c, int tid, int n, int* begin, int* end) {
+  int64_t total = 0;
+  for (int g = 0; g < c.G; ++g) total += int64_t(c.group_off[g + 1] - c.group_off[g] + 2);
+  total *= c.gate_blocks;
+  int64_t lo = total * tid / n, hi = total * (tid + 1) / n, acc = 0;
+  *begin = *end = c.G * c.gate_blocks;
+  bool found_begin = false;
+  for (int g = 0; g < c.G; ++g) {
+    int64_t cost = c.group_off[g + 1] - c.group_off[g] + 2;
+    for (int b = 0; b < c.gate_blocks; ++b, acc += cost) {
+      int64_t mid = acc + cost / 2;  // an item belongs to the thread whose share holds its middle
+      if (!found_begin && mid >= lo) {
+        *begin = g * c.gate_blocks + b;
+        found_begin = true;
+      }
+      if (mid >= hi) {
+        *end = g * c.gate_blocks + b;
+        return;
+      }
+    }
   }
 }
 
@@ -216,9 +246,8 @@ void forward_task(void* raw, int tid, int n) {
   // Phase 1: gate/up, SiLU * up -> h.
   float* tmp = c.thread_tmp + c.thread_tmp_floats * tid;
   size_t max_m = size_t(c.P > T ? c.P : T);
-  int items = c.G * c.gate_blocks;
-  for (int i; (i = c.next_gateup.fetch_add(1, std::memory_order_relaxed)) < items;)
-    gateup_item(c, i, tmp, tmp + 16 * (max_m + 16));
+  gateup_share(c, tid, n, &lo, &hi);
+  for (int i = lo; i < hi; ++i) gateup_item(c, i, tmp, tmp + 16 * (max_m + 16));
   ktk_pool_barrier(c.pool);
   // Phase 2: prepare h for the down projection.
   split(c.P, tid, n, &lo, &hi);
@@ -227,8 +256,9 @@ void forward_task(void* raw, int tid, int n) {
              c.hs + s, c.hg + size_t(s) * ldgh);
   ktk_pool_barrier(c.pool);
   // Phase 3: down projection by blocks of 16 output rows, weighted sum into out.
-  for (int b; (b = c.next_down.fetch_add(1, std::memory_order_relaxed)) < c.out_blocks;)
-    down_block(c, b, tmp, tmp + 16 * (max_m + 16));
+  split(c.out_blocks, tid, n, &lo, &hi);
+  for (int b = lo; b < hi; b += kDownChunk)
+    down_range(c, b, hi - b < kDownChunk ? hi : b + kDownChunk, tmp, tmp + 16 * (max_m + 16));
 }
 
 }  // namespace
@@ -279,7 +309,8 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
   c.act_bytes = a->fmt == KTK_FMT_BF16 ? 2 : 1;
   const int n = k->num_threads;
   size_t max_m = size_t(P > T ? P : T);
-  c.thread_tmp_floats = 32 * (max_m + 16);  // two [max_m + 16][16] buffers
+  // [max_m + 16][16] gate and up results (tmp) + max([max_m + 16][16], [T][kDownChunk * 16]) (acc)
+  c.thread_tmp_floats = 16 * (max_m + 16) + std::max<size_t>(16 * (max_m + 16), 16 * kDownChunk * T);
   bool ok = k->group_expert.reserve(sizeof(int32_t) * E) &&
             k->group_off.reserve(sizeof(int32_t) * (E + 1)) &&
             k->slot_token.reserve(sizeof(int32_t) * (P + 1)) &&
