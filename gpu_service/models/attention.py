@@ -1,0 +1,82 @@
+"""Batched attention over the paged cache (plain torch), and the GQA attention of Qwen and Mixtral.
+
+`attend` matches transformers' eager attention: (q k^T) * scale, masked, softmax in float32, cast
+back to the model dtype, times v. Layouts are described in gpu_service/models/batch.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_service.models.batch import StepContext
+from gpu_service.models.layers import Linear, RMSNorm
+from gpu_service.models.rope import apply_rotary
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: StepContext,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """q [T, Hq, D], k [B, K, Hkv, D], v [B, K, Hkv, Dv] -> [T, Hq, Dv]."""
+    meta = ctx.meta
+    groups = q.shape[1] // k.shape[2]
+    qp = q[meta.q_index].transpose(1, 2)  # [B, Hq, Q, D]
+    k = k.transpose(1, 2).repeat_interleave(groups, dim=1)  # [B, Hq, K, D]
+    v = v.transpose(1, 2).repeat_interleave(groups, dim=1)  # [B, Hq, K, Dv]
+    scores = torch.matmul(qp, k.transpose(2, 3)) * scale  # [B, Hq, Q, K]
+    scores = scores.masked_fill(~ctx.mask(window)[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v).transpose(1, 2)  # [B, Q, Hq, Dv]
+    return out[meta.q_valid]  # [T, Hq, Dv]
+
+
+class GQAAttention(nn.Module):
+    """Grouped-query attention with RoPE; optional per-head q/k RMSNorm (Qwen3), qkv bias (Qwen2).
+
+    Cache components of its layer: key [S, Hkv, D], value [S, Hkv, D].
+    """
+
+    def __init__(
+        self,
+        layer: int,
+        q_proj: Linear,
+        k_proj: Linear,
+        v_proj: Linear,
+        o_proj: Linear,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+        window: int | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} heads are not a multiple of {num_kv_heads} kv heads")
+        self.layer = layer
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window = window
+        self.scale = head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, ctx.cos, ctx.sin, interleaved=False)
+        k = apply_rotary(k, ctx.cos, ctx.sin, interleaved=False)
+        k_cache, v_cache = ctx.kv_cache.layers[self.layer]  # [S, Hkv, D] each
+        k_cache[ctx.meta.slot_mapping] = k
+        v_cache[ctx.meta.slot_mapping] = v
+        keys, values = k_cache[ctx.meta.kv_slots], v_cache[ctx.meta.kv_slots]  # [B, K, Hkv, D]
+        out = attend(q, keys, values, ctx, self.scale, self.window)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, -1))

@@ -1,0 +1,216 @@
+"""DeepSeek-V2 and DeepSeek-V3: multi-head latent attention (MLA) and DeepSeek MoE.
+
+MLA per token: q = q_b(norm(q_a(x))) (or q_proj(x) without q_lora_rank), split per head into
+[nope | rope]; the compressed kv = kv_a(x) = [c (kv_lora_rank) | k_rot (qk_rope_head_dim)], c is
+RMS-normalized, k_rot roped (one head shared by all heads). The cache holds [c | k_rot] per token
+(kv_lora_rank + qk_rope_head_dim values); at attention time kv_b(c) gives per head
+[k_nope | v], keys are [k_nope | k_rot]. Softmax scale: qk_head_dim^-0.5, times YaRN's
+mscale(factor, mscale_all_dim)^2 when the config asks for YaRN.
+
+MoE layers (spec.moe_layers: i >= first_k_dense_replace and i % moe_layer_freq == 0) route with
+GroupedSigmoidRouter (V3) or SoftmaxRouter (V2) and add n_shared_experts shared experts.
+NOTE: transformers 5.24 ignores norm_topk_prob for V2; DeepSeek's own V2 code applies it, as we do
+(released V2 checkpoints set it false, so both agree on them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from expert_service.checkpoint import InvalidConfig, ModelSpec
+from gpu_service.models.attention import attend
+from gpu_service.models.batch import StepContext
+from gpu_service.models.config import BaseConfig, HFConfig
+from gpu_service.models.experts import RoutedExperts
+from gpu_service.models.kv_cache import KVCache, KVCacheConfig
+from gpu_service.models.layers import DenseMLP, Linear, RMSNorm
+from gpu_service.models.loader import WeightLoader
+from gpu_service.models.model import CausalLM, DecoderLayer
+from gpu_service.models.moe import GroupedSigmoidRouter, MoE, SoftmaxRouter
+from gpu_service.models.rope import RopeConfig, Rotary, apply_rotary
+
+V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+@dataclass(frozen=True)
+class DeepseekConfig:
+    base: BaseConfig
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    num_shared_experts: int
+    moe_layers: tuple[int, ...]
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    topk_method: str  # "noaux_tc" (V3), "greedy" or "group_limited_greedy" (V2)
+    num_groups: int | None
+    topk_groups: int | None
+    attention_bias: bool
+    mlp_bias: bool
+    rope: RopeConfig
+
+    def __post_init__(self) -> None:
+        grouped = self.topk_method in ("noaux_tc", "group_limited_greedy")
+        if grouped and not (self.num_groups and self.topk_groups):
+            raise InvalidConfig(
+                self.base.model_type, f"{self.topk_method} needs n_group and topk_group"
+            )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @classmethod
+    def from_hf(cls, hf: HFConfig, spec: ModelSpec) -> DeepseekConfig:
+        v3 = hf.model_type == "deepseek_v3"
+        topk_method = "noaux_tc" if v3 else hf.str("topk_method", "greedy")
+        if not v3 and topk_method not in V2_TOPK_METHODS:
+            raise InvalidConfig(
+                hf.source, f"topk_method {topk_method!r} is not one of {', '.join(V2_TOPK_METHODS)}"
+            )
+        rope_dim = hf.int("qk_rope_head_dim")
+        interleaved = hf.bool("rope_interleave", True) if v3 else True
+        return cls(
+            base=BaseConfig.from_hf(hf),
+            intermediate_size=hf.int("intermediate_size"),
+            moe_intermediate_size=hf.int("moe_intermediate_size"),
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            num_shared_experts=hf.int("n_shared_experts", 0, minimum=0),
+            moe_layers=spec.moe_layers,
+            q_lora_rank=hf.opt_int("q_lora_rank"),
+            kv_lora_rank=hf.int("kv_lora_rank"),
+            qk_nope_head_dim=hf.int("qk_nope_head_dim"),
+            qk_rope_head_dim=rope_dim,
+            v_head_dim=hf.int("v_head_dim"),
+            routed_scaling_factor=hf.float("routed_scaling_factor", 2.5 if v3 else 1.0),
+            norm_topk_prob=hf.bool("norm_topk_prob", v3),
+            topk_method=topk_method,
+            num_groups=hf.opt_int("n_group"),
+            topk_groups=hf.opt_int("topk_group"),
+            attention_bias=hf.bool("attention_bias", False),
+            mlp_bias=hf.bool("mlp_bias", False),
+            rope=RopeConfig.from_hf(hf, rope_dim, interleaved=interleaved),
+        )
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, loader: WeightLoader, layer: int) -> None:
+        super().__init__()
+        p, hidden, heads = (
+            f"model.layers.{layer}.self_attn",
+            cfg.base.hidden_size,
+            cfg.base.num_heads,
+        )
+        bias = cfg.attention_bias
+        self.cfg, self.layer, self.num_heads = cfg, layer, heads
+        q_out = heads * cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear.load(loader, f"{p}.q_proj", hidden, q_out)
+        else:
+            self.q_a_proj = Linear.load(loader, f"{p}.q_a_proj", hidden, cfg.q_lora_rank, bias=bias)
+            self.q_a_norm = RMSNorm.load(loader, f"{p}.q_a_layernorm", cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = Linear.load(loader, f"{p}.q_b_proj", cfg.q_lora_rank, q_out)
+        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        self.kv_a_proj = Linear.load(loader, f"{p}.kv_a_proj_with_mqa", hidden, latent, bias=bias)
+        self.kv_a_norm = RMSNorm.load(loader, f"{p}.kv_a_layernorm", cfg.kv_lora_rank, 1e-6)
+        kv_out = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        self.kv_b_proj = Linear.load(loader, f"{p}.kv_b_proj", cfg.kv_lora_rank, kv_out)
+        self.o_proj = Linear.load(loader, f"{p}.o_proj", heads * cfg.v_head_dim, hidden, bias=bias)
+        self.scale = cfg.qk_head_dim**-0.5 * cfg.rope.softmax_scale_multiplier
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        cfg, t, heads = self.cfg, x.shape[0], self.num_heads
+        nope, rope, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q_nope, q_rot = q.view(t, heads, nope + rope).split([nope, rope], dim=-1)  # [T, h, *]
+        c, k_rot = self.kv_a_proj(x).split([rank, rope], dim=-1)  # [T, r], [T, rope]
+        c = self.kv_a_norm(c)
+        interleaved = cfg.rope.interleaved
+        q_rot = apply_rotary(q_rot, ctx.cos, ctx.sin, interleaved)
+        k_rot = apply_rotary(k_rot[:, None, :], ctx.cos, ctx.sin, interleaved)[:, 0]  # [T, rope]
+        (cache,) = ctx.kv_cache.layers[self.layer]  # [S, r + rope]
+        cache[ctx.meta.slot_mapping] = torch.cat((c, k_rot), dim=-1)
+        c_all, k_rot_all = cache[ctx.meta.kv_slots].split([rank, rope], dim=-1)  # [B, K, *]
+        b, k = c_all.shape[:2]
+        kv = self.kv_b_proj(c_all).view(b, k, heads, nope + cfg.v_head_dim)  # [B, K, h, nope+v]
+        k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
+        keys = torch.cat((k_nope, k_rot_all[:, :, None, :].expand(b, k, heads, rope)), dim=-1)
+        queries = torch.cat((q_nope, q_rot), dim=-1)  # [T, h, qk_head_dim]
+        out = attend(queries, keys, v, ctx, self.scale)  # [T, h, v]
+        return self.o_proj(out.reshape(t, heads * cfg.v_head_dim))
+
+
+def _router(cfg: DeepseekConfig, loader: WeightLoader, prefix: str) -> nn.Module:
+    hidden, num = cfg.base.hidden_size, cfg.num_experts
+    weight = loader.get(f"{prefix}.weight", (num, hidden), torch.float32)
+    if cfg.topk_method == "noaux_tc":
+        assert cfg.num_groups is not None and cfg.topk_groups is not None
+        return GroupedSigmoidRouter(
+            weight,
+            loader.get(f"{prefix}.e_score_correction_bias", (num,), torch.float32),
+            cfg.num_experts_per_tok,
+            cfg.num_groups,
+            cfg.topk_groups,
+            cfg.norm_topk_prob,
+            cfg.routed_scaling_factor,
+        )
+    grouped = cfg.topk_method == "group_limited_greedy"
+    return SoftmaxRouter(
+        weight,
+        cfg.num_experts_per_tok,
+        norm_topk_prob=cfg.norm_topk_prob and cfg.num_experts_per_tok > 1,
+        scaling=cfg.routed_scaling_factor,
+        logits_fp32=True,
+        num_groups=cfg.num_groups if grouped else None,
+        topk_groups=cfg.topk_groups if grouped else None,
+    )
+
+
+def build(
+    hf: HFConfig,
+    spec: ModelSpec,
+    loader: WeightLoader,
+    experts: RoutedExperts,
+    max_num_tokens_in_cache: int,
+    block_size: int,
+) -> CausalLM:
+    cfg = DeepseekConfig.from_hf(hf, spec)
+    hidden, eps = cfg.base.hidden_size, cfg.base.rms_norm_eps
+    layers = []
+    for i in range(cfg.base.num_layers):
+        p = f"model.layers.{i}"
+        if i in cfg.moe_layers:
+            shared = None
+            if cfg.num_shared_experts:
+                inter = cfg.moe_intermediate_size * cfg.num_shared_experts
+                shared = DenseMLP.load(loader, f"{p}.mlp.shared_experts", hidden, inter)
+            mlp: nn.Module = MoE(i, _router(cfg, loader, f"{p}.mlp.gate"), experts, shared)
+        else:
+            mlp = DenseMLP.load(
+                loader, f"{p}.mlp", hidden, cfg.intermediate_size, bias=cfg.mlp_bias
+            )
+        layers.append(
+            DecoderLayer(
+                MLAttention(cfg, loader, i),
+                mlp,
+                RMSNorm.load(loader, f"{p}.input_layernorm", hidden, eps),
+                RMSNorm.load(loader, f"{p}.post_attention_layernorm", hidden, eps),
+            )
+        )
+    latent = (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)
+    kv_config = KVCacheConfig(cfg.base.num_layers, (latent,), max_num_tokens_in_cache, block_size)
+    kv_cache = KVCache(kv_config, loader.dtype, loader.device)
+    return CausalLM(cfg.base, loader, layers, Rotary(cfg.rope, loader.device), kv_cache)

@@ -1,0 +1,108 @@
+"""Non-expert weights from a checkpoint's safetensors files onto the model's device and dtype.
+
+Tensors are found through model.safetensors.index.json when present, else by scanning *.safetensors.
+Every read names the shape the config implies and fails with `TensorShapeMismatch` otherwise;
+block-scaled FP8 weights (DeepSeek-V3: `<name>_scale_inv`) are dequantized before the cast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from expert_service.checkpoint import (
+    DEFAULT_FP8_BLOCK,
+    CheckpointError,
+    InvalidConfig,
+    SafetensorsNotFound,
+    TensorShapeMismatch,
+)
+from expert_service.checkpoint_fp8 import dequantize_fp8_blocks
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class MissingTensor(CheckpointError):
+    def __init__(self, path: Path | str, name: str) -> None:
+        super().__init__(
+            f"checkpoint {path} has no tensor {name}, which the config implies; the checkpoint is "
+            "incomplete or does not match config.json"
+        )
+
+
+class WeightLoader:
+    """Reads named tensors, checks their shape, and places them as `dtype` on `device`."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        fp8_block: tuple[int, int] | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.fp8_block = fp8_block or DEFAULT_FP8_BLOCK
+        self._files = _index_tensors(self.model_dir)
+        self._handles: dict[Path, Any] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self._files
+
+    def get(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Tensor `name` of `shape`, as `dtype` (default: the model dtype) on the device."""
+        if name not in self._files:
+            raise MissingTensor(self.model_dir, name)
+        tensor_slice = self._handle(name).get_slice(name)
+        found = tuple(tensor_slice.get_shape())
+        if found != tuple(shape):
+            raise TensorShapeMismatch(self.model_dir, name, tuple(shape), found)
+        tensor = tensor_slice[:]
+        if tensor.dtype == torch.float8_e4m3fn:
+            scale_name = f"{name}_scale_inv"
+            if scale_name not in self._files:
+                raise MissingTensor(self.model_dir, scale_name)
+            scale = self._handle(scale_name).get_tensor(scale_name)
+            try:
+                tensor = dequantize_fp8_blocks(tensor, scale, self.fp8_block)
+            except ValueError as exc:
+                raise InvalidConfig(self.model_dir, f"{scale_name}: {exc}") from exc
+        return tensor.to(device=self.device, dtype=dtype or self.dtype)
+
+    def _handle(self, name: str) -> Any:
+        path = self._files[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path]
+
+
+def _index_tensors(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file."""
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InvalidConfig(index_path, f"no readable weight_map ({exc!r})") from exc
+        files = {name: model_dir / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise SafetensorsNotFound(
+                    model_dir, f"{INDEX_FILE} names {file.name}, which is missing"
+                )
+        return files
+    paths = sorted(model_dir.glob("*.safetensors"))
+    if not paths:
+        raise SafetensorsNotFound(model_dir)
+    files: dict[str, Path] = {}
+    for path in paths:
+        with safe_open(str(path), framework="pt") as handle:
+            files.update(dict.fromkeys(handle.keys(), path))
+    return files

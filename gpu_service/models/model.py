@@ -1,0 +1,90 @@
+"""The decoder skeleton every family shares, and the step the engine calls.
+
+    h = embed(tokens)                                      # [T, H]
+    for each layer: h = h + attn(norm_1(h)); h = h + mlp(norm_2(h))   (mlp: dense or MoE)
+    logits = lm_head(norm(h))                              # [B, V] (last tokens) or [T, V]
+
+Families (deepseek.py, qwen_moe.py, mixtral.py) build the attention and MLP modules per layer and
+hand them to `CausalLM` with the KV cache they need. Usage:
+
+    cache = model.kv_cache.allocate(len(prompt))
+    logits = model.forward(Batch((SeqInput(prompt, cache, 0),)))        # prefill, [1, V]
+    model.kv_cache.extend(cache, len(prompt) + 1)
+    logits = model.forward(Batch((SeqInput([tok], cache, len(prompt)),)))  # decode
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gpu_service.models.batch import AttentionMetadata, Batch, StepContext
+from gpu_service.models.config import BaseConfig
+from gpu_service.models.kv_cache import KVCache
+from gpu_service.models.layers import Linear, RMSNorm
+from gpu_service.models.loader import WeightLoader
+from gpu_service.models.rope import Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: nn.Module, mlp: nn.Module, input_norm: RMSNorm, post_norm: RMSNorm):
+        super().__init__()
+        self.attn, self.mlp, self.input_norm, self.post_norm = attn, mlp, input_norm, post_norm
+
+    def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        h = h + self.attn(self.input_norm(h), ctx)
+        return h + self.mlp(self.post_norm(h))
+
+
+class CausalLM(nn.Module):
+    def __init__(
+        self,
+        config: BaseConfig,
+        loader: WeightLoader,
+        layers: list[DecoderLayer],
+        rotary: Rotary,
+        kv_cache: KVCache,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.device, self.dtype = loader.device, loader.dtype
+        vocab, hidden = config.vocab_size, config.hidden_size
+        self.register_buffer("embed", loader.get("model.embed_tokens.weight", (vocab, hidden)))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm.load(loader, "model.norm", hidden, config.rms_norm_eps)
+        if config.tie_word_embeddings and not loader.has("lm_head.weight"):
+            self.lm_head = Linear(self.embed)
+        else:
+            self.lm_head = Linear.load(loader, "lm_head", hidden, vocab)
+        self.rotary = rotary
+        self.kv_cache = kv_cache
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, all_positions: bool = False) -> torch.Tensor:
+        """float32 logits: [B, V] at each sequence's last new token, or [T, V] for every new token
+        (flat, sequence after sequence; batch.cu_seqlens splits them) with all_positions=True."""
+        for s in batch.seqs:
+            self.kv_cache.check_live(s.cache)
+            if s.end_pos > s.cache.capacity:
+                raise ValueError(
+                    f"sequence {s.cache.seq_id}: positions up to {s.end_pos} do not fit its cache "
+                    f"capacity {s.cache.capacity}; call kv_cache.extend(cache, {s.end_pos}) first"
+                )
+            if max(s.token_ids) >= self.config.vocab_size or min(s.token_ids) < 0:
+                raise ValueError(
+                    f"sequence {s.cache.seq_id}: token ids must be in [0, {self.config.vocab_size})"
+                )
+        meta = AttentionMetadata.build(batch, self.device)
+        cos, sin = self.rotary(meta.positions)  # [T, rope_dim/2]
+        ctx = StepContext(meta=meta, cos=cos, sin=sin, kv_cache=self.kv_cache)
+        tokens = torch.tensor(
+            [t for s in batch.seqs for t in s.token_ids], dtype=torch.int64, device=self.device
+        )
+        h = self.embed[tokens]  # [T, H]
+        for layer in self.layers:
+            h = layer(h, ctx)
+        for s in batch.seqs:
+            s.cache.num_tokens = s.end_pos
+        if not all_positions:
+            h = h[meta.last_index]  # [B, H]
+        return self.lm_head(self.norm(h)).float()

@@ -1,0 +1,56 @@
+"""config.json model_type -> family builder, and `load_model`, the entry point the engine uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from expert_service.checkpoint import ModelSpec, UnsupportedArchitecture
+from gpu_service.models import deepseek, mixtral, qwen_moe
+from gpu_service.models.config import HFConfig
+from gpu_service.models.experts import RoutedExperts
+from gpu_service.models.loader import WeightLoader
+from gpu_service.models.model import CausalLM
+
+Builder = Callable[[HFConfig, ModelSpec, WeightLoader, RoutedExperts, int, int], CausalLM]
+
+MODEL_BUILDERS: dict[str, Builder] = {
+    "deepseek_v3": deepseek.build,
+    "deepseek_v2": deepseek.build,
+    "qwen3_moe": qwen_moe.build,
+    "qwen2_moe": qwen_moe.build,
+    "mixtral": mixtral.build,
+}
+SUPPORTED_MODEL_TYPES = tuple(MODEL_BUILDERS)
+DEFAULT_BLOCK_SIZE = 16
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(
+    model_dir: str | Path,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    experts: RoutedExperts,
+    max_num_tokens_in_cache: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> CausalLM:
+    """The model's non-expert part on `device` (default: cuda when available) as `dtype`, with a
+    paged KV cache of `max_num_tokens_in_cache` token slots; routed experts go to `experts`."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"model dtype {dtype} is not supported; use float32, bfloat16 or float16")
+    hf = HFConfig.from_dir(model_dir)
+    if hf.model_type not in MODEL_BUILDERS:
+        raise UnsupportedArchitecture(hf.source, hf.model_type, SUPPORTED_MODEL_TYPES)
+    spec = ModelSpec.from_config(hf.data, source=hf.source)
+    loader = WeightLoader(
+        model_dir, device or default_device(), dtype, fp8_block=spec.weight_block_size
+    )
+    build = MODEL_BUILDERS[hf.model_type]
+    model = build(hf, spec, loader, experts, max_num_tokens_in_cache, block_size)
+    return model.eval()
