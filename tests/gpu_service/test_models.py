@@ -1,0 +1,367 @@
+"""gpu_service models against the oracle: transformers' own forward and greedy generate on tiny
+random checkpoints (saved in bf16, loaded by transformers in float32), routed experts computed by
+TorchExperts. Every test prints its seeds and the errors it measured."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import available_families, load_reference_model, make_tiny_checkpoint
+from safetensors.torch import load_file, save_file
+
+from expert_service.checkpoint import (
+    CheckpointReader,
+    TensorShapeMismatch,
+    UnsupportedArchitecture,
+)
+from gpu_service.models import (
+    SUPPORTED_MODEL_TYPES,
+    Batch,
+    CausalLM,
+    KVCache,
+    KVCacheConfig,
+    KVCacheFull,
+    MissingTensor,
+    SeqInput,
+    TorchExperts,
+    load_model,
+)
+from gpu_service.models.kv_cache import InvalidSequenceCache
+
+FP32_REL_TOL = 1e-3
+# bf16 model dtype (weights, activations, KV cache; experts still float32) vs the fp32 oracle:
+# measured 4e-3 .. 7e-3 at the last position (up to 3e-2 over all positions, where bf16 flips a
+# routing choice); the bound leaves room for one such flip.
+BF16_REL_TOL = 3e-2
+NUM_GREEDY_TOKENS = 32
+CACHE_TOKENS = 512
+VOCAB = 101  # every tiny config in tests/checkpoints.py
+
+# name -> (family, make_tiny_checkpoint overrides); extra variants cover config paths the
+# defaults miss (V2-Lite: no q_lora_rank and group-limited greedy routing; Mixtral's window).
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "deepseek_v3": ("deepseek_v3", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "mixtral": ("mixtral", {}),
+    "deepseek_v2": ("deepseek_v2", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "deepseek_v2_lite": (
+        "deepseek_v2",
+        dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=5, topk_group=2),
+    ),
+    "mixtral_sliding": ("mixtral", dict(sliding_window=8)),
+}
+YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.9,
+    "mscale_all_dim": 1.0,
+}
+MAIN = [v for v in VARIANTS if VARIANTS[v][0] in available_families()]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    path: Path
+    seed: int
+    reference: torch.nn.Module
+
+
+def _randomize_correction_bias(path: Path, seed: int) -> None:
+    """transformers zero-initializes e_score_correction_bias; give it values that change routing."""
+    gen = torch.Generator().manual_seed(seed)
+    for file in path.glob("*.safetensors"):
+        tensors = load_file(file)
+        for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+            bias = 0.05 * torch.randn(tensors[name].shape, generator=gen)
+            tensors[name] = bias.to(tensors[name].dtype)
+        save_file(tensors, file, metadata={"format": "pt"})
+
+
+def _make_case(name: str, root: Path, seed: int, family: str, **overrides: object) -> Case:
+    path = make_tiny_checkpoint(family, root / name, seed=seed, dtype=torch.bfloat16, **overrides)
+    if family == "deepseek_v3":
+        _randomize_correction_bias(path, seed)
+    print(f"[{name}] checkpoint seed={seed} overrides={overrides}")
+    return Case(name, path, seed, load_reference_model(path))
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Case]:
+    """Checkpoints and reference models, built on first use and shared by the module."""
+    root = tmp_path_factory.mktemp("tiny")
+    built: dict[str, Case] = {}
+
+    class Lazy(dict):
+        def __missing__(self, key: str) -> Case:
+            seed = 1000 + [*VARIANTS, "deepseek_v3_yarn"].index(key)
+            if key == "deepseek_v3_yarn":
+                case = _make_case(key, root, seed, "deepseek_v3", rope_scaling=dict(YARN))
+            else:
+                family, overrides = VARIANTS[key]
+                case = _make_case(key, root, seed, family, **overrides)
+            built[key] = self[key] = case
+            return case
+
+    return Lazy()
+
+
+def _load(path: Path, dtype: torch.dtype = torch.float32, **kwargs: object) -> CausalLM:
+    experts = TorchExperts(CheckpointReader(path), "cpu", torch.float32)
+    kwargs.setdefault("max_num_tokens_in_cache", CACHE_TOKENS)
+    return load_model(path, "cpu", dtype, experts=experts, **kwargs)
+
+
+def _prompt(seed: int, length: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (length,), generator=gen).tolist()
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def _reference_logits(case: Case, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return case.reference(torch.tensor([prompt])).logits[0].float()  # [T, V]
+
+
+def _prefill(model: CausalLM, prompt: list[int], all_positions: bool = False) -> torch.Tensor:
+    cache = model.kv_cache.allocate(len(prompt))
+    try:
+        return model.forward(Batch((SeqInput(prompt, cache, 0),)), all_positions=all_positions)
+    finally:
+        model.kv_cache.free(cache)
+
+
+def _greedy(model: CausalLM, prompt: list[int], num_tokens: int) -> list[int]:
+    """Prefill, then one decode step per token, growing the cache as the engine will."""
+    cache = model.kv_cache.allocate(len(prompt))
+    logits = model.forward(Batch((SeqInput(prompt, cache, 0),)))
+    out: list[int] = []
+    while True:
+        out.append(int(logits[0].argmax()))
+        if len(out) == num_tokens:
+            break
+        pos = len(prompt) + len(out) - 1
+        model.kv_cache.extend(cache, pos + 1)
+        logits = model.forward(Batch((SeqInput([out[-1]], cache, pos),)))
+    model.kv_cache.free(cache)
+    return out
+
+
+def _reference_greedy(case: Case, prompt: list[int], num_tokens: int) -> list[int]:
+    ref = case.reference
+    ref.generation_config.eos_token_id = None  # NOTE: never stop early on a random model
+    out = ref.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+        max_new_tokens=num_tokens,
+        do_sample=False,
+        use_cache=True,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", MAIN)
+def test_logits_match_transformers(cases: dict[str, Case], name: str) -> None:
+    case = cases[name]
+    prompt = _prompt(case.seed, 13)
+    model = _load(case.path)
+    expected = _reference_logits(case, prompt)  # [T, V]
+    all_err = _rel_err(_prefill(model, prompt, all_positions=True), expected)
+    last_err = _rel_err(_prefill(model, prompt)[0], expected[-1])
+    print(
+        f"[{name}] seed={case.seed} fp32 rel err: last={last_err:.2e} all positions={all_err:.2e}"
+    )
+    assert last_err < FP32_REL_TOL
+    assert all_err < FP32_REL_TOL
+
+
+@pytest.mark.parametrize("name", MAIN)
+def test_greedy_matches_generate(cases: dict[str, Case], name: str) -> None:
+    case = cases[name]
+    prompt = _prompt(case.seed + 1, 7)
+    expected = _reference_greedy(case, prompt, NUM_GREEDY_TOKENS)
+    got = _greedy(_load(case.path), prompt, NUM_GREEDY_TOKENS)
+    print(f"[{name}] seed={case.seed} greedy: {got}")
+    assert len(expected) == NUM_GREEDY_TOKENS
+    assert got == expected
+
+
+@pytest.mark.parametrize("name", MAIN)
+def test_batched_matches_alone(cases: dict[str, Case], name: str) -> None:
+    """3 prompts of different lengths prefilled in one step, then decoded together, against each
+    run alone; a fourth joins mid-way (its prefill shares a step with the others' decodes)."""
+    case = cases[name]
+    model = _load(case.path, block_size=4)
+    prompts = [_prompt(case.seed + 10 + i, n) for i, n in enumerate((5, 11, 8, 6))]
+    num_steps = 6
+    alone = []
+    for p in prompts:
+        alone.append(_greedy(model, p, num_steps))
+    alone_logits = [_prefill(model, p)[0] for p in prompts]
+
+    caches = [model.kv_cache.allocate(len(p)) for p in prompts[:3]]
+    logits = model.forward(Batch(tuple(SeqInput(p, c, 0) for p, c in zip(prompts, caches))))
+    prefill_err = max(_rel_err(logits[i], alone_logits[i]) for i in range(3))
+    tokens = [[int(row.argmax())] for row in logits]
+    joined = False
+    for _ in range(num_steps - 1):
+        seqs = []
+        for toks, p, c in zip(tokens, prompts, caches):
+            pos = len(p) + len(toks) - 1
+            model.kv_cache.extend(c, pos + 1)
+            seqs.append(SeqInput([toks[-1]], c, pos))
+        if not joined:
+            caches.append(model.kv_cache.allocate(len(prompts[3])))
+            seqs.append(SeqInput(prompts[3], caches[3], 0))
+        logits = model.forward(Batch(tuple(seqs)))
+        for i in range(len(tokens)):
+            tokens[i].append(int(logits[i].argmax()))
+        if not joined:
+            tokens.append([int(logits[3].argmax())])
+            joined = True
+    for c in caches:
+        model.kv_cache.free(c)
+    print(f"[{name}] seed={case.seed} batched prefill rel err vs alone: {prefill_err:.2e}")
+    assert prefill_err < 1e-5
+    assert tokens[:3] == alone[:3]
+    assert tokens[3] == alone[3][: len(tokens[3])]
+    assert model.kv_cache.num_free_blocks == model.kv_cache.config.num_blocks
+
+
+@pytest.mark.parametrize("name", MAIN)
+def test_bf16_logit_error(cases: dict[str, Case], name: str) -> None:
+    case = cases[name]
+    prompt = _prompt(case.seed + 2, 24)
+    expected = _reference_logits(case, prompt)
+    got = _prefill(_load(case.path, torch.bfloat16), prompt, all_positions=True)
+    last_err, all_err = _rel_err(got[-1], expected[-1]), _rel_err(got, expected)
+    print(f"[{name}] seed={case.seed} bf16 rel err: last={last_err:.2e} all={all_err:.2e}")
+    assert last_err < BF16_REL_TOL
+
+
+def _hub_style_rope(path: Path, dest: Path) -> Path:
+    """The checkpoint with Hub-style config keys: rope_scaling{type} and a top-level rope_theta."""
+    shutil.copytree(path, dest)
+    config = json.loads((dest / "config.json").read_text())
+    params = config.pop("rope_parameters")
+    config["rope_theta"] = params.pop("rope_theta")
+    params.pop("rope_type", None)
+    config["rope_scaling"] = params
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+@pytest.mark.skipif("deepseek_v3" not in available_families(), reason="no DeepseekV3Config")
+def test_deepseek_v3_yarn(cases: dict[str, Case], tmp_path: Path) -> None:
+    """YaRN rope scaling (attention factor from mscale/mscale_all_dim, softmax scale * mscale^2)
+    on positions past original_max_position_embeddings."""
+    case = cases["deepseek_v3_yarn"]
+    prompt = _prompt(case.seed, 48)
+    expected = _reference_logits(case, prompt)
+    model = _load(case.path)
+    assert model.rotary.cfg.rope_type == "yarn"
+    err = _rel_err(_prefill(model, prompt, all_positions=True), expected)
+    hub = _load(_hub_style_rope(case.path, tmp_path / "hub"))
+    hub_err = _rel_err(_prefill(hub, prompt, all_positions=True), expected)
+    greedy = _greedy(model, prompt, 16)
+    print(f"[yarn] seed={case.seed} rel err {err:.2e} (hub-style config {hub_err:.2e})")
+    assert err < FP32_REL_TOL and hub_err < FP32_REL_TOL
+    assert greedy == _reference_greedy(case, prompt, 16)
+
+
+def test_kv_cache_allocator() -> None:
+    config = KVCacheConfig(
+        num_layers=2, entry_shapes=((2, 4), (2, 4)), max_num_tokens=40, block_size=8
+    )
+    cache = KVCache(config, torch.float32, "cpu")
+    assert config.num_blocks == 5 and cache.num_free_tokens == 40
+    assert config.bytes_per_token(torch.bfloat16) == 2 * 2 * 8 * 2
+    assert cache.can_allocate(17) and not cache.can_allocate(41) and not cache.can_allocate(0)
+    a = cache.allocate(17)  # 3 blocks
+    assert a.capacity == 24 and cache.num_free_blocks == 2
+    assert a.slots(7, 10) == [a.block_ids[0] * 8 + 7, a.block_ids[1] * 8, a.block_ids[1] * 8 + 1]
+    b = cache.allocate(16)  # 2 blocks: full
+    assert not cache.can_allocate(1)
+    with pytest.raises(KVCacheFull, match="need 1 more blocks of 8 tokens but only 0 are free"):
+        cache.allocate(1)
+    assert cache.can_extend(a, 24) and not cache.can_extend(a, 25)
+    with pytest.raises(KVCacheFull):
+        cache.extend(a, 25)
+    assert a.capacity == 24  # nothing taken by the failed extend
+    cache.free(b)
+    cache.extend(a, 25)
+    assert a.capacity == 32 and cache.num_free_blocks == 1
+    cache.free(a)
+    assert cache.num_free_blocks == 5
+    with pytest.raises(InvalidSequenceCache, match="was freed"):
+        cache.free(a)
+    other = KVCache(config, torch.float32, "cpu").allocate(1)
+    with pytest.raises(InvalidSequenceCache, match="not allocated by this cache"):
+        cache.extend(other, 2)
+    with pytest.raises(ValueError, match="at least one token"):
+        cache.allocate(0)
+
+
+@pytest.mark.skipif("qwen3_moe" not in available_families(), reason="no Qwen3MoeConfig")
+def test_step_errors(cases: dict[str, Case]) -> None:
+    model = _load(cases["qwen3_moe"].path, max_num_tokens_in_cache=32, block_size=4)
+    prompt = _prompt(0, 6)
+    with pytest.raises(KVCacheFull, match="KV cache is full"):
+        model.kv_cache.allocate(33)
+    seq = model.kv_cache.allocate(6)
+    model.forward(Batch((SeqInput(prompt, seq, 0),)))
+    with pytest.raises(ValueError, match="call kv_cache.extend"):
+        model.forward(Batch((SeqInput(prompt[:3], seq, 6),)))
+    with pytest.raises(ValueError, match="start_pos 7 is outside"):
+        SeqInput([1], seq, 7)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        model.forward(Batch((SeqInput([VOCAB], seq, 5),)))
+    with pytest.raises(ValueError, match="appears twice"):
+        Batch((SeqInput([1], seq, 5), SeqInput([2], seq, 5)))
+    model.kv_cache.free(seq)
+    with pytest.raises(InvalidSequenceCache, match="was freed"):
+        model.forward(Batch((SeqInput([1], seq, 0),)))
+
+
+def _rewrite(path: Path, dest: Path, edit_tensors=None, edit_config=None) -> Path:
+    shutil.copytree(path, dest)
+    if edit_config is not None:
+        config = json.loads((dest / "config.json").read_text())
+        edit_config(config)
+        (dest / "config.json").write_text(json.dumps(config))
+    if edit_tensors is not None:
+        for file in dest.glob("*.safetensors"):
+            tensors = load_file(file)
+            edit_tensors(tensors)
+            save_file(tensors, file, metadata={"format": "pt"})
+    return dest
+
+
+@pytest.mark.skipif("deepseek_v3" not in available_families(), reason="no DeepseekV3Config")
+def test_load_errors(cases: dict[str, Case], tmp_path: Path) -> None:
+    path = cases["deepseek_v3"].path
+    llama = _rewrite(path, tmp_path / "llama", edit_config=lambda c: c.update(model_type="llama"))
+    with pytest.raises(UnsupportedArchitecture, match="supported model types: deepseek_v3") as exc:
+        load_model(llama, "cpu", torch.float32, experts=None, max_num_tokens_in_cache=8)
+    assert all(t in str(exc.value) for t in SUPPORTED_MODEL_TYPES)
+    missing = _rewrite(
+        path, tmp_path / "missing", edit_tensors=lambda t: t.pop("model.norm.weight")
+    )
+    with pytest.raises(MissingTensor, match="no tensor model.norm.weight"):
+        _load(missing)
+    wrong = _rewrite(path, tmp_path / "wrong", edit_config=lambda c: c.update(kv_lora_rank=17))
+    with pytest.raises(TensorShapeMismatch, match="kv_a_proj_with_mqa"):
+        _load(wrong)
