@@ -1,0 +1,117 @@
+"""`ktserve convert` output: packed expert shards on disk, memory-mapped back at load.
+
+DIR/ktserve-packed.json   {"format_version", "config" (the checkpoint's config.json),
+                           "weight_format", "experts": [start, stop], "source",
+                           "layers": {L: {"file", "tensors": {name: {dtype, shape, offset}}}}}
+DIR/layer_LLL.bin         the layer's packed tensors, each at a 64-byte-aligned offset
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from expert_service.checkpoint import CheckpointError, ModelSpec, validate_shard
+from expert_service.kernels import PackedExperts
+
+if TYPE_CHECKING:
+    from expert_service.shard import ExpertShard, LoadProgress
+
+INDEX_NAME = "ktserve-packed.json"
+FORMAT_VERSION = 1
+ALIGN = 64
+
+
+class PackedStoreError(CheckpointError):
+    """A `ktserve convert` directory that cannot serve the request."""
+
+
+def is_packed_dir(path: Path) -> bool:
+    return (path / INDEX_NAME).is_file()
+
+
+def save(shard: ExpertShard, out_dir: str | Path, config: dict) -> Path:
+    """Write every layer of `shard`; the index is written last, so a crash leaves no index."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    layers = {}
+    for layer, packed in sorted(shard.layers.items()):
+        name = f"layer_{layer:03d}.bin"
+        entries, offset = {}, 0
+        with open(out / (name + ".tmp"), "wb") as f:
+            for tname, arr in sorted(packed.tensors.items()):
+                pad = -offset % ALIGN
+                f.write(b"\0" * pad)
+                offset += pad
+                entries[tname] = {
+                    "dtype": arr.dtype.str,
+                    "shape": list(arr.shape),
+                    "offset": offset,
+                }
+                f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
+                offset += arr.nbytes
+        os.replace(out / (name + ".tmp"), out / name)
+        layers[str(layer)] = {"file": name, "tensors": entries}
+    index = {
+        "format_version": FORMAT_VERSION,
+        "config": config,
+        "weight_format": shard.weight_format,
+        "experts": [shard.experts.start, shard.experts.stop],
+        "source": shard.source_dir,
+        "layers": layers,
+    }
+    tmp = out / (INDEX_NAME + ".tmp")
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, out / INDEX_NAME)
+    return out
+
+
+def load(
+    path: Path, experts: range | None, weight_format: str, *, progress: LoadProgress | None = None
+) -> ExpertShard:
+    """Map a converted shard back; the requested range and format must be what was converted."""
+    from expert_service.shard import ExpertShard
+
+    index = json.loads((path / INDEX_NAME).read_text())
+    if index.get("format_version") != FORMAT_VERSION:
+        raise PackedStoreError(
+            f"{path / INDEX_NAME}: format_version {index.get('format_version')}, this ktserve "
+            f"reads {FORMAT_VERSION}; convert the checkpoint again"
+        )
+    spec = ModelSpec.from_config(index["config"], source=str(path / INDEX_NAME))
+    held = range(*index["experts"])
+    experts = held if experts is None else experts
+    validate_shard(spec, experts)
+    if experts != held or weight_format != index["weight_format"]:
+        raise PackedStoreError(
+            f"{path} holds experts {held.start}-{held.stop - 1} in {index['weight_format']}, "
+            f"asked for {experts.start}-{experts.stop - 1} in {weight_format}; "
+            "convert again or ask for what it holds"
+        )
+    layers = {}
+    total, done_bytes = len(index["layers"]), 0
+    for i, (layer, entry) in enumerate(sorted(index["layers"].items(), key=lambda kv: int(kv[0]))):
+        file = path / entry["file"]
+        tensors = {
+            name: np.memmap(
+                file,
+                dtype=np.dtype(t["dtype"]),
+                mode="r",
+                offset=t["offset"],
+                shape=tuple(t["shape"]),
+            )
+            for name, t in entry["tensors"].items()
+        }
+        layers[int(layer)] = PackedExperts.from_tensors(
+            weight_format, len(held), spec.hidden_size, spec.moe_intermediate_size, tensors
+        )
+        done_bytes += layers[int(layer)].nbytes
+        if progress is not None:
+            progress(i + 1, total, done_bytes)
+    if set(layers) != set(spec.moe_layers):
+        raise PackedStoreError(f"{path}: layers {sorted(layers)} != MoE layers {spec.moe_layers}")
+    return ExpertShard(spec, str(path), weight_format, held, layers)

@@ -1,0 +1,223 @@
+"""The expert worker's gRPC control plane: a thin servicer, one error interceptor, health."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import ktshm
+from expert_service import checkpoint
+from expert_service.protocol import expert_pb2 as pb
+from expert_service.protocol import expert_pb2_grpc as pb_grpc
+from expert_service.worker import ExpertWorker, WorkerStateError
+
+log = logging.getLogger("ktserve.expert")
+
+VERSION = "0.1.0"
+SERVICE_NAME = "ktserve.v1.ExpertService"
+FORMAT_TO_PB = {"bf16": pb.WEIGHT_FORMAT_BF16, "int8": pb.WEIGHT_FORMAT_INT8,
+                "int4": pb.WEIGHT_FORMAT_INT4}  # fmt: skip
+PB_TO_FORMAT = {v: k for k, v in FORMAT_TO_PB.items()}
+
+# Most specific first: the first matching class decides the status code.
+STATUS_BY_EXCEPTION: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (checkpoint.InsufficientMemory, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (checkpoint.CheckpointDirNotFound, grpc.StatusCode.NOT_FOUND),
+    (ktshm.ChannelNotFound, grpc.StatusCode.NOT_FOUND),
+    (KeyError, grpc.StatusCode.NOT_FOUND),
+    (WorkerStateError, grpc.StatusCode.FAILED_PRECONDITION),
+    (ktshm.ChannelBusy, grpc.StatusCode.FAILED_PRECONDITION),
+    (checkpoint.CheckpointError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ktshm.LayoutMismatch, grpc.StatusCode.INVALID_ARGUMENT),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    for cls, code in STATUS_BY_EXCEPTION:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _message(exc: BaseException) -> str:
+    return exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Turns exceptions escaping a servicer into gRPC statuses with the exception's message."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        def unary(behavior):
+            def wrapped(request, context):
+                try:
+                    return behavior(request, context)
+                except Exception as exc:
+                    _abort(context, method, exc)
+
+            return wrapped
+
+        def streaming(behavior):
+            def wrapped(request, context):
+                try:
+                    yield from behavior(request, context)
+                except Exception as exc:
+                    _abort(context, method, exc)
+
+            return wrapped
+
+        if handler.unary_unary:
+            return handler._replace(unary_unary=unary(handler.unary_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=streaming(handler.unary_stream))
+        return handler
+
+
+def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("%s failed", method)
+    context.abort(code, _message(exc))
+
+
+class ExpertServicer(pb_grpc.ExpertServiceServicer):
+    def __init__(self, worker: ExpertWorker, health_servicer: health.HealthServicer) -> None:
+        self.worker = worker
+        self.health = health_servicer
+
+    def GetInfo(self, request, context):
+        return worker_info(self.worker)
+
+    def LoadModel(self, request, context):
+        if not request.model_dir:
+            raise ValueError("model_dir is required")
+        experts = None
+        if request.HasField("experts"):
+            experts = range(request.experts.start, request.experts.stop)
+        fmt = PB_TO_FORMAT.get(request.format, self.worker.config.weight_format)
+        updates: queue.Queue = queue.Queue()
+
+        def load() -> None:
+            try:
+                self.worker.load(
+                    request.model_dir, experts, fmt,
+                    progress=lambda done, total, nbytes: updates.put(
+                        pb.LoadProgress(layers_done=done, layers_total=total, bytes_done=nbytes)
+                    ),
+                )  # fmt: skip
+                updates.put(None)
+            except BaseException as exc:
+                updates.put(exc)
+
+        threading.Thread(target=load, name="load-model", daemon=True).start()
+        while (item := updates.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        set_serving(self.health, True)
+        yield pb.LoadProgress(done=True, info=worker_info(self.worker))
+
+    def Attach(self, request, context):
+        if not request.channel_name:
+            raise ValueError("channel_name is required")
+        return pb.AttachResponse(epoch=self.worker.attach(request.channel_name))
+
+    def Detach(self, request, context):
+        self.worker.detach(request.channel_name)
+        return pb.DetachResponse()
+
+    def GetStats(self, request, context):
+        m = self.worker.metrics
+        return pb.WorkerStats(
+            calls=m.num_calls,
+            tokens=m.num_tokens,
+            weight_bytes_read=m.num_bytes,
+            errors=int(sum(s.value for metric in m.errors.collect() for s in metric.samples
+                           if s.name.endswith("_total"))),
+            calls_in_flight=self.worker.in_flight,
+            busy_seconds=m.busy_seconds,
+            activations=[
+                pb.ExpertCount(layer=layer, expert=expert, count=count)
+                for layer, expert, count in m.activations.nonzero()
+            ],
+        )  # fmt: skip
+
+    def Drain(self, request, context):
+        set_serving(self.health, False)
+        completed = self.worker.drain(request.timeout_seconds or None)
+        if request.exit:
+            self.worker.exit_requested.set()
+        return pb.DrainResponse(calls_completed=completed)
+
+
+def set_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else (health_pb2.HealthCheckResponse.NOT_SERVING)
+    )
+    for service in ("", SERVICE_NAME):
+        health_servicer.set(service, status)
+
+
+def worker_info(worker: ExpertWorker) -> pb.WorkerInfo:
+    from expert_service.checkpoint import available_memory_bytes
+
+    info = pb.WorkerInfo(
+        version=VERSION,
+        isa=worker.kernel.isa,
+        num_threads=worker.kernel.num_threads,
+        memory_total_bytes=_mem_total(),
+        memory_available_bytes=available_memory_bytes()[0],
+        state=int(worker.state),
+        channels=worker.channel_names(),
+        pid=worker.pid,
+    )
+    shard = worker.shard
+    if shard is not None:
+        info.model_dir = shard.source_dir
+        info.model_family = shard.spec.family
+        info.format = FORMAT_TO_PB[shard.weight_format]
+        info.experts.start, info.experts.stop = shard.experts.start, shard.experts.stop
+        info.num_experts = shard.spec.num_experts
+        info.hidden_size = shard.spec.hidden_size
+        info.moe_layers.extend(shard.spec.moe_layers)
+        info.weight_bytes = shard.nbytes
+    return info
+
+
+def _mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def build_server(
+    worker: ExpertWorker, listen: str
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A started-but-not-yet-serving gRPC server bound to `listen`; returns it and its port."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="grpc"),
+        interceptors=[ErrorInterceptor()],
+    )
+    health_servicer = health.HealthServicer()
+    set_serving(health_servicer, False)
+    pb_grpc.add_ExpertServiceServicer_to_server(ExpertServicer(worker, health_servicer), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(listen)
+    if port == 0 and not listen.startswith("unix:"):
+        raise OSError(f"could not listen on {listen}")
+    server.start()
+    return server, port, health_servicer

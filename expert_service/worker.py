@@ -1,0 +1,294 @@
+"""The expert worker: holds a shard, runs MoE calls arriving on its attached ktshm channels.
+
+Each attached channel has one thread: take a request, run the kernel straight into the reply
+slot (zero copy), publish. The kernel's thread pool is shared, so calls run one at a time.
+A malformed call gets an error reply on that call and the worker keeps serving.
+
+    EMPTY --load--> LOADING --> SERVING --drain--> DRAINING --> (exit)
+              \\--load fails--> EMPTY
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import ktshm
+from expert_service import wire
+from expert_service.config import WorkerConfig
+from expert_service.kernels import MoEKernel
+from expert_service.metrics import WorkerMetrics
+from expert_service.shard import ExpertShard, LoadProgress, load_shard
+
+log = logging.getLogger("ktserve.expert")
+
+POLL_S = 0.2  # how often an idle channel thread looks at the stop flag
+
+
+class WorkerState(enum.IntEnum):
+    EMPTY = 1
+    LOADING = 2
+    SERVING = 3
+    DRAINING = 4
+
+
+class WorkerStateError(RuntimeError):
+    """The call is not allowed in the worker's current state (gRPC FAILED_PRECONDITION)."""
+
+
+class BadCall(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Attached:
+    channel: ktshm.Channel
+    thread: threading.Thread
+    stop: threading.Event
+
+
+class ExpertWorker:
+    def __init__(self, config: WorkerConfig, metrics: WorkerMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or WorkerMetrics()
+        self.kernel = MoEKernel(config.num_threads, config.isa)
+        self.metrics.set_kernel(self.kernel.isa, self.kernel.num_threads)
+        self.shard: ExpertShard | None = None
+        self.state = WorkerState.EMPTY
+        self._lock = threading.Lock()  # state, shard, channels
+        self._kernel_lock = threading.Lock()
+        self._channels: dict[str, _Attached] = {}
+        self._idle = threading.Condition()
+        self._in_flight = 0
+        self.calls_completed = 0
+        self.drained = threading.Event()
+        self.exit_requested = threading.Event()
+
+    # ------------------------------------------------------------------------------- model
+    def load(
+        self,
+        model_dir: str,
+        experts: range | None,
+        weight_format: str,
+        progress: LoadProgress | None = None,
+    ) -> ExpertShard:
+        with self._lock:
+            if self.state != WorkerState.EMPTY:
+                raise WorkerStateError(
+                    f"a model is already {self.state.name.lower()} ({self._describe()}); "
+                    "start another worker for another model or shard"
+                )
+            self.state = WorkerState.LOADING
+        try:
+            shard = load_shard(
+                model_dir, experts, weight_format,
+                pack_threads=self.config.num_threads, progress=progress,
+            )  # fmt: skip
+        except BaseException:
+            with self._lock:
+                self.state = WorkerState.EMPTY
+            raise
+        with self._lock:
+            self.shard = shard
+            self.state = WorkerState.SERVING
+        self.metrics.set_shard(shard)
+        log.info("loaded %s", self._describe())
+        return shard
+
+    def _describe(self) -> str:
+        s = self.shard
+        if s is None:
+            return "no model"
+        return (
+            f"{s.source_dir}: experts {s.experts.start}-{s.experts.stop - 1} of "
+            f"{s.spec.num_experts}, {len(s.layers)} MoE layers, {s.weight_format}, "
+            f"{s.nbytes / 2**30:.2f} GiB"
+        )
+
+    # ---------------------------------------------------------------------------- channels
+    def attach(self, name: str) -> int:
+        with self._lock:
+            if self.state == WorkerState.DRAINING:
+                raise WorkerStateError("the worker is draining and takes no new channels")
+            current = self._channels.get(name)
+            if current is not None and current.thread.is_alive():
+                return current.channel.epoch
+            channel = ktshm.Channel.attach(name, ktshm.ChannelConfig(spin_us=self.config.spin_us))
+            stop = threading.Event()
+            thread = threading.Thread(
+                target=self._serve_channel, args=(channel, stop), name=f"ktshm-{name}", daemon=True
+            )
+            self._channels[name] = _Attached(channel, thread, stop)
+            thread.start()
+        log.info("attached channel %s (epoch %d)", name, channel.epoch)
+        return channel.epoch
+
+    def detach(self, name: str, timeout: float = 10.0) -> None:
+        with self._lock:
+            attached = self._channels.pop(name, None)
+        if attached is None:
+            raise KeyError(f"channel {name!r} is not attached to this worker")
+        attached.stop.set()
+        attached.thread.join(timeout)
+
+    def channel_names(self) -> list[str]:
+        with self._lock:
+            return sorted(n for n, a in self._channels.items() if a.thread.is_alive())
+
+    def _serve_channel(self, channel: ktshm.Channel, stop: threading.Event) -> None:
+        try:
+            while True:
+                draining = self.state == WorkerState.DRAINING
+                if stop.is_set():
+                    return
+                try:
+                    req = channel.recv_request(timeout=0.05 if draining else POLL_S)
+                except ktshm.ChannelTimeout:
+                    if draining:
+                        return  # nothing left queued on this channel
+                    continue
+                except ktshm.PeerDied:
+                    log.warning("channel %s: the GPU service is gone; detaching", channel.name)
+                    return
+                except ktshm.PeerRestarted:
+                    log.warning("channel %s: another worker attached; detaching", channel.name)
+                    return
+                except ktshm.MalformedMessage as exc:
+                    self.metrics.errors.labels(status="BAD_MESSAGE").inc()
+                    log.warning("channel %s: %s", channel.name, exc)
+                    continue
+                self._execute(channel, req)
+        finally:
+            channel.close()
+            with self._lock:
+                mine = self._channels.get(channel.name)
+                if mine is not None and mine.channel is channel:
+                    del self._channels[channel.name]
+            with self._idle:
+                self._idle.notify_all()
+
+    # ------------------------------------------------------------------------------ calls
+    def _execute(self, channel: ktshm.Channel, req: ktshm.Message) -> None:
+        with self._idle:
+            self._in_flight += 1
+        self.metrics.in_flight.inc()
+        start = time.perf_counter()
+        try:
+            if req.kind == wire.KIND_PING:
+                channel.reply(req, [])
+                return
+            self._moe_call(channel, req, start)
+        except BadCall as exc:
+            self.metrics.errors.labels(status=wire.STATUS_NAMES[exc.status]).inc()
+            channel.reply_error(req, exc.status, str(exc))
+        except Exception as exc:  # the kernel or a bug: answer, log, keep serving
+            log.exception("MoE call %d on %s failed", req.seq, channel.name)
+            self.metrics.errors.labels(status="INTERNAL").inc()
+            channel.reply_error(req, wire.STATUS_INTERNAL, f"{type(exc).__name__}: {exc}")
+        finally:
+            self.metrics.in_flight.dec()
+            with self._idle:
+                self._in_flight -= 1
+                self.calls_completed += 1
+                self._idle.notify_all()
+
+    def _moe_call(self, channel: ktshm.Channel, req: ktshm.Message, start: float) -> None:
+        if req.kind not in (wire.KIND_MOE, wire.KIND_MOE_BF16_OUT):
+            raise BadCall(wire.STATUS_BAD_REQUEST, f"unknown message kind {req.kind}")
+        shard = self.shard
+        if shard is None:
+            raise BadCall(wire.STATUS_NO_MODEL, "no model is loaded on this worker")
+        packed = shard.layers.get(req.layer)
+        if packed is None:
+            raise BadCall(
+                wire.STATUS_BAD_LAYER,
+                f"layer {req.layer} has no routed experts (MoE layers: "
+                f"{shard.spec.moe_layers[0]}..{shard.spec.moe_layers[-1]})",
+            )
+        x, ids, weights = _check_arrays(req, shard.spec.hidden_size)
+        if ids.size and (ids.min() < -1 or ids.max() >= shard.spec.num_experts):
+            raise BadCall(
+                wire.STATUS_BAD_REQUEST,
+                f"expert ids must be in [-1, {shard.spec.num_experts}), got "
+                f"[{ids.min()}, {ids.max()}]",
+            )
+        local = shard.localize(ids)
+        out_dtype = "float32" if req.kind == wire.KIND_MOE else "bfloat16"
+        (out,) = channel.begin_reply(req, [(x.shape, out_dtype)])
+        with self._kernel_lock:
+            self.kernel.forward(packed, x, local, weights, out)
+        channel.commit_reply(req)
+        self.metrics.observe_call(shard, req.layer, local, time.perf_counter() - start)
+
+    # ------------------------------------------------------------------------------ drain
+    def drain(self, timeout: float | None = None) -> int:
+        """Answer what is queued, stop every channel, and return the calls completed."""
+        timeout = self.config.drain_timeout_s if timeout is None else timeout
+        with self._lock:
+            self.state = WorkerState.DRAINING
+            threads = [a.thread for a in self._channels.values()]
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            for a in self._channels.values():
+                a.stop.set()
+        self.drained.set()
+        return self.calls_completed
+
+    def close(self) -> None:
+        with self._lock:
+            attached = list(self._channels.values())
+            self._channels.clear()
+        for a in attached:
+            a.stop.set()
+        for a in attached:
+            a.thread.join(5)
+        self.kernel.close()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _check_arrays(req: ktshm.Message, hidden: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    if len(req.arrays) != 3:
+        raise BadCall(
+            wire.STATUS_BAD_REQUEST,
+            f"a MoE call carries 3 arrays (x, ids, weights), got {len(req.arrays)}",
+        )
+    x, ids, weights = req.arrays
+    x_dtype, ids_dtype, w_dtype = req.dtypes
+    if x_dtype not in ("float32", "bfloat16") or x.ndim != 2 or x.shape[1] != hidden:
+        raise BadCall(
+            wire.STATUS_BAD_REQUEST,
+            f"x must be [T, {hidden}] float32 or bfloat16, got {list(x.shape)} {x_dtype}",
+        )
+    num_tokens = x.shape[0]
+    if ids_dtype != "int32" or ids.ndim != 2 or ids.shape[0] != num_tokens:
+        raise BadCall(
+            wire.STATUS_BAD_REQUEST,
+            f"ids must be [{num_tokens}, k] int32, got {list(ids.shape)} {ids_dtype}",
+        )
+    if w_dtype != "float32" or weights.shape != ids.shape:
+        raise BadCall(
+            wire.STATUS_BAD_REQUEST,
+            f"weights must be {list(ids.shape)} float32, got {list(weights.shape)} {w_dtype}",
+        )
+    if req.num_tokens not in (0, num_tokens):
+        raise BadCall(
+            wire.STATUS_BAD_REQUEST, f"num_tokens {req.num_tokens} but x has {num_tokens} rows"
+        )
+    return x, ids, weights
