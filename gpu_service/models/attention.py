@@ -22,16 +22,24 @@ def attend(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k [B, K, Hkv, D], v [B, K, Hkv, Dv] -> [T, Hq, Dv]."""
+    """q [T, Hq, D], k [B, K, Hkv, D], v [B, K, Hkv, Dv] -> [T, Hq, Dv].
+
+    Query head h reads kv head h // (Hq / Hkv), as transformers' repeat_kv; kv heads are broadcast,
+    never copied (MLA passes its compressed latent as one kv head shared by all query heads).
+    """
     meta = ctx.meta
-    groups = q.shape[1] // k.shape[2]
-    qp = q[meta.q_index].transpose(1, 2)  # [B, Hq, Q, D]
-    k = k.transpose(1, 2).repeat_interleave(groups, dim=1)  # [B, Hq, K, D]
-    v = v.transpose(1, 2).repeat_interleave(groups, dim=1)  # [B, Hq, K, Dv]
-    scores = torch.matmul(qp, k.transpose(2, 3)) * scale  # [B, Hq, Q, K]
-    scores = scores.masked_fill(~ctx.mask(window)[:, None], float("-inf"))
+    b, q_len = meta.q_index.shape
+    num_heads, num_kv_heads = q.shape[1], k.shape[2]
+    groups = num_heads // num_kv_heads
+    qp = q[meta.q_index].view(b, q_len, num_kv_heads, groups, -1)  # [B, Q, Hkv, G, D]
+    qp = qp.permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
+    keys = k.permute(0, 2, 3, 1)[:, :, None]  # [B, Hkv, 1, D, K]
+    values = v.permute(0, 2, 1, 3)[:, :, None]  # [B, Hkv, 1, K, Dv]
+    scores = torch.matmul(qp, keys) * scale  # [B, Hkv, G, Q, K]
+    scores = scores.masked_fill(~ctx.mask(window)[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, v).transpose(1, 2)  # [B, Q, Hq, Dv]
+    out = torch.matmul(probs, values)  # [B, Hkv, G, Q, Dv]
+    out = out.permute(0, 3, 1, 2, 4).reshape(b, q_len, num_heads, -1)  # [B, Q, Hq, Dv]
     return out[meta.q_valid]  # [T, Hq, Dv]
 
 

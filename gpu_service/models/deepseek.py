@@ -1,11 +1,15 @@
 """DeepSeek-V2 and DeepSeek-V3: multi-head latent attention (MLA) and DeepSeek MoE.
 
 MLA per token: q = q_b(norm(q_a(x))) (or q_proj(x) without q_lora_rank), split per head into
-[nope | rope]; the compressed kv = kv_a(x) = [c (kv_lora_rank) | k_rot (qk_rope_head_dim)], c is
-RMS-normalized, k_rot roped (one head shared by all heads). The cache holds [c | k_rot] per token
-(kv_lora_rank + qk_rope_head_dim values); at attention time kv_b(c) gives per head
-[k_nope | v], keys are [k_nope | k_rot]. Softmax scale: qk_head_dim^-0.5, times YaRN's
-mscale(factor, mscale_all_dim)^2 when the config asks for YaRN.
+[q_nope | q_rot]; the compressed kv = kv_a(x) = [c (kv_lora_rank) | k_rot (qk_rope_head_dim)], c is
+RMS-normalized, k_rot roped (one head shared by all heads). The cache holds [c | k_rot] per token.
+transformers expands keys/values per head (kv_b(c) = [k_nope | v]); we absorb kv_b instead, with
+W_uk [h, nope, r] and W_uv [h, v, r] its two halves (same math, reassociated):
+    q_nope . k_nope = (W_uk^T q_nope) . c    -> queries [W_uk^T q_nope | q_rot] vs keys [c | k_rot]
+    sum_k p_k v_k   = W_uv (sum_k p_k c_k)   -> values are c; W_uv applied once per query
+so attention is MQA with one (kv_lora_rank + rope)-wide kv head and nothing per head is built for
+the cached tokens. Softmax scale: qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2
+when the config asks for YaRN.
 
 MoE layers (spec.moe_layers: i >= first_k_dense_replace and i % moe_layer_freq == 0) route with
 GroupedSigmoidRouter (V3) or SoftmaxRouter (V2) and add n_shared_experts shared experts.
@@ -124,7 +128,11 @@ class MLAttention(nn.Module):
         self.kv_a_proj = Linear.load(loader, f"{p}.kv_a_proj_with_mqa", hidden, latent, bias=bias)
         self.kv_a_norm = RMSNorm.load(loader, f"{p}.kv_a_layernorm", cfg.kv_lora_rank, 1e-6)
         kv_out = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        self.kv_b_proj = Linear.load(loader, f"{p}.kv_b_proj", cfg.kv_lora_rank, kv_out)
+        kv_b = loader.get(f"{p}.kv_b_proj.weight", (kv_out, cfg.kv_lora_rank))
+        kv_b = kv_b.view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_uk, w_uv = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+        self.register_buffer("w_uk", w_uk.contiguous())  # [h, nope, r]
+        self.register_buffer("w_uv", w_uv.contiguous())  # [h, v, r]
         self.o_proj = Linear.load(loader, f"{p}.o_proj", heads * cfg.v_head_dim, hidden, bias=bias)
         self.scale = cfg.qk_head_dim**-0.5 * cfg.rope.softmax_scale_multiplier
 
@@ -143,13 +151,11 @@ class MLAttention(nn.Module):
         k_rot = apply_rotary(k_rot[:, None, :], ctx.cos, ctx.sin, interleaved)[:, 0]  # [T, rope]
         (cache,) = ctx.kv_cache.layers[self.layer]  # [S, r + rope]
         cache[ctx.meta.slot_mapping] = torch.cat((c, k_rot), dim=-1)
-        c_all, k_rot_all = cache[ctx.meta.kv_slots].split([rank, rope], dim=-1)  # [B, K, *]
-        b, k = c_all.shape[:2]
-        kv = self.kv_b_proj(c_all).view(b, k, heads, nope + cfg.v_head_dim)  # [B, K, h, nope+v]
-        k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
-        keys = torch.cat((k_nope, k_rot_all[:, :, None, :].expand(b, k, heads, rope)), dim=-1)
-        queries = torch.cat((q_nope, q_rot), dim=-1)  # [T, h, qk_head_dim]
-        out = attend(queries, keys, v, ctx, self.scale)  # [T, h, v]
+        latent = cache[ctx.meta.kv_slots][:, :, None, :]  # [B, K, 1, r + rope]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)  # [T, h, r]
+        queries = torch.cat((q_lat, q_rot), dim=-1)  # [T, h, r + rope]
+        out = attend(queries, latent, latent[..., :rank], ctx, self.scale)  # [T, h, r]
+        out = torch.einsum("thr,hvr->thv", out, self.w_uv)  # [T, h, v]
         return self.o_proj(out.reshape(t, heads * cfg.v_head_dim))
 
 
