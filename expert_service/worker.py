@@ -116,8 +116,11 @@ class ExpertWorker:
     # ---------------------------------------------------------------------------- channels
     def attach(self, name: str) -> int:
         with self._lock:
-            if self.state == WorkerState.DRAINING:
-                raise WorkerStateError("the worker is draining and takes no new channels")
+            if self.state != WorkerState.SERVING:
+                raise WorkerStateError(
+                    f"the worker is {self.state.name.lower()}: it takes channels once a model "
+                    "is loaded and until it drains"
+                )
             current = self._channels.get(name)
             if current is not None and current.thread.is_alive():
                 return current.channel.epoch

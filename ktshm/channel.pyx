@@ -373,6 +373,18 @@ cdef class Channel:
         return self._closed
 
     @property
+    def address(self):
+        """Address of the mapped segment in this process (e.g. for cudaHostRegister)."""
+        self._check_open()
+        return <size_t>self._base
+
+    @property
+    def size(self):
+        """Bytes of the mapped segment."""
+        self._check_open()
+        return len(self._mm)
+
+    @property
     def epoch(self):
         """The epoch this end works in (consumer: the one it attached as)."""
         return self._known_epoch

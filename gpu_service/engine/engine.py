@@ -1,0 +1,232 @@
+"""The engine: a loop thread that joins the scheduler (decides) and the runner (executes).
+
+    loop:  take new requests and aborts from the inbox
+           step = scheduler.schedule()         # who runs: decodes + admitted prefills
+           result = runner.run(step)           # one forward + sampling
+           update(step, result)                # append tokens, stop checks, events, free caches
+
+Callers (HTTP handlers, tests) talk to it from other threads: `add_request` with a callback that
+receives TokenEvents (called on the engine thread: keep it short), `abort`, and `generate` for a
+blocking call. Every request ends with exactly one event carrying a finish_reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from gpu_service.engine.detokenizer import Decode, Detokenizer
+from gpu_service.engine.metrics import EngineMetrics
+from gpu_service.engine.request import FinishReason, Request, RequestState, TokenEvent
+from gpu_service.engine.runner import Runner
+from gpu_service.engine.sampling import SamplingParams
+from gpu_service.engine.scheduler import Scheduler, SchedulerConfig
+from gpu_service.models.model import CausalLM
+
+log = logging.getLogger("ktserve.engine")
+
+EventCallback = Callable[[TokenEvent], None]
+
+
+class EngineError(RuntimeError):
+    """A request the engine cannot take (the message says why)."""
+
+
+@dataclass(eq=False)
+class _Tracked:
+    request: Request
+    on_event: EventCallback
+    detok: Detokenizer | None
+    last_token_time: float = 0.0
+
+
+class Engine:
+    def __init__(self, model: CausalLM, scheduler_config: SchedulerConfig, *,
+                 eos_token_ids: Sequence[int] = (), decode: Decode | None = None,
+                 metrics: EngineMetrics | None = None, experts_stats=None) -> None:  # fmt: skip
+        self.model = model
+        self.scheduler = Scheduler(scheduler_config, model.kv_cache)
+        self.runner = Runner(model)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.decode = decode
+        self.metrics = metrics or EngineMetrics()
+        self.experts_stats = experts_stats
+        self._inbox: queue.Queue = queue.Queue()
+        self._wake = threading.Event()
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ caller side
+    def start(self) -> Engine:
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
+                    on_event: EventCallback, request_id: str | None = None) -> str:  # fmt: skip
+        """Queue a request; raises EngineError (bad prompt or params) before queueing."""
+        if self._stop.is_set():
+            raise EngineError("the engine is shutting down")
+        if params.stop and self.decode is None:
+            raise EngineError("stop strings need a tokenizer; this engine has none")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise EngineError(f"prompt token ids must be in [0, {vocab})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        try:
+            request = Request(request_id, list(prompt_ids), params)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from exc
+        limit = self.scheduler.config.max_model_len
+        if len(request.prompt_ids) >= limit:
+            raise EngineError(
+                f"the prompt has {len(request.prompt_ids)} tokens; the context length is {limit}"
+            )
+        detok = Detokenizer(self.decode, params.stop) if self.decode is not None else None
+        self._inbox.put(("add", _Tracked(request, on_event, detok)))
+        self._wake.set()
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                 timeout: float = 600.0) -> list[TokenEvent]:  # fmt: skip
+        """Blocking: every event of one request, the last carrying its finish_reason."""
+        events: queue.Queue = queue.Queue()
+        self.add_request(prompt_ids, params, events.put)
+        out = []
+        deadline = time.monotonic() + timeout
+        while not out or out[-1].finish_reason is None:
+            out.append(events.get(timeout=max(deadline - time.monotonic(), 0.001)))
+        return out
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.scheduler.has_work():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            self.step()
+        for tracked in list(self._tracked.values()):
+            self._finish(tracked, FinishReason.ABORT, "the engine stopped")
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.scheduler.add(item.request)
+                except ValueError as exc:
+                    self._tracked[item.request.request_id] = item
+                    self._finish(item, FinishReason.ERROR, str(exc))
+                    continue
+                self._tracked[item.request.request_id] = item
+                self.metrics.prompt_tokens.inc(len(item.request.prompt_ids))
+            elif kind == "abort" and item in self._tracked:
+                self._finish(self._tracked[item], FinishReason.ABORT, None)
+
+    def step(self) -> None:
+        """One scheduling decision and its execution (the engine thread's unit of work)."""
+        step = self.scheduler.schedule()
+        self.metrics.running.set(self.num_running)
+        self.metrics.waiting.set(self.num_waiting)
+        self.metrics.kv_usage.set(self.scheduler.kv_usage)
+        if not step.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # nothing can ever run it (should have been refused by add)
+                first = self._tracked[self.scheduler.waiting[0].request_id]
+                self._finish(first, FinishReason.ERROR, "the request does not fit the KV cache")
+            return
+        moe_before = self._moe_seconds()
+        try:
+            result = self.runner.run(step)
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+            log.exception("step failed")
+            for s in step.seqs:
+                tracked = self._tracked.get(s.request.request_id)
+                if tracked is not None:
+                    self._finish(tracked, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+            return
+        transfer, wait = (b - a for a, b in zip(moe_before, self._moe_seconds()))
+        self.metrics.observe_step(result.seconds, transfer, wait, step.num_tokens)
+        now = time.monotonic()
+        for s, token in zip(step.seqs, result.tokens):
+            tracked = self._tracked.get(s.request.request_id)
+            if tracked is None or s.request.state != RequestState.RUNNING:
+                continue
+            self._append(tracked, token, now)
+
+    def _moe_seconds(self) -> tuple[float, float]:
+        stats = self.experts_stats
+        return (stats.transfer_s, stats.wait_s) if stats is not None else (0.0, 0.0)
+
+    def _append(self, tracked: _Tracked, token, now: float) -> None:
+        request = tracked.request
+        request.output.append(token)
+        self.metrics.generation_tokens.inc()
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.metrics.ttft.observe(now - request.arrival)
+        else:
+            self.metrics.itl.observe(now - tracked.last_token_time)
+        tracked.last_token_time = now
+        reason = None
+        text = ""
+        if tracked.detok is not None:
+            text = tracked.detok.add([t.token_id for t in request.output])
+            if tracked.detok.stopped:
+                reason = FinishReason.STOP
+        p = request.params
+        if reason is None:
+            if token.token_id in p.stop_token_ids or (
+                not p.ignore_eos and token.token_id in self.eos_token_ids
+            ):
+                reason = FinishReason.STOP
+            elif (
+                len(request.output) >= p.max_tokens
+                or request.num_tokens >= self.scheduler.config.max_model_len
+            ):
+                reason = FinishReason.LENGTH
+        if reason is not None and tracked.detok is not None and not tracked.detok.stopped:
+            text += tracked.detok.flush()
+        tracked.on_event(TokenEvent(request.request_id, (token,), text=text,
+                                    num_prompt_tokens=len(request.prompt_ids)))  # fmt: skip
+        if reason is not None:
+            self._finish(tracked, reason, None)
+
+    def _finish(self, tracked: _Tracked, reason: FinishReason, error: str | None) -> None:
+        request = tracked.request
+        self.scheduler.finish(request, reason, error)
+        self._tracked.pop(request.request_id, None)
+        self.metrics.e2e.observe(time.monotonic() - request.arrival)
+        self.metrics.finished.labels(reason=reason.value).inc()
+        tracked.on_event(TokenEvent(request.request_id, (), finish_reason=reason, error=error,
+                                    num_prompt_tokens=len(request.prompt_ids)))  # fmt: skip

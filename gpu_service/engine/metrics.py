@@ -1,0 +1,56 @@
+"""The GPU service's Prometheus metrics (prefix ktserve_), on a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+FAST = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 12.8e-3, 25.6e-3,
+        51.2e-3, 0.1, 0.2, 0.4, 0.8, 1.6)  # fmt: skip
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "ktserve_time_to_first_token_seconds",
+            "Arrival to first generated token",
+            buckets=LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram("ktserve_inter_token_latency_seconds",
+                             "Time between consecutive tokens of a request", buckets=LATENCY,
+                             registry=r)  # fmt: skip
+        self.e2e = Histogram(
+            "ktserve_e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY, registry=r
+        )
+        self.prompt_tokens = Counter("ktserve_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("ktserve_generation_tokens", "Tokens generated",
+                                         registry=r)  # fmt: skip
+        self.finished = Counter("ktserve_requests_finished", "Finished requests by reason",
+                                ["reason"], registry=r)  # fmt: skip
+        self.running = Gauge("ktserve_requests_running", "Requests in the running batch",
+                             registry=r)  # fmt: skip
+        self.waiting = Gauge("ktserve_requests_waiting", "Requests queued", registry=r)
+        self.kv_usage = Gauge("ktserve_kv_cache_usage_ratio", "Fraction of KV blocks in use",
+                              registry=r)  # fmt: skip
+        self.step_seconds = Histogram(
+            "ktserve_step_seconds",
+            "Per-step time by phase: gpu (compute on the GPU), transfer (hidden states to and "
+            "from the expert channels), expert_wait (waiting for the CPU experts)",
+            ["phase"], buckets=FAST, registry=r,
+        )  # fmt: skip
+        self.step_tokens = Counter("ktserve_step_tokens", "Tokens run through the model",
+                                   registry=r)  # fmt: skip
+        self.moe_round_trip = Histogram(
+            "ktserve_moe_round_trip_seconds",
+            "One MoE call: submit to the expert workers until their summed reply",
+            buckets=FAST, registry=r,
+        )  # fmt: skip
+
+    def observe_step(self, total: float, transfer: float, wait: float, num_tokens: int) -> None:
+        self.step_seconds.labels(phase="gpu").observe(max(total - transfer - wait, 0.0))
+        self.step_seconds.labels(phase="transfer").observe(transfer)
+        self.step_seconds.labels(phase="expert_wait").observe(wait)
+        self.step_tokens.inc(num_tokens)

@@ -1,0 +1,82 @@
+"""A request's life inside the engine.
+
+WAITING --admit (KV blocks for the prompt)--> RUNNING --finish--> FINISHED
+   ^                                             |
+   +------- preempted (KV cache full) -----------+   (recomputed from prompt + output)
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_service.engine.sampling import SampledToken, SamplingParams
+from gpu_service.models.kv_cache import SeqCache
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # the client went away or the request was cancelled
+    ERROR = "error"  # the engine failed the request (e.g. expert workers unavailable)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What the engine reports after each step for a request: new tokens, or the end."""
+
+    request_id: str
+    tokens: tuple[SampledToken, ...]
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    state: RequestState = RequestState.WAITING
+    output: list[SampledToken] = field(default_factory=list)
+    cache: SeqCache | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt must have at least one token")
+        seed = self.params.seed
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + [t.token_id for t in self.output]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output)
+
+    @property
+    def num_cached(self) -> int:
+        return self.cache.num_tokens if self.cache is not None else 0
+
+    @property
+    def finished(self) -> bool:
+        return self.state == RequestState.FINISHED

@@ -1,0 +1,128 @@
+"""The scheduler decides; it never runs the model.
+
+Each step it picks what runs: every running request decodes one token, and waiting requests are
+admitted (first come, first served) while the KV cache has blocks for their prompt and the step
+stays within max_num_batched_tokens / max_num_seqs. A running request whose next token finds no
+KV block preempts the youngest running request, which goes back to the front of the queue and
+is recomputed from its prompt and output later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from gpu_service.engine.request import FinishReason, Request, RequestState
+from gpu_service.models.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
+            raise ValueError("scheduler limits must be positive (max_model_len >= 2)")
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request: Request
+    token_ids: list[int]
+    start_pos: int
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    seqs: tuple[ScheduledSeq, ...]
+    preempted: tuple[Request, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCache) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        total = len(request.prompt_ids) + 1
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(request.prompt_ids)} tokens; with one generated token that "
+                f"exceeds the context length of {self.config.max_model_len}"
+            )
+        blocks = -(-total // self.kv_cache.block_size)
+        if blocks > self.kv_cache.config.num_blocks:
+            raise ValueError(
+                f"the prompt has {len(request.prompt_ids)} tokens and can never fit the KV "
+                f"cache ({self.kv_cache.config.num_slots} token slots)"
+            )
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledStep:
+        seqs: list[ScheduledSeq] = []
+        preempted: list[Request] = []
+        budget = self.config.max_num_batched_tokens
+        # decode: one token each, growing the cache by one slot; preempt the youngest if full
+        for request in list(self.running):
+            if request.state != RequestState.RUNNING:
+                continue
+            while not self.kv_cache.can_extend(request.cache, request.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.state != RequestState.RUNNING:
+                continue
+            self.kv_cache.extend(request.cache, request.num_tokens)
+            seqs.append(ScheduledSeq(request, [request.all_ids[-1]], request.num_tokens - 1))
+            budget -= 1
+        # admit: the whole prompt (plus output after a preemption) in one prefill
+        while self.waiting and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            ids = request.all_ids
+            if len(ids) > budget or not self.kv_cache.can_allocate(len(ids)):
+                break
+            self.waiting.popleft()
+            request.cache = self.kv_cache.allocate(len(ids))
+            request.state = RequestState.RUNNING
+            self.running.append(request)
+            seqs.append(ScheduledSeq(request, ids, 0))
+            budget -= len(ids)
+        return ScheduledStep(tuple(seqs), tuple(preempted))
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request.cache)
+        request.cache = None
+        request.state = RequestState.WAITING
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        """Take a request out, whatever its state, and free its cache."""
+        if request.state == RequestState.RUNNING:
+            self.running.remove(request)
+        elif request.state == RequestState.WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        if request.cache is not None:
+            self.kv_cache.free(request.cache)
+            request.cache = None
+        request.state = RequestState.FINISHED
+        request.finish_reason = reason
+        request.error = error
+
+    @property
+    def kv_usage(self) -> float:
+        cfg = self.kv_cache.config
+        return 1.0 - self.kv_cache.num_free_blocks / cfg.num_blocks

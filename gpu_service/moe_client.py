@@ -1,0 +1,240 @@
+"""Routed experts on CPU expert workers, reached through one ktshm channel per worker.
+
+Per MoE layer and step (protocol of expert_service/wire.py):
+
+    submit: x [T, H] (device) ──copy──▶ each worker's request slot (x, ids, weights); commit
+            (the model computes its shared expert on the GPU meanwhile)
+    wait:   each worker's reply y_w [T, H] float32 ──sum──▶ y [T, H] ──copy──▶ device
+
+Each worker holds an expert id range; ids it does not hold are skipped there, so the replies are
+partial sums and add up to the whole. A worker that dies is waited for (re-attached over gRPC as
+soon as it is back, its in-flight call resent) up to `worker_timeout_s`, then ExpertsUnavailable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import torch
+
+import ktshm
+from expert_service import wire
+from expert_service.protocol import expert_pb2 as pb
+from expert_service.protocol import expert_pb2_grpc as pb_grpc
+
+log = logging.getLogger("ktserve.gpu")
+
+WIRE_DTYPES = ("float32", "bfloat16")
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
+             grpc.StatusCode.DEADLINE_EXCEEDED)  # fmt: skip
+
+
+class ExpertsUnavailable(RuntimeError):
+    """No answer from an expert worker within the deadline (HTTP 503 upstream)."""
+
+
+@dataclass(frozen=True)
+class ExpertClientConfig:
+    """workers: gRPC addresses of the expert workers (their shards must cover every expert).
+    wire_dtype: dtype of hidden states sent to the workers (float32 is exact; bfloat16 halves
+    the bytes and lets the workers use bf16 math). max_tokens: most tokens in one MoE call.
+    worker_timeout_s: how long a call waits for a dead worker to come back.
+    """
+
+    workers: tuple[str, ...]
+    wire_dtype: str = "bfloat16"
+    max_tokens: int = 2048
+    num_slots: int = 4
+    spin_us: float = 500.0
+    worker_timeout_s: float = 30.0
+    pin_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("at least one expert worker address is needed")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        if self.max_tokens < 1 or self.worker_timeout_s <= 0:
+            raise ValueError("max_tokens must be >= 1 and worker_timeout_s > 0")
+
+
+class _Worker:
+    """One expert worker: its gRPC stub and the ktshm channel this service created for it."""
+
+    def __init__(self, address: str, channel: ktshm.Channel) -> None:
+        self.address = address
+        self.grpc_channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.ExpertServiceStub(self.grpc_channel)
+        self.channel = channel
+        self.info: pb.WorkerInfo | None = None
+
+    def attach(self, deadline: float) -> None:
+        """Attach the channel, retrying while the worker is unreachable or still loading."""
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self.stub.Attach(
+                    pb.AttachRequest(channel_name=self.channel.name), timeout=max(left, 0.1)
+                )
+                self.info = self.stub.GetInfo(pb.GetInfoRequest(), timeout=max(left, 0.1))
+                return
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE or time.monotonic() >= deadline:
+                    raise ExpertsUnavailable(
+                        f"expert worker {self.address}: {exc.code().name}: {exc.details()}"
+                    ) from exc
+            time.sleep(0.05)  # NOTE: a restarting worker takes seconds; poll its gRPC port
+
+    def close(self) -> None:
+        self.channel.close()
+        self.grpc_channel.close()
+
+
+class ShmExperts:
+    """RoutedExperts backed by expert worker processes (see module docstring)."""
+
+    def __init__(self, config: ExpertClientConfig, hidden_size: int, top_k: int,
+                 device: torch.device | str = "cpu") -> None:  # fmt: skip
+        self.config = config
+        self.hidden_size = hidden_size
+        self.top_k = top_k
+        self.device = torch.device(device)
+        itemsize = 4 if config.wire_dtype == "float32" else 2
+        region = config.max_tokens * (hidden_size * 4 + top_k * 8) + 3 * 64
+        region = max(region, config.max_tokens * hidden_size * itemsize + 4096)
+        channel_config = ktshm.ChannelConfig(
+            num_slots=config.num_slots, region_bytes=region, spin_us=config.spin_us,
+            default_timeout_s=config.worker_timeout_s,
+        )  # fmt: skip
+        self.workers: list[_Worker] = []
+        self._registered: list[int] = []
+        deadline = time.monotonic() + config.worker_timeout_s
+        try:
+            for address in config.workers:
+                worker = _Worker(address, ktshm.Channel.create(channel_config))
+                self.workers.append(worker)
+                self._pin(worker.channel)
+                worker.attach(deadline)
+        except BaseException:
+            self.close()
+            raise
+        self.stats = MoEStats()
+        self.on_round_trip: Callable[[float], None] | None = None
+
+    def _pin(self, channel: ktshm.Channel) -> None:
+        """Register the segment as pinned memory so GPU copies go straight to and from it."""
+        if self.device.type != "cuda" or not self.config.pin_memory:
+            return
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(channel.address, channel.size, 0)
+        if int(err) != 0:
+            log.warning("cudaHostRegister failed (%s); copies will be staged", err)
+            return
+        self._registered.append(channel.address)
+
+    def submit(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> PendingShm:
+        num_tokens = x.shape[0]
+        if num_tokens > self.config.max_tokens:
+            raise ValueError(
+                f"{num_tokens} tokens in one MoE call, the channels hold {self.config.max_tokens}"
+            )
+        start = time.perf_counter()
+        wire_dtype = self.config.wire_dtype
+        specs = [((num_tokens, self.hidden_size), wire_dtype),
+                 ((num_tokens, ids.shape[1]), "int32"), ((num_tokens, ids.shape[1]), "float32")]  # fmt: skip
+        x_wire = x.to(torch.float32 if wire_dtype == "float32" else torch.bfloat16)
+        calls = []
+        for worker in self.workers:
+            msg = worker.channel.begin(wire.KIND_MOE, layer, specs, num_tokens)
+            x_view, ids_view, w_view = msg.arrays
+            if wire_dtype == "bfloat16":
+                torch.from_numpy(x_view.view(np.int16)).view(torch.bfloat16).copy_(x_wire)
+            else:
+                torch.from_numpy(x_view).copy_(x_wire)
+            torch.from_numpy(ids_view).copy_(ids)
+            torch.from_numpy(w_view).copy_(weights)
+            calls.append((worker, worker.channel.commit(msg)))
+        self.stats.transfer_s += time.perf_counter() - start
+        return PendingShm(self, layer, calls, num_tokens, start)
+
+    def _recv(self, worker: _Worker, seq: int) -> ktshm.Message:
+        deadline = time.monotonic() + self.config.worker_timeout_s
+        while True:
+            try:
+                return worker.channel.recv(seq, timeout=max(deadline - time.monotonic(), 0.0))
+            except ktshm.PeerDied:
+                log.warning("expert worker %s died; waiting for it to come back", worker.address)
+                worker.attach(deadline)
+                worker.channel.resend_inflight()
+            except ktshm.PeerRestarted:
+                worker.channel.resend_inflight()
+            except ktshm.ChannelTimeout as exc:
+                raise ExpertsUnavailable(
+                    f"expert worker {worker.address} gave no answer in "
+                    f"{self.config.worker_timeout_s:.0f} s"
+                ) from exc
+            except ktshm.RemoteError as exc:
+                status = wire.STATUS_NAMES.get(exc.status, exc.status)
+                raise ExpertsUnavailable(
+                    f"expert worker {worker.address} failed: {status}: {exc.message}"
+                ) from exc
+            if time.monotonic() >= deadline:
+                raise ExpertsUnavailable(f"expert worker {worker.address} did not come back")
+
+    def alive(self) -> dict[str, bool]:
+        return {w.address: w.channel.peer_alive() for w in self.workers}
+
+    def close(self) -> None:
+        if self._registered:
+            cudart = torch.cuda.cudart()
+            for address in self._registered:
+                cudart.cudaHostUnregister(address)
+            self._registered.clear()
+        for worker in self.workers:
+            worker.close()
+        self.workers.clear()
+
+
+@dataclass
+class MoEStats:
+    """Seconds spent, summed over calls: copying to the channels, and waiting for replies."""
+
+    transfer_s: float = 0.0
+    wait_s: float = 0.0
+    calls: int = 0
+
+
+class PendingShm:
+    def __init__(self, owner: ShmExperts, layer: int, calls: list, num_tokens: int,
+                 submitted: float) -> None:  # fmt: skip
+        self.owner = owner
+        self.submitted = submitted
+        self.layer = layer
+        self.calls = calls
+        self.num_tokens = num_tokens
+
+    def wait(self) -> torch.Tensor:
+        owner = self.owner
+        start = time.perf_counter()
+        total: torch.Tensor | None = None
+        for worker, seq in self.calls:
+            reply = owner._recv(worker, seq)
+            try:
+                partial = torch.from_numpy(reply.arrays[0])  # [T, H] float32, a view on the slot
+                part = partial.to(owner.device, copy=True)
+                total = part if total is None else total.add_(part)
+            finally:
+                worker.channel.release(seq)
+        end = time.perf_counter()
+        owner.stats.wait_s += end - start
+        owner.stats.calls += 1
+        if owner.on_round_trip is not None:
+            owner.on_round_trip(end - self.submitted)
+        return total

@@ -1,0 +1,120 @@
+"""Assemble the GPU service: the model's GPU part, its routed-experts backend, the KV cache
+sized to the memory left, and the engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from gpu_service.engine import Engine, EngineMetrics, SchedulerConfig
+from gpu_service.models import KVCache, load_model
+from gpu_service.models.registry import default_device
+from gpu_service.moe_client import ExpertClientConfig, ShmExperts
+
+log = logging.getLogger("ktserve.gpu")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_CACHE_TOKENS = 32768
+
+
+@dataclass(frozen=True)
+class GPUServiceConfig:
+    """model_dir: Hugging Face checkpoint. workers: expert worker gRPC addresses.
+    dtype: the GPU part's dtype; wire_dtype: hidden states sent to the experts.
+    max_model_len: context length (default: the model's, capped at 8192).
+    kv_cache_tokens: KV cache size in tokens (default: what `gpu_memory_fraction` of the free
+    GPU memory holds after the weights; on the CPU, 32768).
+    """
+
+    model_dir: str
+    workers: tuple[str, ...]
+    device: str | None = None
+    dtype: str = "bfloat16"
+    wire_dtype: str = "bfloat16"
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    gpu_memory_fraction: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    worker_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ValueError("gpu_memory_fraction must be in (0, 1]")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 16:
+            raise ValueError("kv_cache_tokens must be >= 16")
+
+
+@dataclass
+class GPUService:
+    config: GPUServiceConfig
+    engine: Engine
+    experts: ShmExperts
+    metrics: EngineMetrics
+    max_model_len: int
+
+    def close(self) -> None:
+        self.engine.stop()
+        self.experts.close()
+
+
+def model_max_len(model_dir: str) -> int:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(config.get("max_position_embeddings") or 4096)
+
+
+def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None) -> GPUService:
+    device = torch.device(config.device) if config.device else default_device()
+    dtype = DTYPES[config.dtype]
+    hf = json.loads((Path(config.model_dir) / "config.json").read_text())
+    max_model_len = config.max_model_len or min(model_max_len(config.model_dir), 8192)
+    experts = ShmExperts(
+        ExpertClientConfig(
+            workers=config.workers, wire_dtype=config.wire_dtype,
+            max_tokens=config.max_num_batched_tokens, worker_timeout_s=config.worker_timeout_s,
+        ),
+        hidden_size=hf["hidden_size"], top_k=hf["num_experts_per_tok"], device=device,
+    )  # fmt: skip
+    try:
+        model = load_model(config.model_dir, device, dtype, experts=experts,
+                           max_num_tokens_in_cache=16)  # fmt: skip
+        tokens = config.kv_cache_tokens or _cache_tokens(model.kv_cache, dtype, device, config)
+        model.kv_cache = KVCache(
+            replace(model.kv_cache.config, max_num_tokens=tokens), dtype, device
+        )
+        log.info("KV cache: %d tokens (%.2f GiB)", tokens,
+                 tokens * model.kv_cache.config.bytes_per_token(dtype) / 2**30)  # fmt: skip
+        metrics = EngineMetrics()
+        experts.on_round_trip = metrics.moe_round_trip.observe
+        scheduler = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+        )
+        engine = Engine(model, scheduler, eos_token_ids=eos_token_ids, decode=decode,
+                        metrics=metrics, experts_stats=experts.stats).start()  # fmt: skip
+    except BaseException:
+        experts.close()
+        raise
+    return GPUService(config, engine, experts, metrics, max_model_len)
+
+
+def _cache_tokens(cache: KVCache, dtype: torch.dtype, device: torch.device,
+                  config: GPUServiceConfig) -> int:  # fmt: skip
+    if device.type != "cuda":
+        return CPU_DEFAULT_CACHE_TOKENS
+    free, _ = torch.cuda.mem_get_info(device)
+    per_token = cache.config.bytes_per_token(dtype)
+    tokens = int(free * config.gpu_memory_fraction) // per_token
+    if tokens < 16:
+        raise RuntimeError(
+            f"only {free / 2**30:.2f} GiB of GPU memory is free after the weights: too little "
+            "for a KV cache; lower the model size or free the GPU"
+        )
+    return tokens
