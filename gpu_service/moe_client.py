@@ -147,8 +147,12 @@ class ShmExperts:
             )
         start = time.perf_counter()
         wire_dtype = self.config.wire_dtype
-        specs = [((num_tokens, self.hidden_size), wire_dtype),
-                 ((num_tokens, ids.shape[1]), "int32"), ((num_tokens, ids.shape[1]), "float32")]  # fmt: skip
+        k = ids.shape[1]
+        specs = [
+            ((num_tokens, self.hidden_size), wire_dtype),
+            ((num_tokens, k), "int32"),
+            ((num_tokens, k), "float32"),
+        ]
         x_wire = x.to(torch.float32 if wire_dtype == "float32" else torch.bfloat16)
         calls = []
         for worker in self.workers:

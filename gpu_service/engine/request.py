@@ -24,7 +24,7 @@ class RequestState(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"  # the client went away or the request was cancelled
