@@ -36,7 +36,7 @@ struct ktk_kernel {
   const ktk_ops* ops = nullptr;
   int num_threads = 1;
   Buffer counts, group_expert, group_off, slot_token, slot_weight;
-  Buffer xt, xa, xs, xg, h, ha, hs, hg, thread_tmp;
+  Buffer xt, xa, xs, xg, h, ha, hs, hg, thread_tmp, partials;
 };
 
 namespace {
@@ -60,6 +60,7 @@ struct Call {
   int32_t* hg;  // [P][Ip/32]
   float* thread_tmp;
   size_t thread_tmp_floats;
+  float* partials;  // [n][T][out_blocks * 16] per-thread down sums (few tokens), or null
 };
 
 inline float round_even(float v) {  // vectorizable round-half-even for |v| < 2^22
@@ -144,37 +145,45 @@ void gateup_item(Call& c, int item, float* tg, float* tu) {
   }
 }
 
+// tmp[m][r] = (down block b of group g's expert) . h of the group's m-th token.
+void down_dot(const Call& c, int g, int b, float* tmp) {
+  const ktk_forward_args* a = c.a;
+  const int Ip = c.Ip;
+  int e = c.group_expert[g], off = c.group_off[g], M = c.group_off[g + 1] - off;
+  size_t block_elems = size_t(16) * Ip;
+  size_t j = size_t(e) * (size_t(c.Hp) / 16) + b;
+  if (a->fmt == KTK_FMT_BF16) {
+    const uint16_t* w = static_cast<const uint16_t*>(a->w2) + j * block_elems;
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(c.ha) + size_t(off) * Ip;
+    c.ops->dot_bf16(w, Ip, x, Ip, M, tmp);
+  } else if (a->fmt == KTK_FMT_INT8) {
+    const int8_t* w = static_cast<const int8_t*>(a->w2) + j * block_elems;
+    const float* ws = static_cast<const float*>(a->s2) + j * 16;
+    const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
+    c.ops->dot_int8(w, ws, a->r2 + j * 16, Ip, x, Ip, c.hs + off, M, tmp);
+  } else {
+    const uint8_t* w = static_cast<const uint8_t*>(a->w2) + j * block_elems / 2;
+    size_t sblock = size_t(Ip / 32) * 16;
+    const uint16_t* gs = static_cast<const uint16_t*>(a->s2) + j * sblock;
+    const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
+    int ldg = Ip / 32;
+    c.ops->dot_int4(w, gs, Ip, x, Ip, c.hs + off, c.hg + size_t(off) * ldg, ldg, M, tmp);
+  }
+}
+
+constexpr int kPartialsMaxTokens = 16;  // up to here, phase 3 splits by expert (see forward_task)
 constexpr int kDownChunk = 64;  // output blocks per accumulation chunk (1024 rows)
 
 // Output blocks [b0, b1) (b1 - b0 <= kDownChunk): expert by expert, so that each expert's rows of
 // the range stream contiguously; weighted sum in acc [T][(b1 - b0) * 16], then written to out.
 void down_range(Call& c, int b0, int b1, float* tmp, float* acc) {
   const ktk_forward_args* a = c.a;
-  const int T = a->T, Ip = c.Ip, width = (b1 - b0) * 16;
+  const int T = a->T, width = (b1 - b0) * 16;
   memset(acc, 0, sizeof(float) * width * T);
-  size_t block_elems = size_t(16) * Ip;
-  size_t expert_blocks = size_t(c.Hp) / 16;
   for (int g = 0; g < c.G; ++g) {
-    int e = c.group_expert[g], off = c.group_off[g], M = c.group_off[g + 1] - off;
+    int off = c.group_off[g], M = c.group_off[g + 1] - off;
     for (int b = b0; b < b1; ++b) {
-      size_t j = size_t(e) * expert_blocks + b;
-      if (a->fmt == KTK_FMT_BF16) {
-        const uint16_t* w = static_cast<const uint16_t*>(a->w2) + j * block_elems;
-        const uint16_t* x = reinterpret_cast<const uint16_t*>(c.ha) + size_t(off) * Ip;
-        c.ops->dot_bf16(w, Ip, x, Ip, M, tmp);
-      } else if (a->fmt == KTK_FMT_INT8) {
-        const int8_t* w = static_cast<const int8_t*>(a->w2) + j * block_elems;
-        const float* ws = static_cast<const float*>(a->s2) + j * 16;
-        const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
-        c.ops->dot_int8(w, ws, a->r2 + j * 16, Ip, x, Ip, c.hs + off, M, tmp);
-      } else {
-        const uint8_t* w = static_cast<const uint8_t*>(a->w2) + j * block_elems / 2;
-        size_t sblock = size_t(Ip / 32) * 16;
-        const uint16_t* gs = static_cast<const uint16_t*>(a->s2) + j * sblock;
-        const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
-        int ldg = Ip / 32;
-        c.ops->dot_int4(w, gs, Ip, x, Ip, c.hs + off, c.hg + size_t(off) * ldg, ldg, M, tmp);
-      }
+      down_dot(c, g, b, tmp);
       for (int m = 0; m < M; ++m) {
         float wt = c.slot_weight[off + m];
         float* dst = acc + size_t(c.slot_token[off + m]) * width + (b - b0) * 16;
@@ -194,25 +203,25 @@ void down_range(Call& c, int b0, int b1, float* tmp, float* acc) {
   }
 }
 
-// The gate/up items [begin, end) of thread tid: contiguous in (group, block) order, so a thread
+// The (group, block) items [begin, end) of thread tid, nb blocks per group: contiguous, so a thread
 // streams long runs of one expert's weights; split by cost (tokens of the item's expert + 2).
-void gateup_share(const Call& c, int tid, int n, int* begin, int* end) {
+void share(const Call& c, int nb, int tid, int n, int* begin, int* end) {
   int64_t total = 0;
   for (int g = 0; g < c.G; ++g) total += int64_t(c.group_off[g + 1] - c.group_off[g] + 2);
-  total *= c.gate_blocks;
+  total *= nb;
   int64_t lo = total * tid / n, hi = total * (tid + 1) / n, acc = 0;
-  *begin = *end = c.G * c.gate_blocks;
+  *begin = *end = c.G * nb;
   bool found_begin = false;
   for (int g = 0; g < c.G; ++g) {
     int64_t cost = c.group_off[g + 1] - c.group_off[g] + 2;
-    for (int b = 0; b < c.gate_blocks; ++b, acc += cost) {
+    for (int b = 0; b < nb; ++b, acc += cost) {
       int64_t mid = acc + cost / 2;  // an item belongs to the thread whose share holds its middle
       if (!found_begin && mid >= lo) {
-        *begin = g * c.gate_blocks + b;
+        *begin = g * nb + b;
         found_begin = true;
       }
       if (mid >= hi) {
-        *end = g * c.gate_blocks + b;
+        *end = g * nb + b;
         return;
       }
     }
@@ -246,7 +255,7 @@ void forward_task(void* raw, int tid, int n) {
   // Phase 1: gate/up, SiLU * up -> h.
   float* tmp = c.thread_tmp + c.thread_tmp_floats * tid;
   size_t max_m = size_t(c.P > T ? c.P : T);
-  gateup_share(c, tid, n, &lo, &hi);
+  share(c, c.gate_blocks, tid, n, &lo, &hi);
   for (int i = lo; i < hi; ++i) gateup_item(c, i, tmp, tmp + 16 * (max_m + 16));
   ktk_pool_barrier(c.pool);
   // Phase 2: prepare h for the down projection.
@@ -255,10 +264,46 @@ void forward_task(void* raw, int tid, int n) {
     prep_row(fmt, c.h + size_t(s) * Ip, KTK_DT_F32, a->I, Ip, c.ha + size_t(s) * Ip * c.act_bytes,
              c.hs + s, c.hg + size_t(s) * ldgh);
   ktk_pool_barrier(c.pool);
-  // Phase 3: down projection by blocks of 16 output rows, weighted sum into out.
+  if (!c.partials) {
+    // Phase 3 (many tokens): down by blocks of 16 output rows, weighted sum straight into out.
+    split(c.out_blocks, tid, n, &lo, &hi);
+    for (int b = lo; b < hi; b += kDownChunk)
+      down_range(c, b, hi - b < kDownChunk ? hi : b + kDownChunk, tmp, tmp + 16 * (max_m + 16));
+    return;
+  }
+  // Phase 3 (few tokens): down by contiguous (expert, block) ranges into per-thread partial sums,
+  // so every thread streams long runs of one expert's rows; then phase 4 reduces them.
+  const int width = c.out_blocks * 16;
+  float* part = c.partials + size_t(tid) * T * width;
+  memset(part, 0, sizeof(float) * T * width);
+  share(c, c.out_blocks, tid, n, &lo, &hi);
+  for (int i = lo; i < hi; ++i) {
+    int g = i / c.out_blocks, b = i % c.out_blocks, off = c.group_off[g];
+    down_dot(c, g, b, tmp);
+    for (int m = 0; m < c.group_off[g + 1] - off; ++m) {
+      float wt = c.slot_weight[off + m];
+      float* dst = part + size_t(c.slot_token[off + m]) * width + b * 16;
+      for (int r = 0; r < 16; ++r) dst[r] += wt * tmp[m * 16 + r];
+    }
+  }
+  ktk_pool_barrier(c.pool);
   split(c.out_blocks, tid, n, &lo, &hi);
-  for (int b = lo; b < hi; b += kDownChunk)
-    down_range(c, b, hi - b < kDownChunk ? hi : b + kDownChunk, tmp, tmp + 16 * (max_m + 16));
+  for (int t = 0; t < T; ++t) {
+    float* acc = tmp;  // [16 * (hi - lo)]
+    int w0 = lo * 16, w1 = hi * 16 < a->H ? hi * 16 : a->H;
+    if (w1 <= w0) break;
+    memcpy(acc, c.partials + size_t(t) * width + w0, sizeof(float) * (w1 - w0));
+    for (int q = 1; q < n; ++q) {
+      const float* src = c.partials + (size_t(q) * T + t) * width + w0;
+      for (int i = 0; i < w1 - w0; ++i) acc[i] += src[i];
+    }
+    if (a->out_dtype == KTK_DT_F32) {
+      memcpy(static_cast<float*>(a->out) + size_t(t) * a->H + w0, acc, sizeof(float) * (w1 - w0));
+    } else {
+      uint16_t* out = static_cast<uint16_t*>(a->out) + size_t(t) * a->H;
+      for (int i = 0; i < w1 - w0; ++i) out[w0 + i] = ktk_f32_to_bf16(acc[i]);
+    }
+  }
 }
 
 }  // namespace
@@ -311,6 +356,7 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
   size_t max_m = size_t(P > T ? P : T);
   // [max_m + 16][16] gate and up results (tmp) + max([max_m + 16][16], [T][kDownChunk * 16]) (acc)
   c.thread_tmp_floats = 16 * (max_m + 16) + std::max<size_t>(16 * (max_m + 16), 16 * kDownChunk * T);
+  c.thread_tmp_floats = std::max<size_t>(c.thread_tmp_floats, size_t(16) * c.out_blocks);
   bool ok = k->group_expert.reserve(sizeof(int32_t) * E) &&
             k->group_off.reserve(sizeof(int32_t) * (E + 1)) &&
             k->slot_token.reserve(sizeof(int32_t) * (P + 1)) &&
@@ -325,6 +371,11 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
             k->hg.reserve(sizeof(int32_t) * (P + 1) * (c.Ip / 32)) &&
             k->thread_tmp.reserve(sizeof(float) * c.thread_tmp_floats * n);
   if (!ok) return KTK_ERR_NOMEM;
+  c.partials = nullptr;
+  if (T <= kPartialsMaxTokens && n > 1) {
+    if (!k->partials.reserve(sizeof(float) * n * T * c.out_blocks * 16)) return KTK_ERR_NOMEM;
+    c.partials = k->partials.as<float>();
+  }
   int32_t* gexp = k->group_expert.as<int32_t>();
   int32_t* goff = k->group_off.as<int32_t>();
   int G = 0;

@@ -63,6 +63,15 @@ void pin_to_nth_cpu(int nth) {
   }
 }
 
+// NOTE: waits inside a job pause-spin briefly, then yield: when the machine is oversubscribed, a
+// descheduled peer gets the core back instead of every waiter burning its time slice.
+inline void relax(int* spins) {
+  if (++*spins < 2048)
+    _mm_pause();
+  else
+    sched_yield();
+}
+
 void* worker_main(void* raw) {
   WorkerArg arg = *static_cast<WorkerArg*>(raw);
   delete static_cast<WorkerArg*>(raw);
@@ -127,7 +136,8 @@ void ktk_pool_run(ktk_pool* p, ktk_task_fn fn, void* ctx) {
   p->gen.fetch_add(1, std::memory_order_seq_cst);
   if (p->sleepers.load(std::memory_order_seq_cst) > 0) futex(&p->gen, FUTEX_WAKE_PRIVATE, INT_MAX);
   fn(ctx, 0, p->n);
-  while (p->done.load(std::memory_order_acquire) != p->n - 1) _mm_pause();
+  int spins = 0;
+  while (p->done.load(std::memory_order_acquire) != p->n - 1) relax(&spins);
 }
 
 void ktk_pool_barrier(ktk_pool* p) {
@@ -137,7 +147,8 @@ void ktk_pool_barrier(ktk_pool* p) {
     p->bar_count.store(0, std::memory_order_relaxed);
     p->bar_gen.fetch_add(1, std::memory_order_release);
   } else {
-    while (p->bar_gen.load(std::memory_order_acquire) == g) _mm_pause();
+    int spins = 0;
+    while (p->bar_gen.load(std::memory_order_acquire) == g) relax(&spins);
   }
 }
 
