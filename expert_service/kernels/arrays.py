@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +32,11 @@ _NUMPY_KINDS = {
 }
 
 
-def _torch_kind(t: Any) -> str:
+@functools.cache
+def _torch_kinds() -> dict[Any, str]:
     import torch
 
-    kinds = {
+    return {
         torch.float32: "f32",
         torch.bfloat16: "bf16",
         torch.float16: "f16",
@@ -42,7 +44,10 @@ def _torch_kind(t: Any) -> str:
         torch.float64: "f64",
         torch.uint16: "bf16",
     }
-    return kinds.get(t.dtype, str(t.dtype))
+
+
+def _torch_kind(t: Any) -> str:
+    return _torch_kinds().get(t.dtype, str(t.dtype))
 
 
 def is_torch_tensor(obj: Any) -> bool:

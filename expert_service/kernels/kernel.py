@@ -66,7 +66,7 @@ class MoEKernel:
             raise ValueError(f"ids must be int32, got {rids.kind}")
         if rw.kind != "f32":
             raise ValueError(f"weights must be float32, got {rw.kind}")
-        w13, w2, s13, s2, r13, r2 = packed.pointers()
+        w13, w2, s13, s2, r13, r2 = packed.pointers
         # NOTE: ids outside [-1, E) are rejected in C before any memory is written.
         self._k.forward(
             FORMAT_CODES[packed.fmt], packed.num_experts, H, packed.intermediate_size,

@@ -7,6 +7,7 @@ in ktk.h. Every buffer is a 2-D array [E, per-expert elements], so an expert ran
 from __future__ import annotations
 
 import enum
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -109,6 +110,7 @@ class PackedExperts:
     def expert_nbytes(self) -> int:
         return self.nbytes // self.num_experts
 
+    @functools.cached_property
     def pointers(self) -> tuple[int, int, int, int, int, int]:
         """Addresses of w13, w2, s13, s2, r13, r2 (0 where the format has no such buffer)."""
         t = self.tensors
