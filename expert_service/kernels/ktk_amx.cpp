@@ -164,99 +164,44 @@ inline void unpack_group(const uint8_t* wg, int8_t* bq) {
   }
 }
 
-// Tile configuration of the int4 path: C tiles 0-3 (one per group of a batch), B tiles 4, 5
-// (8 quads x 16 rows), A tiles 6, 7 (16 tokens x 32 bytes).
-void configure_int4() {
-  TileConfig cfg = {};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 4; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
+// One pass over up to 16 * NC tokens: per group, C = A x B on the tile unit, then
+// acc += C * scale on AVX-512 (the group scales differ per output row, so C is flushed per group).
+template <int NC>
+void int4_pass(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
+               const float* xs, int rows, float* out) {
+  alignas(64) int8_t bq[512];
+  alignas(64) int32_t c[16 * 16];
+  __m512 acc[NC * 16];
+  for (int i = 0; i < NC * 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int g = 0; g < K / 32; ++g) {
+    unpack_group(w + g * 256, bq);
+    _tile_loadd(4, bq, 64);
+    __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + g * 16))), 16));
+    for (int ch = 0; ch < NC; ++ch) {
+      _tile_zero(0);
+      _tile_loadd(5, x + size_t(16 * ch) * ldx + g * 32, ldx);
+      _tile_dpbssd(0, 5, 4);
+      _tile_stored(0, c, 64);
+      for (int i = 0; i < 16; ++i)
+        acc[ch * 16 + i] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + i * 16)), sc, acc[ch * 16 + i]);
+    }
   }
-  for (int t = 4; t < 6; ++t) {
-    cfg.rows[t] = 8;
-    cfg.colsb[t] = 64;
-  }
-  for (int t = 6; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 32;
-  }
-  _tile_loadconfig(&cfg);
+  for (int i = 0; i < rows; ++i) _mm512_storeu_ps(out + i * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(xs[i])));
 }
-
-inline __m512 group_scales(const uint16_t* gs, int g) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + g * 16))), 16));
-}
-
-// Tile products of groups [g, g + NG) (NG = 2 or 4) for one chunk of 16 tokens, each into its own
-// C tile (so the tile unit pipelines them), stored to c[NG][16][16].
-template <int NG>
-inline void int4_tiles(const int8_t* bq, const int8_t* x, int g, int ldx, int32_t* c) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_loadd(4, bq, 64);
-  _tile_loadd(6, x + g * 32, ldx);
-  _tile_dpbssd(0, 6, 4);
-  _tile_loadd(5, bq + 512, 64);
-  _tile_loadd(7, x + (g + 1) * 32, ldx);
-  _tile_dpbssd(1, 7, 5);
-  if (NG == 4) {
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_loadd(4, bq + 1024, 64);
-    _tile_loadd(6, x + (g + 2) * 32, ldx);
-    _tile_dpbssd(2, 6, 4);
-    _tile_loadd(5, bq + 1536, 64);
-    _tile_loadd(7, x + (g + 3) * 32, ldx);
-    _tile_dpbssd(3, 7, 5);
-  }
-  _tile_stored(0, c, 64);
-  _tile_stored(1, c + 256, 64);
-  if (NG == 4) {
-    _tile_stored(2, c + 512, 64);
-    _tile_stored(3, c + 768, 64);
-  }
-}
-
-// NOTE: the int4 path works in batches of groups: unpack the batch (vector stores), run its tile
-// products (tile loads of those stores, tile stores of C), then fold every C into the fp32 sums
-// (vector loads of the tile stores). Keeping each store far from the load that reads it avoids
-// the store-forwarding stalls between the vector and tile units that a per-group loop hits.
-constexpr int kInt4Batch = 16;
 
 void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
               const float* xs, const int32_t* xg, int ldg, int M, float* out) {
   if (M < kMinM) return ktk_ops_avx512()->dot_int4(w, gs, K, x, ldx, xs, xg, ldg, M, out);
-  alignas(64) int8_t bq[kInt4Batch * 512];
-  alignas(64) int32_t cb[kInt4Batch * 256];
-  configure_int4();
-  const int groups = K / 32;  // even: K is a multiple of 64
-  for (int m = 0; m < M; m += 16) {
+  configure(8, 32);
+  for (int m = 0; m < M; m += 32) {
+    int rows = M - m < 32 ? M - m : 32;
     const int8_t* xm = x + size_t(m) * ldx;
-    __m512 acc[16];
-    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-    for (int g0 = 0; g0 < groups; g0 += kInt4Batch) {
-      int nb = groups - g0 < kInt4Batch ? groups - g0 : kInt4Batch;
-      const char* wb = reinterpret_cast<const char*>(w + g0 * 256);
-      for (int i = 0; i < nb; ++i) {
-        _mm_prefetch(wb + i * 256 + kPrefetchBytes, _MM_HINT_T0);
-        _mm_prefetch(wb + i * 256 + kPrefetchBytes + 128, _MM_HINT_T0);
-        unpack_group(w + (g0 + i) * 256, bq + i * 512);
-      }
-      int i = 0;
-      for (; i + 4 <= nb; i += 4) int4_tiles<4>(bq + i * 512, xm, g0 + i, ldx, cb + i * 256);
-      for (; i < nb; i += 2) int4_tiles<2>(bq + i * 512, xm, g0 + i, ldx, cb + i * 256);
-      for (i = 0; i < nb; ++i) {
-        __m512 sc = group_scales(gs, g0 + i);
-        for (int r = 0; r < 16; ++r)
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb + i * 256 + r * 16)), sc,
-                                   acc[r]);
-      }
-    }
-    int rows = M - m < 16 ? M - m : 16;
-    for (int r = 0; r < rows; ++r)
-      _mm512_storeu_ps(out + (m + r) * 16, _mm512_mul_ps(acc[r], _mm512_set1_ps(xs[m + r])));
+    if (rows > 16)
+      int4_pass<2>(w, gs, K, xm, ldx, xs + m, rows, out + m * 16);
+    else
+      int4_pass<1>(w, gs, K, xm, ldx, xs + m, rows, out + m * 16);
   }
   _tile_release();
 }
