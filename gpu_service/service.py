@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
+from expert_service.checkpoint import CheckpointReader
 from gpu_service.engine import Engine, EngineMetrics, SchedulerConfig
+from gpu_service.gpu_experts import HybridExperts, choose_hot_experts, worker_activation_counts
 from gpu_service.models import KVCache, load_model
 from gpu_service.models.registry import default_device
 from gpu_service.moe_client import ExpertClientConfig, ShmExperts
@@ -41,8 +43,12 @@ class GPUServiceConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     worker_timeout_s: float = 30.0
+    gpu_experts: int = 0
+    expert_placement: str | None = None
 
     def __post_init__(self) -> None:
+        if self.gpu_experts < 0:
+            raise ValueError(f"gpu_experts must be >= 0, got {self.gpu_experts}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not 0 < self.gpu_memory_fraction <= 1:
@@ -82,7 +88,10 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None) -
         hidden_size=hf["hidden_size"], top_k=hf["num_experts_per_tok"], device=device,
     )  # fmt: skip
     try:
-        model = load_model(config.model_dir, device, dtype, experts=experts,
+        backend = experts
+        if config.gpu_experts or config.expert_placement:
+            backend = _hybrid(config, experts, device, dtype)
+        model = load_model(config.model_dir, device, dtype, experts=backend,
                            max_num_tokens_in_cache=16)  # fmt: skip
         tokens = config.kv_cache_tokens or _cache_tokens(model.kv_cache, dtype, device, config)
         model.kv_cache = KVCache(
@@ -103,6 +112,18 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None) -
         experts.close()
         raise
     return GPUService(config, engine, experts, metrics, max_model_len)
+
+
+def _hybrid(config: GPUServiceConfig, experts: ShmExperts, device: torch.device,
+            dtype: torch.dtype) -> HybridExperts:  # fmt: skip
+    reader = CheckpointReader(config.model_dir)
+    spec = reader.spec
+    hot = choose_hot_experts(
+        spec.moe_layers, spec.num_experts, config.gpu_experts or 1,
+        counts=worker_activation_counts(experts), placement_file=config.expert_placement,
+    )  # fmt: skip
+    log.info("GPU experts: %d per layer", len(next(iter(hot.values()))))
+    return HybridExperts(experts, reader, hot, device, dtype)
 
 
 def _cache_tokens(cache: KVCache, dtype: torch.dtype, device: torch.device,
