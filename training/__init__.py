@@ -1,0 +1,1 @@
+"""Training of ktserve's embedded demo model (demo_model/): corpus, tokenizer, model, perplexity."""
