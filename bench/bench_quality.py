@@ -1,0 +1,112 @@
+"""What expert quantization costs: held-out perplexity of a model served by ktserve with CPU
+experts in bf16, int8 and int4, next to transformers' own perplexity on the same text, one run.
+
+The path measured is the serving one: the GPU part (this process) + a `ktserve expert` worker
+subprocess over ktshm, fp32 on the wire and in the GPU part, so the only difference between rows
+is the experts' weight format. Perplexity as training/perplexity.py defines it (same windows).
+
+    python bench/bench_quality.py [--model demo_model] [--text training/heldout_sample.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from gpu_service.models import Batch, SeqInput  # noqa: E402
+from gpu_service.service import GPUServiceConfig, build_gpu_service  # noqa: E402
+from training.perplexity import tokenize_file, transformers_perplexity, windows  # noqa: E402
+
+TARGETS = {"bf16": 0.001, "int8": 0.005, "int4": 0.03}
+
+
+def start_worker(model: Path, fmt: str, threads: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "expert_service.cli", "expert", "--model", str(model),
+         "--format", fmt, "--threads", str(threads), "--listen", "127.0.0.1:0"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    address = None
+    for line in proc.stdout:
+        if m := re.search(r"listening on (\S+)", line):
+            address = m.group(1)
+        if "serving" in line:
+            return proc, address
+    raise RuntimeError(f"expert worker exited with {proc.wait()}")
+
+
+def ktserve_perplexity(model: Path, ids: list[int], seq_len: int, fmt: str, threads: int,
+                       device: str) -> float:  # fmt: skip
+    proc, address = start_worker(model, fmt, threads)
+    service = None
+    try:
+        config = GPUServiceConfig(
+            model_dir=str(model), workers=(address,), device=device, dtype="float32",
+            wire_dtype="float32", kv_cache_tokens=seq_len + 16, max_num_batched_tokens=seq_len,
+            max_model_len=seq_len + 1,
+        )  # fmt: skip
+        service = build_gpu_service(config)
+        service.engine.stop()  # this benchmark drives the model directly, one window at a time
+        net = service.engine.model
+        total, count = 0.0, 0
+        for window in windows(ids, seq_len):
+            cache = net.kv_cache.allocate(len(window))
+            try:
+                logits = net.forward(Batch((SeqInput(window, cache, 0),)), all_positions=True)
+            finally:
+                net.kv_cache.free(cache)
+            logp = torch.log_softmax(logits[:-1].float().cpu(), dim=-1)  # [n-1, V]
+            target = torch.tensor(window[1:])
+            total -= logp.gather(1, target[:, None]).sum().item()
+            count += target.numel()
+        return math.exp(total / count)
+    finally:
+        if service is not None:
+            service.close()
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(REPO / "demo_model"))
+    parser.add_argument("--text", default=str(REPO / "training" / "heldout_sample.txt"))
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=16384)
+    parser.add_argument("--threads", type=int, default=1, help="expert worker threads")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    model = Path(args.model)
+    ids = tokenize_file(model, args.text, args.max_tokens)
+    start = time.perf_counter()
+    reference = transformers_perplexity(model, args.text, args.seq_len, args.max_tokens)
+    rows = [("transformers fp32", reference, None, time.perf_counter() - start)]
+    for fmt in ("bf16", "int8", "int4"):
+        start = time.perf_counter()
+        ppl = ktserve_perplexity(model, ids, args.seq_len, fmt, args.threads, args.device)
+        rows.append((f"ktserve {fmt} experts", ppl, fmt, time.perf_counter() - start))
+
+    print(f"held-out perplexity: {model.name}, {len(ids)} tokens of {Path(args.text).name}, "
+          f"windows of {args.seq_len}, GPU part on {args.device}")  # fmt: skip
+    print(f"{'path':<22} | {'perplexity':>10} | {'vs transformers':>15} | {'target':>7} | {'s':>5}")
+    print("-" * 72)
+    for name, ppl, fmt, seconds in rows:
+        delta = ppl / reference - 1
+        target = f"{TARGETS[fmt]:.1%}" if fmt else ""
+        verdict = "" if fmt is None else (" ok" if abs(delta) <= TARGETS[fmt] else " MISSED")
+        print(f"{name:<22} | {ppl:>10.4f} | {delta:>+14.3%} | {target:>7} | {seconds:>5.1f}"
+              f"{verdict}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
