@@ -1,0 +1,120 @@
+"""The FastAPI application: OpenAI-compatible /v1 routes, /health and /metrics."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gpu_service.api import errors
+from gpu_service.api.auth import ApiKeyMiddleware
+from gpu_service.api.chat import create_chat_completion
+from gpu_service.api.completions import create_completion
+from gpu_service.api.context import ApiContext
+from gpu_service.api.generation import ClientGone
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def create_app(ctx: ApiContext) -> FastAPI:
+    app = FastAPI(
+        title="ktserve",
+        description="OpenAI-compatible API of a ktserve server",
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.ctx = ctx
+    errors.install(app)
+    http_registry = CollectorRegistry()
+    requests_total = Counter(
+        "ktserve_http_requests",
+        "HTTP requests by route and status",
+        ["route", "status"],
+        registry=http_registry,
+    )
+
+    @app.exception_handler(ClientGone)
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: Exception) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client left
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(request, ctx)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(request, ctx)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": ctx.model_name,
+                        "object": "model",
+                        "created": ctx.created,
+                        "owned_by": "ktserve",
+                        "max_model_len": ctx.max_model_len,
+                    },
+                ],
+            }
+        )
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        workers = ctx.worker_status()
+        engine = ctx.engine
+        engine_alive = engine._thread is not None and engine._thread.is_alive()
+        healthy = engine_alive and all(w["alive"] for w in workers)
+        body = {
+            "status": "ok" if healthy else "unavailable",
+            "model": ctx.model_name,
+            "engine": {
+                "alive": engine_alive,
+                "running": engine.num_running,
+                "waiting": engine.num_waiting,
+            },
+            "workers": workers,
+        }
+        return JSONResponse(body, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = b"".join(generate_latest(r) for r in (*ctx.registries, http_registry))
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    # NOTE: the last added runs first: requests are counted, refused ones (401) included.
+    if ctx.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=ctx.api_key)
+    app.add_middleware(_CountRequests, counter=requests_total)
+    return app
+
+
+class _CountRequests:
+    """Counts requests by route and status (plain ASGI, so streams pass untouched)."""
+
+    def __init__(self, app: ASGIApp, counter: Counter) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        status = {"code": 500}
+
+        async def send_counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            self.counter.labels(route=route, status=str(status["code"])).inc()

@@ -1,0 +1,84 @@
+"""POST /v1/completions: a prompt as text or as token ids."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi.responses import JSONResponse, Response
+from starlette.requests import Request
+
+from gpu_service.api.chat import usage
+from gpu_service.api.context import ApiContext
+from gpu_service.api.generation import Generation, collect, unless_disconnected
+from gpu_service.api.logprobs import CompletionLogprobs
+from gpu_service.api.parsing import check_request, parse_body, sampling_params
+from gpu_service.api.schemas import CompletionRequest
+from gpu_service.api.streaming import stream_response
+from gpu_service.engine.request import TokenEvent
+
+
+async def create_completion(request: Request, ctx: ApiContext) -> Response:
+    body = await parse_body(request, CompletionRequest)
+    check_request(ctx, body)
+    prompt = body.single_prompt()
+    prompt_ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ctx.check_prompt(prompt_ids, param="prompt")
+    want_logprobs = body.logprobs is not None
+    params = sampling_params(
+        body, ctx.max_tokens_for(prompt_ids, body.max_tokens), want_logprobs, body.logprobs or 0
+    )
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    generation = Generation(ctx.engine, prompt_ids, params, request_id)
+    writer = CompletionChunks(ctx, request_id, want_logprobs)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await stream_response(request, generation, writer, include_usage)
+    out = await unless_disconnected(request, collect(generation))
+    logprobs = CompletionLogprobs(ctx.tokenizer)(out.tokens) if want_logprobs else None
+    return JSONResponse(
+        writer.chunk(out.text, logprobs, out.finish_reason)
+        | {
+            "usage": usage(out.num_prompt_tokens, len(out.tokens)),
+        }
+    )
+
+
+class CompletionChunks:
+    """text_completion objects; the stream's chunks have the same shape as the whole answer."""
+
+    def __init__(self, ctx: ApiContext, request_id: str, logprobs: bool) -> None:
+        self.ctx = ctx
+        self.request_id = request_id
+        self.logprobs = CompletionLogprobs(ctx.tokenizer) if logprobs else None
+        self.created = int(time.time())
+
+    def chunk(self, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        return {
+            "id": self.request_id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.ctx.model_name,
+            "system_fingerprint": None,
+            "choices": [
+                {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            ],
+        }
+
+    def head(self) -> list[dict]:
+        return []
+
+    def event(self, event: TokenEvent) -> dict | None:
+        logprobs = self.logprobs(event.tokens) if self.logprobs and event.tokens else None
+        if not event.text and logprobs is None:
+            return None
+        return self.chunk(event.text, logprobs, None)
+
+    def finish(self, reason: str) -> dict:
+        return self.chunk("", None, reason)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        chunk = self.chunk("", None, None)
+        chunk["choices"] = []
+        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        return chunk

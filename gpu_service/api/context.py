@@ -1,0 +1,58 @@
+"""What the HTTP handlers need from the server: the engine, the tokenizer, limits, health."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from gpu_service.api.errors import ApiError, invalid
+from gpu_service.api.tokenizer import ServedTokenizer
+from gpu_service.engine import Engine
+
+
+@dataclass
+class ApiContext:
+    """engine: a started Engine. model_name: the `model` clients must send. max_model_len: the
+    context length. api_key: required on /v1/* when set. registries: Prometheus registries served
+    on /metrics (the engine's first). worker_status: each expert worker's state for /health
+    (dicts with at least "address" and "alive")."""
+
+    engine: Engine
+    tokenizer: ServedTokenizer
+    model_name: str
+    max_model_len: int
+    worker_status: Callable[[], list[dict]]
+    api_key: str | None = None
+    registries: Sequence[CollectorRegistry] = ()
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(
+                404,
+                f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
+        if not prompt_ids:
+            raise invalid("the prompt is empty", param=param)
+        if len(prompt_ids) >= self.max_model_len:
+            raise invalid(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {len(prompt_ids)} tokens, which leaves no room for a completion",
+                param=param,
+                code="context_length_exceeded",
+            )
+        vocab = self.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise invalid(f"prompt token ids must be in [0, {vocab})", param=param)
+
+    def max_tokens_for(self, prompt_ids: Sequence[int], requested: int | None) -> int:
+        """requested, or the room left in the context (the engine stops at its end anyway)."""
+        room = self.max_model_len - len(prompt_ids)
+        return room if requested is None else requested

@@ -1,0 +1,93 @@
+"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}} with a status."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger("ktserve.api")
+
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or TYPES.get(status, "server_error")
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def from_validation(exc: ValidationError | RequestValidationError) -> ApiError:
+    """The first problem pydantic found, named by its field path (messages.0.content)."""
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # NOTE: unions report one error per member type; the path up to the member is the field.
+    param = ".".join(p for p in loc if not _is_type_name(p)) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        return invalid(f"the request body is not valid JSON: {first.get('ctx', {}).get('error')}")
+    return invalid(f"{param}: {message}" if param else message, param=param)
+
+
+def _is_type_name(part: str) -> bool:
+    return part in {"str", "int", "float", "bool", "list", "dict", "none"} or "[" in part
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return from_validation(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        return ApiError(exc.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error serving %s %s", request.method, request.url.path)
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()

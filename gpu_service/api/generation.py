@@ -1,0 +1,135 @@
+"""The engine seen from the event loop.
+
+The engine calls back on its own thread; each request gets an asyncio.Queue that those callbacks
+fill through loop.call_soon_threadsafe. A request whose consumer goes away (client disconnect,
+cancelled handler) is aborted in the engine, which frees its slot and KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from starlette.requests import Request
+
+from gpu_service.api.errors import ApiError, invalid
+from gpu_service.engine import Engine, EngineError, FinishReason, SampledToken, SamplingParams
+from gpu_service.engine.request import TokenEvent
+
+T = TypeVar("T")
+UNAVAILABLE_MARKS = ("ExpertsUnavailable",)
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+class Generation:
+    """One engine request: iterate its events; `close()` aborts it unless it finished."""
+
+    def __init__(
+        self, engine: Engine, prompt_ids: Sequence[int], params: SamplingParams, request_id: str
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.num_prompt_tokens = len(prompt_ids)
+        self.finished = False
+        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def on_event(event: TokenEvent) -> None:  # engine thread
+            # NOTE: RuntimeError: the event loop is closed; nobody is listening any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+        try:
+            engine.add_request(prompt_ids, params, on_event, request_id)
+        except EngineError as exc:
+            if "shutting down" in str(exc):
+                raise ApiError(503, "the server is shutting down", code="shutting_down") from exc
+            raise invalid(str(exc)) from exc
+
+    async def next_event(self) -> TokenEvent:
+        event = await self._queue.get()
+        if event.finish_reason is not None:
+            self.finished = True
+        return event
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        while not self.finished:
+            yield await self.next_event()
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+def finish_error(event: TokenEvent) -> ApiError | None:
+    """The HTTP error of a request that ended with ERROR or ABORT (None for stop and length)."""
+    if event.finish_reason == FinishReason.ERROR:
+        message = event.error or "the engine failed the request"
+        if any(mark in message for mark in UNAVAILABLE_MARKS):
+            return ApiError(
+                503, f"expert workers are unavailable: {message}", code="experts_unavailable"
+            )
+        return ApiError(500, message, type="server_error")
+    if event.finish_reason == FinishReason.ABORT:
+        return ApiError(
+            503, event.error or "the request was cancelled (the server is stopping)", code="aborted"
+        )
+    return None
+
+
+@dataclass
+class Outcome:
+    """Everything a non-streamed request produced."""
+
+    text: str = ""
+    tokens: list[SampledToken] = field(default_factory=list)
+    finish_reason: str = "stop"
+    num_prompt_tokens: int = 0
+
+
+async def collect(generation: Generation) -> Outcome:
+    out = Outcome(num_prompt_tokens=generation.num_prompt_tokens)
+    try:
+        async for event in generation:
+            out.text += event.text
+            out.tokens.extend(event.tokens)
+            if event.finish_reason is not None:
+                error = finish_error(event)
+                if error is not None:
+                    raise error
+                out.finish_reason = event.finish_reason.value
+    finally:
+        generation.close()
+    return out
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`; cancel it (which aborts its generation) if the client disconnects first.
+    Call only once the body has been read: then `receive` answers only with the disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task  # the client left: whatever it ended with goes nowhere
+        raise ClientGone()
+    return task.result()

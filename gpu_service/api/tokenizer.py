@@ -1,0 +1,93 @@
+"""The checkpoint's tokenizer as the API uses it: encode, decode, chat template, EOS ids.
+
+NOTE: one lock around every call: Hugging Face fast tokenizers are not safe to use from two threads
+at once (the event loop encodes while the engine thread decodes).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class TokenizerError(ValueError):
+    """The checkpoint's tokenizer cannot be loaded or cannot do what was asked."""
+
+
+class ServedTokenizer:
+    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._lock = threading.Lock()
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with self._lock:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text shown to users: special tokens left out."""
+        with self._lock:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each token's own text (special tokens included), as logprobs report them."""
+        with self._lock:
+            return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        """Prompt ids of a conversation through the checkpoint's chat template, ending with the
+        assistant's turn opened (add_generation_prompt)."""
+        if not self.has_chat_template:
+            raise TokenizerError(
+                "this model's tokenizer has no chat template; use /v1/completions with a prompt"
+            )
+        with self._lock:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
+                raise TokenizerError(f"the chat template failed on these messages: {exc}") from exc
+            # NOTE: the template writes any BOS itself; adding special tokens would double it.
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def load_tokenizer(model_dir: str | Path) -> ServedTokenizer:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
+        raise TokenizerError(
+            f"cannot load a tokenizer from {model_dir} ({type(exc).__name__}: {exc}); the "
+            "directory needs the checkpoint's tokenizer files (tokenizer.json, "
+            "tokenizer_config.json)"
+        ) from exc
+    return ServedTokenizer(tokenizer, eos_token_ids(model_dir, tokenizer))
+
+
+def eos_token_ids(model_dir: str | Path, tokenizer: Any = None) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, config.json and the tokenizer, in that order."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.is_file():
+            ids += _as_ids(json.loads(path.read_text()).get("eos_token_id"))
+    if tokenizer is not None:
+        ids += _as_ids(getattr(tokenizer, "eos_token_id", None))
+    return tuple(dict.fromkeys(ids))
+
+
+def _as_ids(value: Any) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []

@@ -1,0 +1,257 @@
+"""`ktserve`: `serve` (the OpenAI-compatible server), plus `expert` and `convert` from
+expert_service.
+
+`ktserve serve MODEL_DIR` binds the HTTP port first (a busy port fails at once), loads the
+tokenizer, starts the expert workers (supervised subprocesses) and waits until they serve, builds
+the GPU service on them, then serves HTTP until SIGINT/SIGTERM, after which it stops uvicorn, the
+engine (closing its ktshm channels) and the workers (SIGTERM: they drain), in that order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from expert_service.cli import add_convert_parser, add_expert_parser
+from expert_service.config import FORMATS
+from gpu_service.serve_config import API_KEY_ENV, ServeConfig
+
+log = logging.getLogger("ktserve.serve")
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
+D = ServeConfig  # defaults
+
+
+class Shutdown(BaseException):
+    """SIGTERM/SIGINT while starting: unwind through every cleanup."""
+
+
+def add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description=(
+            "Serve a Mixture-of-Experts checkpoint over an OpenAI-compatible HTTP API "
+            "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics). Starts the "
+            "CPU expert workers as supervised subprocesses (restarted if they die), the GPU "
+            "service, and the HTTP server; SIGINT/SIGTERM stop all of them."
+        ),
+    )
+    p.add_argument(
+        "model_dir",
+        nargs="?",
+        metavar="MODEL_DIR",
+        help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer "
+        f"files); default: the embedded demo model at {DEMO_MODEL_DIR}",
+    )
+    p.add_argument(
+        "--host",
+        default=D.host,
+        help="HTTP address to bind (default %(default)s; "
+        "0.0.0.0 exposes the server to the network)",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=D.port,
+        help="HTTP port (default %(default)s; 0 picks a free one)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: the "
+        f"{API_KEY_ENV} environment variable; unset: no key)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        help="the model name clients send and /v1/models lists (default: the directory's name)",
+    )
+    p.add_argument(
+        "--expert-workers",
+        type=int,
+        default=D.expert_workers,
+        help="CPU expert worker processes; each holds an equal share of the routed "
+        "experts (default %(default)s)",
+    )
+    p.add_argument(
+        "--experts-per-worker",
+        metavar="RANGES",
+        help="each worker's expert ids, comma-separated inclusive ranges, one per "
+        "worker, e.g. 0-95,96-255 (default: an even split)",
+    )
+    p.add_argument(
+        "--format",
+        dest="weight_format",
+        choices=FORMATS,
+        default=D.weight_format,
+        help="routed experts' format in RAM: bf16 (exact), int8 (per-row scales), "
+        "int4 (group-32 scales) (default %(default)s)",
+    )
+    p.add_argument(
+        "--threads", type=int, help="kernel threads per expert worker (default: cores - 1)"
+    )
+    p.add_argument(
+        "--gpu-experts",
+        type=int,
+        default=D.gpu_experts,
+        help="routed experts to keep on the GPU; only 0 is supported so far (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context length in tokens, prompt plus completion (default: the "
+        "model's, capped at 8192)",
+    )
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        help="KV cache size in tokens (default: what 90%% of the free GPU memory "
+        "holds; 32768 on the CPU)",
+    )
+    p.add_argument(
+        "--dtype",
+        default=D.dtype,
+        choices=("bfloat16", "float16", "float32"),
+        help="dtype of the model's GPU part (default %(default)s)",
+    )
+    p.add_argument(
+        "--wire-dtype",
+        default=D.wire_dtype,
+        choices=("bfloat16", "float32"),
+        help="dtype of hidden states sent to the expert workers (default "
+        "%(default)s; float32 is exact)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=D.max_num_seqs,
+        help="most requests decoded together; more wait (default %(default)s)",
+    )
+    p.add_argument(
+        "--device",
+        help="torch device of the GPU part, e.g. cuda:1 or cpu (default: cuda if available)",
+    )
+    p.add_argument(
+        "--worker-timeout",
+        dest="worker_timeout_s",
+        type=float,
+        default=D.worker_timeout_s,
+        help="seconds requests wait for a dead expert worker to come back before "
+        "they fail with 503 (default %(default)s)",
+    )
+    p.add_argument(
+        "--no-restart-workers",
+        dest="restart_workers",
+        action="store_false",
+        help="do not restart expert workers that exit",
+    )
+    p.add_argument(
+        "--worker-start-timeout",
+        dest="worker_start_timeout_s",
+        type=float,
+        default=D.worker_start_timeout_s,
+        help="seconds an expert worker may take to load (default %(default)s)",
+    )
+    p.set_defaults(run=run_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ktserve",
+        description="Serve huge Mixture-of-Experts models on one GPU plus host RAM.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_serve_parser(sub)
+    add_expert_parser(sub)
+    add_convert_parser(sub)
+    return parser
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """ServeConfig from the flags; exits 2 (with how to pass a model) when there is none."""
+    model_dir = args.model_dir
+    if model_dir is None:
+        if not (DEMO_MODEL_DIR / "config.json").is_file():
+            raise SystemExit(
+                "ktserve serve: error: no model given and the embedded demo model is not there "
+                f"({DEMO_MODEL_DIR}).\nPass a Hugging Face checkpoint directory: "
+                "ktserve serve /path/to/model  (it needs config.json, *.safetensors and the "
+                "tokenizer files)"
+            )
+        model_dir = str(DEMO_MODEL_DIR)
+    if not (Path(model_dir) / "config.json").is_file():
+        raise ValueError(f"{model_dir} is not a checkpoint directory: it has no config.json")
+    ranges = args.experts_per_worker
+    return ServeConfig(
+        model_dir=model_dir,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        served_model_name=args.served_model_name,
+        expert_workers=args.expert_workers,
+        experts_per_worker=tuple(r.strip() for r in ranges.split(",")) if ranges else None,
+        weight_format=args.weight_format,
+        threads=args.threads,
+        gpu_experts=args.gpu_experts,
+        max_model_len=args.max_model_len,
+        kv_cache_tokens=args.kv_cache_tokens,
+        dtype=args.dtype,
+        wire_dtype=args.wire_dtype,
+        max_num_seqs=args.max_num_seqs,
+        device=args.device,
+        worker_timeout_s=args.worker_timeout_s,
+        restart_workers=args.restart_workers,
+        worker_start_timeout_s=args.worker_start_timeout_s,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from gpu_service.api.server import serve
+
+    config = serve_config(args)
+
+    def on_signal(signum: int, frame: object) -> None:
+        raise Shutdown(signal.Signals(signum).name)
+
+    # NOTE: while loading, a signal unwinds through the cleanups; uvicorn installs its own
+    # handlers while it serves (and re-raises the signal once it has stopped: Shutdown again).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    try:
+        return serve(config, on_ready=print_ready)
+    except Shutdown:
+        return 0
+
+
+def print_ready(url: str, config: ServeConfig) -> None:
+    body = json.dumps(
+        {"model": config.model_name, "messages": [{"role": "user", "content": "Hello!"}]}
+    )
+    auth = f" -H 'Authorization: Bearer ${API_KEY_ENV}'" if config.api_key else ""
+    print(
+        f"ktserve serve: serving {config.model_name!r} at {url}/v1 (OpenAI API; health at "
+        f"{url}/health, metrics at {url}/metrics)\n  try: curl {url}/v1/chat/completions "
+        f"-H 'Content-Type: application/json'{auth} -d '{body}'",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    from expert_service.checkpoint import CheckpointError
+
+    try:
+        return args.run(args)
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"ktserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

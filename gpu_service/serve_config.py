@@ -1,0 +1,122 @@
+"""`ktserve serve`'s configuration; its flags map one-to-one onto ServeConfig's fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from expert_service.checkpoint import parse_expert_range
+from expert_service.config import FORMATS
+from gpu_service.moe_client import WIRE_DTYPES
+from gpu_service.service import DTYPES, GPUServiceConfig
+
+API_KEY_ENV = "KTSERVE_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """model_dir: Hugging Face checkpoint with tokenizer files. host/port: where the HTTP API
+    listens (port 0 picks a free one). api_key: required as `Authorization: Bearer ...` on /v1/*
+    when set. served_model_name: the `model` clients send (default: model_dir's name).
+    expert_workers: CPU worker processes; experts_per_worker: their expert id ranges ("0-63"), by
+    default an even split; weight_format and threads apply to each worker. gpu_experts: routed
+    experts kept on the GPU (not implemented yet: must be 0). restart_workers: restart a worker
+    that exits; worker_timeout_s: how long requests wait for a dead worker before failing (503);
+    worker_start_timeout_s: how long a worker may take to load. The rest is GPUServiceConfig's.
+    """
+
+    model_dir: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    expert_workers: int = 1
+    experts_per_worker: tuple[str, ...] | None = None
+    weight_format: str = "int8"
+    threads: int | None = None
+    gpu_experts: int = 0
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    dtype: str = "bfloat16"
+    wire_dtype: str = "bfloat16"
+    max_num_seqs: int = 64
+    device: str | None = None
+    worker_timeout_s: float = 30.0
+    restart_workers: bool = True
+    worker_start_timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.expert_workers < 1:
+            raise ValueError(f"--expert-workers must be >= 1, got {self.expert_workers}")
+        if self.experts_per_worker is not None:
+            if len(self.experts_per_worker) != self.expert_workers:
+                raise ValueError(
+                    f"--experts-per-worker names {len(self.experts_per_worker)} ranges for "
+                    f"{self.expert_workers} expert workers; give one range per worker"
+                )
+            for text in self.experts_per_worker:
+                parse_expert_range(text)
+        if self.weight_format not in FORMATS:
+            raise ValueError(f"--format must be one of {FORMATS}, got {self.weight_format!r}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        if self.gpu_experts < 0:
+            raise ValueError(f"--gpu-experts must be >= 0, got {self.gpu_experts}")
+        if self.gpu_experts > 0:
+            raise ValueError(
+                "--gpu-experts > 0 is not supported yet: ktserve has no backend that keeps routed "
+                "experts on the GPU; use --gpu-experts 0 (every routed expert on the CPU workers)"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"--wire-dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 16:
+            raise ValueError(f"--kv-cache-tokens must be >= 16, got {self.kv_cache_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.worker_timeout_s <= 0 or self.worker_start_timeout_s <= 0:
+            raise ValueError("--worker-timeout and --worker-start-timeout must be positive")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_dir).resolve().name
+
+    def expert_ranges(self, num_experts: int) -> tuple[str, ...]:
+        """Each worker's expert ids ("first-last"): as given, or an even split of num_experts."""
+        if self.experts_per_worker is not None:
+            return self.experts_per_worker
+        return split_experts(num_experts, self.expert_workers)
+
+    def gpu_service_config(self, workers: tuple[str, ...]) -> GPUServiceConfig:
+        return GPUServiceConfig(
+            model_dir=self.model_dir,
+            workers=workers,
+            device=self.device,
+            dtype=self.dtype,
+            wire_dtype=self.wire_dtype,
+            max_model_len=self.max_model_len,
+            kv_cache_tokens=self.kv_cache_tokens,
+            max_num_seqs=self.max_num_seqs,
+            worker_timeout_s=self.worker_timeout_s,
+        )
+
+
+def split_experts(num_experts: int, num_workers: int) -> tuple[str, ...]:
+    """Contiguous, even ranges ("first-last", inclusive); the first ones take the remainder."""
+    if num_workers > num_experts:
+        raise ValueError(
+            f"{num_workers} expert workers for {num_experts} routed experts: use at most "
+            f"{num_experts} workers"
+        )
+    base, extra = divmod(num_experts, num_workers)
+    ranges, start = [], 0
+    for i in range(num_workers):
+        size = base + (i < extra)
+        ranges.append(f"{start}-{start + size - 1}")
+        start += size
+    return tuple(ranges)

@@ -1,0 +1,210 @@
+"""`ktserve serve` as a real subprocess on a tiny checkpoint with a tokenizer, for API tests."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from checkpoints import make_tiny_checkpoint
+from prometheus_client.parser import text_string_to_metric_families
+
+REPO = Path(__file__).resolve().parent.parent
+EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Mixture of experts models route each token to a few experts.",
+    "Hello world! How are you today? I am fine, thank you.",
+    "Shared memory channels carry hidden states between processes.",
+    "Once upon a time there was a small model that served requests.",
+]
+
+
+def make_tokenizer(vocab_size: int = 320):
+    """A byte-level BPE trained on a few sentences, with special tokens and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(SENTENCES * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_served_checkpoint(path: Path, seed: int, max_position_embeddings: int = 512) -> Path:
+    """A tiny random DeepSeek-V3 whose vocabulary is the tokenizer's, saved with the tokenizer."""
+    tokenizer = make_tokenizer()
+    make_tiny_checkpoint(
+        "deepseek_v3",
+        path,
+        seed=seed,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    tokenizer.save_pretrained(path)
+    return path
+
+
+class ServerProcess:
+    """`python -m gpu_service.cli serve MODEL --port 0 ...`; the URL is read from its stdout."""
+
+    def __init__(
+        self,
+        model_dir: str | Path | None,
+        *flags: str,
+        env: dict | None = None,
+        wait: bool = True,
+        timeout: float = 180.0,
+    ) -> None:
+        model = [str(model_dir)] if model_dir is not None else []
+        cmd = [sys.executable, "-m", "gpu_service.cli", "serve", *model, "--port", "0", *flags]
+        self.output: list[str] = []
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        # NOTE: stderr to a file: nobody reads it while the server runs, and a full pipe would
+        # block the server's logging.
+        self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+        )
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.url = ""
+        if wait:
+            line = self.read_line(r"serving .* at (http://\S+)/v1", timeout)
+            self.url = re.search(r"at (http://\S+)/v1", line).group(1)
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.output.append(line)
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def read_line(self, pattern: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the server printed no line matching {pattern!r}")
+            try:
+                line = self._lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if line is None:
+                code = self.proc.wait()
+                raise RuntimeError(f"the server exited ({code}):\n{self.stderr()}")
+            if re.search(pattern, line):
+                return line
+
+    def stderr(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read()
+
+    def get(self, path: str, headers: dict | None = None) -> tuple[int, bytes]:
+        request = urllib.request.Request(self.url + path, headers=headers or {})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
+
+    def post(self, path: str, body: bytes | dict, headers: dict | None = None) -> tuple[int, dict]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + path,
+            data=data,
+            method="POST",
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def health(self) -> tuple[int, dict]:
+        status, body = self.get("/health")
+        return status, json.loads(body)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample as {"name{label=value,...}": value}."""
+        status, body = self.get("/metrics")
+        assert status == 200
+        out = {}
+        for family in text_string_to_metric_families(body.decode()):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def open_stream(self, path: str, body: dict, headers: dict | None = None, read: bool = True):
+        """A raw POST: (connection, response or None) so a test can drop the connection."""
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request(
+            "POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})}
+        )
+        return conn, conn.getresponse() if read else None
+
+    def wait_until(self, predicate, timeout: float = 60.0, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.05)
+        raise TimeoutError(f"{what} did not hold within {timeout} s")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def close(self) -> None:
+        try:
+            self.terminate()
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        self._stderr.close()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,507 @@
+"""The OpenAI-compatible HTTP API against the real `openai` client, with `ktserve serve` (expert
+worker, GPU service, uvicorn) running as a subprocess on a tiny checkpoint with a tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from api_server import ServerProcess, make_served_checkpoint, pid_alive
+from expert_procs import shm_entries
+
+API_KEY = "test-key-123"
+MAX_MODEL_LEN = 256
+MAX_NUM_SEQS = 4
+FLAGS = (
+    "--expert-workers",
+    "1",
+    "--threads",
+    "1",
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--wire-dtype",
+    "float32",
+    "--format",
+    "bf16",
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+    "--kv-cache-tokens",
+    "4096",
+)
+HELLO = [{"role": "user", "content": "Hello! How are you today?"}]
+# NOTE: the tiny model is random: EOS may come at any step, so tests that need a given length
+# pass the ignore_eos extension.
+NO_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def seed():
+    value = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={value}")
+    return value
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, seed):
+    return make_served_checkpoint(tmp_path_factory.mktemp("api") / "tiny-ds", seed)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    before = shm_entries()
+    proc = ServerProcess(
+        checkpoint,
+        *FLAGS,
+        "--max-num-seqs",
+        str(MAX_NUM_SEQS),
+        "--served-model-name",
+        "tiny",
+        env={"KTSERVE_API_KEY": API_KEY},
+    )
+    yield proc
+    assert proc.terminate() == 0, proc.stderr()[-3000:]
+    proc.close()
+    assert not shm_entries() - before
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def auth() -> dict:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def chat(client, **kwargs):
+    return client.chat.completions.create(**{"model": "tiny", "messages": HELLO, **kwargs})
+
+
+def test_models_lists_the_served_name(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_chat_non_streaming(client):
+    r = chat(client, max_tokens=12, temperature=0, extra_body=NO_EOS)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens > 5
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert r.model == "tiny" and r.id.startswith("chatcmpl-")
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    whole = chat(client, max_tokens=16, temperature=0, extra_body=NO_EOS)
+    chunks = list(
+        chat(
+            client,
+            max_tokens=16,
+            temperature=0,
+            extra_body=NO_EOS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert len({c.id for c in chunks}) == 1
+    text = "".join(c.choices[0].delta.content or "" for c in chunks[:-1])
+    assert text == whole.choices[0].message.content
+
+
+def test_stream_ends_with_done(server):
+    conn, response = server.open_stream(
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": HELLO, "max_tokens": 3, "stream": True},
+        headers=auth(),
+    )
+    try:
+        assert response.status == 200
+        assert response.getheader("content-type").startswith("text/event-stream")
+        events = [e for e in response.read().decode().split("\n\n") if e]
+    finally:
+        conn.close()
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_completions_text_and_token_ids(client, server):
+    r = client.completions.create(
+        model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0, extra_body=NO_EOS
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    ids = [5, 17, 42, 99, 7]
+    by_ids = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=8, temperature=0, extra_body=NO_EOS
+    )
+    assert by_ids.usage.prompt_tokens == len(ids)
+    again = client.completions.create(
+        model="tiny", prompt=[ids], max_tokens=8, temperature=0, extra_body=NO_EOS
+    )
+    assert again.choices[0].text == by_ids.choices[0].text
+    stream = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=8, temperature=0, stream=True, extra_body=NO_EOS
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == by_ids.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def stop_string_in(text: str) -> str | None:
+    """Two plain characters from the middle of text (not U+FFFD: an incomplete UTF-8 character
+    may decode differently once its later bytes arrive)."""
+    plain = [
+        i
+        for i in range(2, len(text) - 2)
+        if all(c.isascii() and c.isprintable() for c in text[i : i + 2])
+    ]
+    return text[plain[len(plain) // 2] :][:2] if plain else None
+
+
+def test_stop_strings_cut_the_text(client):
+    base = (
+        client.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=40, temperature=0, extra_body=NO_EOS
+        )
+        .choices[0]
+        .text
+    )
+    assert stop_string_in(base) is not None, f"no plain characters in {base!r}"
+    stop = stop_string_in(base)
+    want = base[: base.find(stop)]
+    for make_stop in (lambda s: s, lambda s: ["\x00never\x00", s]):
+        r = client.completions.create(
+            model="tiny",
+            prompt="Once upon a time",
+            max_tokens=40,
+            temperature=0,
+            stop=make_stop(stop),
+            extra_body=NO_EOS,
+        )
+        assert r.choices[0].finish_reason == "stop"
+        assert r.choices[0].text == want
+        assert stop not in r.choices[0].text
+    chunks = list(chat(client, max_tokens=40, temperature=0, extra_body=NO_EOS, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    stop = stop_string_in(text)
+    if stop is not None:
+        chunks = list(
+            chat(client, max_tokens=40, temperature=0, stop=[stop], stream=True, extra_body=NO_EOS)
+        )
+        cut = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert cut == text[: text.find(stop)]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducible(client):
+    kwargs = dict(max_tokens=24, temperature=1.0, top_p=0.95, extra_body={**NO_EOS, "top_k": 50})
+    a = chat(client, seed=1234, logprobs=True, **kwargs)
+    b = chat(client, seed=1234, logprobs=True, **kwargs)
+    c = chat(client, seed=4321, logprobs=True, **kwargs)
+    ids = [[t.token for t in r.choices[0].logprobs.content] for r in (a, b, c)]
+    assert ids[0] == ids[1]
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert ids[0] != ids[2]  # 24 draws at temperature 1 over a ~uniform random model
+
+
+def test_chat_logprobs(client):
+    r = chat(client, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, extra_body=NO_EOS)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 6
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        assert entry.bytes == list(entry.token.encode())
+        # greedy: the sampled token is the most likely one
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+    chunks = list(
+        chat(
+            client,
+            max_tokens=6,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            stream=True,
+            extra_body=NO_EOS,
+        )
+    )
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+
+def test_completion_logprobs(client):
+    r = client.completions.create(
+        model="tiny",
+        prompt="Hello world",
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_body=NO_EOS,
+    )
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert len(lp.text_offset) == 5 and lp.text_offset[0] == 0
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    for i in range(1, 5):
+        assert lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
+    assert all(v <= 0 for v in lp.token_logprobs)
+
+
+def test_sixteen_concurrent_requests_all_complete(client):
+    def one(i: int):
+        if i % 2:
+            return chat(client, max_tokens=8, seed=i, extra_body=NO_EOS)
+        return client.completions.create(
+            model="tiny", prompt=f"Request {i}", max_tokens=8, seed=i, extra_body=NO_EOS
+        )
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(16)))
+    assert all(r.usage.completion_tokens == 8 for r in results)
+    assert all(r.choices[0].finish_reason == "length" for r in results)
+
+
+def test_client_disconnect_frees_the_slot(server, client):
+    before = server.metrics().get("ktserve_requests_finished_total{reason=abort}", 0.0)
+    body = {
+        "model": "tiny",
+        "prompt": "Tell me a very long story",
+        "max_tokens": 200,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    conns = []
+    for _ in range(MAX_NUM_SEQS):  # every slot of the batch
+        conn, response = server.open_stream("/v1/completions", body, headers=auth())
+        assert response.status == 200
+        response.fp.readline()  # the first chunk arrived: the request runs
+        conns.append(conn)
+    for conn in conns:
+        conn.sock.shutdown(2)
+        conn.close()
+    server.wait_until(
+        lambda: (
+            server.metrics().get("ktserve_requests_finished_total{reason=abort}", 0.0)
+            >= before + MAX_NUM_SEQS
+        ),
+        timeout=20,
+        what="the engine aborted the disconnected requests",
+    )
+    assert server.wait_until(lambda: server.health()[1]["engine"]["running"] == 0, timeout=10)
+    r = chat(client, max_tokens=4, extra_body=NO_EOS)
+    assert r.usage.completion_tokens == 4
+
+
+def test_client_disconnect_without_streaming_frees_the_slot(server):
+    aborted = server.metrics().get("ktserve_requests_finished_total{reason=abort}", 0.0)
+    body = {"model": "tiny", "prompt": "Story:", "max_tokens": 240, "ignore_eos": True}
+    conn, _ = server.open_stream("/v1/completions", body, headers=auth(), read=False)
+    server.wait_until(lambda: server.health()[1]["engine"]["running"] == 1, timeout=10)
+    conn.sock.shutdown(2)
+    conn.close()
+    server.wait_until(
+        lambda: (
+            server.metrics().get("ktserve_requests_finished_total{reason=abort}", 0.0)
+            == aborted + 1
+        ),
+        timeout=20,
+        what="the engine aborted the request of the client that left",
+    )
+    assert server.health()[1]["engine"]["running"] == 0
+
+
+def test_api_key_required(server):
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 2}
+    status, err = server.post("/v1/chat/completions", body)
+    assert status == 401 and err["error"]["code"] == "invalid_api_key"
+    bad = openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as exc:
+        chat(bad, max_tokens=2)
+    assert exc.value.status_code == 401
+    assert exc.value.body["type"] == "authentication_error"
+    status, _ = server.get("/health")  # probes need no key
+    assert status == 200
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.chat.completions.create(model="gpt-4", messages=HELLO)
+    assert exc.value.body["code"] == "model_not_found" and exc.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi")
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"n": 2}, "n"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": -5}, "max_completion_tokens"),
+        ({"max_tokens": "ten"}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"seed": 1.5}, "seed"),
+        ({"stop": 7}, "stop"),
+        ({"stop": [""]}, None),
+        ({"logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"stream": "yes"}, "stream"),
+    ],
+)
+def test_chat_bad_parameters_are_400(server, extra, param):
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 2, **extra}
+    status, err = server.post("/v1/chat/completions", body, headers=auth())
+    assert status == 400, err
+    assert err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["message"]
+    if param is not None:
+        assert err["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"",
+        b"[1, 2]",
+        {"model": "tiny"},
+        {"model": "tiny", "prompt": "hi", "n": 3},
+        {"model": "tiny", "prompt": ["a", "b"]},
+        {"model": "tiny", "prompt": [1, 2, 10**9]},
+        {"model": "tiny", "prompt": "hi", "echo": True},
+        {"model": "tiny", "prompt": "hi", "logprobs": 50},
+    ],
+)
+def test_completion_bad_requests_are_400(server, body):
+    status, err = server.post("/v1/completions", body, headers=auth())
+    assert status == 400, err
+    assert set(err["error"]) == {"message", "type", "param", "code"}
+
+
+def test_prompt_longer_than_the_context_is_400(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model="tiny", prompt=[3] * MAX_MODEL_LEN, max_tokens=4)
+    assert exc.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(client, messages=[{"role": "user", "content": "word " * MAX_MODEL_LEN}])
+    assert exc.value.body["code"] == "context_length_exceeded"
+    assert str(MAX_MODEL_LEN) in exc.value.body["message"]
+
+
+def test_metrics_count_what_was_served(server, client):
+    server.wait_until(lambda: server.health()[1]["engine"]["running"] == 0, timeout=10)
+    before = server.metrics()
+    usages = [chat(client, max_tokens=5 + i, extra_body=NO_EOS).usage for i in range(3)]
+    usages.append(
+        client.completions.create(
+            model="tiny", prompt="Hello world", max_tokens=7, extra_body=NO_EOS
+        ).usage
+    )
+    after = server.metrics()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("ktserve_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert delta("ktserve_generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert delta("ktserve_requests_finished_total{reason=length}") == 4
+    assert delta("ktserve_e2e_request_latency_seconds_count") == 4
+    assert delta("ktserve_time_to_first_token_seconds_count") == 4
+    assert delta("ktserve_moe_round_trip_seconds_count") > 0
+    assert delta("ktserve_http_requests_total{route=/v1/chat/completions,status=200}") == 3
+    for name in (
+        "ktserve_requests_running",
+        "ktserve_requests_waiting",
+        "ktserve_kv_cache_usage_ratio",
+        "ktserve_inter_token_latency_seconds_count",
+    ):
+        assert name in after
+
+
+def test_health_reports_the_workers(server):
+    status, body = server.health()
+    assert status == 200 and body["status"] == "ok"
+    assert body["engine"]["alive"]
+    [worker] = body["workers"]
+    assert worker["alive"] and worker["state"] == "serving" and pid_alive(worker["pid"])
+
+
+def test_killed_worker_is_restarted_and_requests_wait(server, client):
+    """Last in the module: kill -9 the expert worker; a request sent right away waits for the
+    restarted worker (within --worker-timeout) and succeeds."""
+    _, body = server.health()
+    pid = body["workers"][0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    r = chat(client, max_tokens=4, extra_body=NO_EOS)
+    assert r.usage.completion_tokens == 4
+    print(f"request across a worker restart took {time.monotonic() - start:.1f} s")
+    server.wait_until(lambda: server.health()[0] == 200, timeout=30, what="/health back to 200")
+    _, body = server.health()
+    assert body["workers"][0]["pid"] != pid and body["workers"][0]["restarts"] == 1
+    assert "exited with code -9; restarting it" in server.stderr()
+
+
+@pytest.fixture(scope="module")
+def fragile_server(checkpoint):
+    """No worker restarts, a short worker deadline: a dead worker means 503."""
+    before = shm_entries()
+    proc = ServerProcess(checkpoint, *FLAGS, "--no-restart-workers", "--worker-timeout", "2")
+    yield proc
+    assert proc.terminate() == 0, proc.stderr()[-3000:]
+    proc.close()
+    assert not shm_entries() - before
+
+
+def test_dead_worker_without_restart_is_503(fragile_server):
+    server = fragile_server
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    assert client.completions.create(model="tiny-ds", prompt="hi", max_tokens=2).usage
+    _, body = server.health()
+    pid = body["workers"][0]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    server.wait_until(lambda: server.health()[0] == 503, timeout=10, what="/health 503")
+    _, body = server.health()
+    assert body["status"] == "unavailable" and not body["workers"][0]["alive"]
+    assert body["workers"][0]["state"] == "exited"
+    start = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.chat.completions.create(model="tiny-ds", messages=HELLO, max_tokens=4)
+    assert exc.value.status_code == 503, exc.value.body
+    assert exc.value.body["code"] == "experts_unavailable"
+    assert time.monotonic() - start < 20
+    with pytest.raises(openai.APIStatusError) as exc:
+        list(
+            client.chat.completions.create(
+                model="tiny-ds", messages=HELLO, max_tokens=4, stream=True
+            )
+        )
+    assert exc.value.status_code == 503

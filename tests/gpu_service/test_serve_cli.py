@@ -1,0 +1,228 @@
+"""`ktserve serve` as a command: its help, its refusals, and a shutdown that leaves nothing behind
+(no processes, no /dev/shm segments)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import openai
+import pytest
+from api_server import REPO, ServerProcess, make_served_checkpoint, pid_alive
+from checkpoints import make_tiny_checkpoint
+from expert_procs import shm_entries
+
+from gpu_service.cli import DEMO_MODEL_DIR, build_parser, serve_config
+from gpu_service.serve_config import split_experts
+
+FLAGS = (
+    "--threads",
+    "1",
+    "--device",
+    "cpu",
+    "--dtype",
+    "float32",
+    "--format",
+    "bf16",
+    "--max-model-len",
+    "128",
+    "--kv-cache-tokens",
+    "1024",
+)
+SERVE_FLAGS = (
+    "--host",
+    "--port",
+    "--api-key",
+    "--served-model-name",
+    "--expert-workers",
+    "--experts-per-worker",
+    "--format",
+    "--threads",
+    "--gpu-experts",
+    "--max-model-len",
+    "--kv-cache-tokens",
+    "--dtype",
+    "--wire-dtype",
+    "--max-num-seqs",
+    "--device",
+    "--worker-timeout",
+    "--no-restart-workers",
+    "--worker-start-timeout",
+)
+
+
+@pytest.fixture(scope="module")
+def seed():
+    value = int.from_bytes(os.urandom(4), "little")
+    print(f"seed={value}")
+    return value
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, seed):
+    return make_served_checkpoint(tmp_path_factory.mktemp("cli") / "tiny", seed, 128)
+
+
+def ktserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gpu_service.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+
+
+def test_help_explains_every_flag():
+    result = ktserve("serve", "--help")
+    assert result.returncode == 0
+    text = result.stdout
+    for flag in SERVE_FLAGS:
+        assert re.search(rf"{flag}\b.*\n?\s+\S", text), f"{flag} missing from --help"
+    assert "KTSERVE_API_KEY" in text and "MODEL_DIR" in text
+    top = ktserve("--help").stdout
+    for command in ("serve", "expert", "convert"):
+        assert command in top
+    # the expert_service subcommands are the same parsers
+    assert "--listen" in ktserve("expert", "--help").stdout
+    assert "--out" in ktserve("convert", "--help").stdout
+
+
+def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
+    monkeypatch.setenv("KTSERVE_API_KEY", "from-env")
+    args = build_parser().parse_args(
+        [
+            "serve",
+            str(checkpoint),
+            "--expert-workers",
+            "2",
+            "--experts-per-worker",
+            "0-3,4-11",
+            "--no-restart-workers",
+            "--worker-timeout",
+            "5",
+            "--max-num-seqs",
+            "3",
+            "--port",
+            "0",
+            "--wire-dtype",
+            "float32",
+            "--format",
+            "int4",
+            "--threads",
+            "2",
+        ]
+    )
+    config = serve_config(args)
+    assert config.experts_per_worker == ("0-3", "4-11") and config.expert_ranges(12) == (
+        "0-3",
+        "4-11",
+    )
+    assert not config.restart_workers and config.worker_timeout_s == 5
+    assert config.max_num_seqs == 3 and config.wire_dtype == "float32"
+    assert config.weight_format == "int4" and config.threads == 2
+    assert config.api_key == "from-env" and config.model_name == "tiny"
+    assert config.host == "127.0.0.1"
+    gpu = config.gpu_service_config(("127.0.0.1:1", "127.0.0.1:2"))
+    assert gpu.worker_timeout_s == 5 and gpu.max_num_seqs == 3 and gpu.wire_dtype == "float32"
+    assert split_experts(12, 5) == ("0-2", "3-5", "6-7", "8-9", "10-11")
+    with pytest.raises(ValueError, match="config.json"):
+        serve_config(build_parser().parse_args(["serve", str(REPO / "tests")]))
+
+
+def test_no_model_serves_the_demo_or_says_how_to_pass_one(tmp_path):
+    if not (DEMO_MODEL_DIR / "config.json").is_file():
+        result = ktserve("serve", "--port", "0")
+        assert result.returncode == 2
+        assert "no model given" in result.stderr
+        assert "ktserve serve /path/to/model" in result.stderr
+        return
+    before = shm_entries()
+    server = ServerProcess(None, "--threads", "1", "--max-model-len", "256", timeout=300)
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [DEMO_MODEL_DIR.name]
+        r = client.chat.completions.create(
+            model=DEMO_MODEL_DIR.name, max_tokens=4, messages=[{"role": "user", "content": "Hi"}]
+        )
+        assert r.usage.completion_tokens <= 4
+    finally:
+        assert server.terminate() == 0
+        server.close()
+    assert not shm_entries() - before
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--gpu-experts", "4"), "--gpu-experts > 0 is not supported yet"),
+        (("--expert-workers", "0"), "--expert-workers must be >= 1"),
+        (("--expert-workers", "2", "--experts-per-worker", "0-11"), "one range per worker"),
+        (("--expert-workers", "50"), "use at most 12 workers"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(checkpoint, args, message):
+    result = ktserve("serve", str(checkpoint), "--port", "0", *FLAGS, *args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+
+
+def test_missing_tokenizer_and_busy_port_exit_2(tmp_path, checkpoint, seed):
+    bare = make_tiny_checkpoint("deepseek_v3", tmp_path / "bare", seed=seed)
+    result = ktserve("serve", str(bare), "--port", "0", *FLAGS)
+    assert result.returncode == 2 and "tokenizer" in result.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = ktserve("serve", str(checkpoint), "--port", str(port), *FLAGS)
+    assert result.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+def worker_pids(server: ServerProcess) -> list[int]:
+    return [
+        int(m) for line in server.output for m in re.findall(r"\[expert \d+\].*pid (\d+)", line)
+    ]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_everything(checkpoint, sig):
+    before = shm_entries()
+    server = ServerProcess(checkpoint, *FLAGS, "--expert-workers", "2")
+    try:
+        _, health = server.health()
+        pids = [w["pid"] for w in health["workers"]]
+        assert len(pids) == 2 and all(pid_alive(p) for p in pids)
+        assert len(shm_entries() - before) > 0  # the GPU side's channels exist while it serves
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        r = client.completions.create(model="tiny", prompt="hi", max_tokens=3)
+        assert r.usage.completion_tokens <= 3
+        server.proc.send_signal(sig)
+        assert server.proc.wait(60) == 0, server.stderr()[-3000:]
+        assert "ktserve.serve INFO stopped" in server.stderr()
+    finally:
+        server.close()
+    assert not any(pid_alive(p) for p in pids)
+    assert not shm_entries() - before
+
+
+def test_sigterm_while_loading_stops_everything(checkpoint):
+    before = shm_entries()
+    server = ServerProcess(checkpoint, *FLAGS, "--expert-workers", "2", wait=False)
+    try:
+        pids = server.wait_until(
+            lambda: len(worker_pids(server)) == 2 and worker_pids(server),
+            timeout=120,
+            what="both workers started",
+        )
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0, server.stderr()[-3000:]
+    finally:
+        server.close()
+    assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
+    assert not shm_entries() - before
