@@ -7,6 +7,9 @@ bf16 loop over the selected experts at T=1 (the baseline). Prints one table.
 
     python bench/bench_moe_kernel.py [--threads 15] [--shapes qwen3,dsv3] [--formats int8,int4]
 
+--x-dtypes bf16,f32 also times fp32 activations (with bf16 weights: the exact fp32 path; int8/int4
+quantize x per token whatever its dtype). --prefill-tokens 0 skips the prefill row.
+
 Effective GB/s = bytes of the distinct experts a call touches / time per call.
 """
 
@@ -37,6 +40,7 @@ SHAPES = {
     "qwen3": Shape("Qwen3-30B-A3B", 128, 8, 2048, 768),
     "dsv3": Shape("DeepSeek-V3", 256, 8, 7168, 2048),
 }
+X_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 SEED_EXPERTS = 4  # really quantized experts; the rest of a layer repeats their packed bytes
 
 
@@ -46,7 +50,8 @@ class BenchConfig:
     shapes: tuple[str, ...]
     formats: tuple[str, ...]
     decode_tokens: tuple[int, ...]
-    prefill_tokens: int
+    prefill_tokens: int  # 0: none
+    x_dtypes: tuple[str, ...]
     layers: int  # 0: enough for min_llc_multiple x LLC
     min_llc_multiple: float
     llc_bytes: int
@@ -62,6 +67,9 @@ class BenchConfig:
         unknown = set(self.shapes) - set(SHAPES)
         if unknown:
             raise ValueError(f"unknown shapes {sorted(unknown)}; known: {sorted(SHAPES)}")
+        bad = set(self.x_dtypes) - set(X_DTYPES)
+        if bad:
+            raise ValueError(f"unknown x dtypes {sorted(bad)}; known: {sorted(X_DTYPES)}")
 
 
 def llc_bytes() -> int:
@@ -171,21 +179,24 @@ def bench_format(cfg: BenchConfig, shape: Shape, fmt: str, rng: torch.Generator)
     layers = cfg.layers or max(1, math.ceil(cfg.min_llc_multiple * cfg.llc_bytes / layer_bytes))
     packed = [replicate(seed_packed, E) for _ in range(layers)]
     rows = []
+    tokens = (*cfg.decode_tokens, *((cfg.prefill_tokens,) if cfg.prefill_tokens else ()))
     with MoEKernel(cfg.threads, pin=cfg.pin) as kern:
-        for T in (*cfg.decode_tokens, cfg.prefill_tokens):
-            routes = [routing(rng, T, shape) for _ in range(16)]
-            x = torch.randn(T, H, generator=rng).bfloat16()
-            out = torch.empty(T, H, dtype=torch.bfloat16)
-            touched = [len(torch.unique(r[0])) for r in routes]
+        for xd in cfg.x_dtypes:
+            for T in tokens:
+                routes = [routing(rng, T, shape) for _ in range(16)]
+                x = torch.randn(T, H, generator=rng).to(X_DTYPES[xd])
+                out = torch.empty(T, H, dtype=torch.bfloat16)
+                touched = [len(torch.unique(r[0])) for r in routes]
 
-            def call(i: int, routes=routes, x=x, out=out) -> None:
-                ids, w = routes[i % len(routes)]
-                kern.forward(packed[i % layers], x, ids, w, out)
+                def call(i: int, routes=routes, x=x, out=out) -> None:
+                    ids, w = routes[i % len(routes)]
+                    kern.forward(packed[i % layers], x, ids, w, out)
 
-            sec = time_calls(call, cfg.min_seconds)
-            gbs = np.mean(touched) * seed_packed.expert_nbytes / sec / 1e9
-            tflops = 2 * 3 * H * I * T * shape.top_k / sec / 1e12
-            rows.append(Row(shape.name, f"{fmt} x{layers}L", T, sec * 1e6, gbs, tflops))
+                sec = time_calls(call, cfg.min_seconds)
+                gbs = np.mean(touched) * seed_packed.expert_nbytes / sec / 1e9
+                tflops = 2 * 3 * H * I * T * shape.top_k / sec / 1e12
+                impl = f"{fmt} x{layers}L" + ("" if xd == "bf16" else f" x={xd}")
+                rows.append(Row(shape.name, impl, T, sec * 1e6, gbs, tflops))
     return rows
 
 
@@ -196,7 +207,8 @@ def main() -> None:
     p.add_argument("--shapes", default="qwen3,dsv3")
     p.add_argument("--formats", default="bf16,int8,int4")
     p.add_argument("--tokens", default="1,4,16", help="decode token counts")
-    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--prefill-tokens", type=int, default=512, help="0: no prefill row")
+    p.add_argument("--x-dtypes", default="bf16", help="activation dtypes: bf16,f32")
     p.add_argument("--layers", type=int, default=0, help="0: enough for --llc-multiple x LLC")
     p.add_argument("--llc-multiple", type=float, default=8.0)
     p.add_argument("--llc-mb", type=float, default=0, help="0: read from sysfs")
@@ -212,6 +224,7 @@ def main() -> None:
         formats=tuple(a.formats.split(",")),
         decode_tokens=tuple(int(t) for t in a.tokens.split(",")),
         prefill_tokens=a.prefill_tokens,
+        x_dtypes=tuple(a.x_dtypes.split(",")),
         layers=a.layers,
         min_llc_multiple=a.llc_multiple,
         llc_bytes=int(a.llc_mb * (1 << 20)) or llc_bytes(),
@@ -240,7 +253,7 @@ def main() -> None:
         for fmt in cfg.formats:
             rows.extend(bench_format(cfg, shape, fmt, rng))
     head = (
-        f"{'shape':<14} {'impl':<16} {'T':>4} {'us/layer':>10} {'GB/s':>7} {'%DRAM':>6} "
+        f"{'shape':<14} {'impl':<22} {'T':>4} {'us/layer':>10} {'GB/s':>7} {'%DRAM':>6} "
         f"{'TFLOPS':>7} {'vs torch':>8}"
     )
     print(head)
@@ -248,7 +261,7 @@ def main() -> None:
     for r in rows:
         speedup = base_us.get(r.shape, 0) / r.us if r.tokens == 1 and r.shape in base_us else 0
         print(
-            f"{r.shape:<14} {r.impl:<16} {r.tokens:>4} {r.us:>10.1f} {r.gbs:>7.1f} "
+            f"{r.shape:<14} {r.impl:<22} {r.tokens:>4} {r.us:>10.1f} {r.gbs:>7.1f} "
             f"{100 * r.gbs / dram:>5.0f}% {r.tflops:>7.2f} "
             + (f"{speedup:>7.2f}x" if speedup else f"{'':>8}")
         )

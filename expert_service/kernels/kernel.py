@@ -1,4 +1,18 @@
-"""MoEKernel: the fused routed-experts forward on the CPU, with a persistent thread pool."""
+"""MoEKernel: the fused routed-experts forward on the CPU, with a persistent thread pool.
+
+Activation precision follows the dtype of x (the output dtype, f32 or bf16, is independent):
+
+- bf16 weights, x float32: the exact mode. x and the intermediate h = silu(gate x) * (up x) stay
+  fp32; the bf16 weights are widened to fp32 (exactly) and multiplied with fp32 FMA, accumulated
+  in fp32, on every ISA and for every T (AMX machines run the AVX-512 fp32 code: AMX-BF16 has no
+  fp32 activations). The result is fp32 math with the bf16 weights up to the summation order
+  (~1e-7 relative); this is what a parity check against an fp32 forward pass needs.
+- bf16 weights, x bfloat16 (numpy uint16 or torch.bfloat16): x and h in bf16 (vdpbf16ps,
+  AMX-BF16 for prefill), ~0.2-0.3% normalized error against fp32 math. Faster than the exact mode
+  where compute-bound (prefill: 1.7x with AVX-512 on the development machine, more with AMX);
+  decode is memory-bound in both (see README.md for the measured rates).
+- int8 / int4 weights: x and h quantized to int8 per token (symmetric), whatever x's dtype.
+"""
 
 from __future__ import annotations
 
@@ -41,7 +55,11 @@ class MoEKernel:
         self.close()
 
     def forward(self, packed: PackedExperts, x: Any, ids: Any, weights: Any, out: Any) -> None:
-        """x [T,H] f32/bf16, ids [T,k] int32 (-1 skips), weights [T,k] f32 -> out [T,H] f32/bf16."""
+        """x [T,H] f32/bf16, ids [T,k] int32 (-1 skips), weights [T,k] f32 -> out [T,H] f32/bf16.
+
+        With bf16 weights, float32 x selects the exact fp32 mode, bf16 x bf16 math (see the
+        module docstring).
+        """
         if self._k is None:
             raise ValueError("MoEKernel is closed")
         H = packed.hidden_size

@@ -37,10 +37,14 @@ enum { KTK_DT_F32 = 0, KTK_DT_BF16 = 1, KTK_DT_F16 = 2 };
 
 /* Per-ISA micro kernels: out[m][r] = sum_k W[r][k] * X[m][k] for the 16 rows r of one block,
  * m < M tokens whose activations are rows of X (stride ldx elements), K a multiple of 64.
+ * dot_bf16: bf16 activations (bf16 products, fp32 accumulation).
+ * dot_bf16_f32: fp32 activations (the exact mode): each bf16 weight widened to fp32 (exact), fp32
+ * FMA, fp32 accumulation. AMX has no fp32 tile product: its table points to the AVX-512 code.
  * int8/int4: X holds int8 activations with per-row scale xs[m]; the result is dequantized.
  * int4: xg[m*ldg + g] = sum of X[m][32g .. 32g+31]. */
 typedef struct {
   void (*dot_bf16)(const uint16_t* w, int K, const uint16_t* x, int ldx, int M, float* out);
+  void (*dot_bf16_f32)(const uint16_t* w, int K, const float* x, int ldx, int M, float* out);
   void (*dot_int8)(const int8_t* w, const float* ws, const int32_t* wsum, int K, const int8_t* x,
                    int ldx, const float* xs, int M, float* out);
   void (*dot_int4)(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
@@ -72,7 +76,7 @@ typedef struct {
   const int32_t *r13, *r2;
   int T, k;
   const void* x;
-  int x_dtype; /* KTK_DT_F32 or KTK_DT_BF16 */
+  int x_dtype; /* KTK_DT_F32 or KTK_DT_BF16; with bf16 weights, F32 selects the exact fp32 mode */
   const int32_t* ids;
   const float* weights;
   void* out;

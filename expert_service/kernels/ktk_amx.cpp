@@ -1,6 +1,7 @@
-// AMX micro kernels (AMX-BF16 for bf16 weights, AMX-INT8 for int8 and int4 weights with int8
-// activations). The packed blocks are already in B-tile order, so a weight block of 16 rows is
-// streamed by tileloadd with a 64-byte stride. Small M (decode) goes to the AVX-512 kernels.
+// AMX micro kernels (AMX-BF16 for bf16 weights with bf16 activations, AMX-INT8 for int8 and int4
+// weights with int8 activations). The packed blocks are already in B-tile order, so a weight block
+// of 16 rows is streamed by tileloadd with a 64-byte stride. Small M (decode) and fp32
+// activations (the exact mode) go to the AVX-512 kernels.
 //
 // NOTE: A tiles always load 16 activation rows and C tiles store 16 output rows; the caller pads
 // its activation and output buffers by 16 rows so rows past M are readable/writable scratch.
@@ -206,7 +207,13 @@ void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int 
   _tile_release();
 }
 
-const ktk_ops kOps = {dot_bf16, dot_int8, dot_int4};
+// fp32 activations (the exact mode): AMX-BF16 multiplies bf16 A tiles only, so this is the AVX-512
+// code itself (the same function the avx512 ISA runs and the tests check), for every M.
+void dot_bf16_f32(const uint16_t* w, int K, const float* x, int ldx, int M, float* out) {
+  ktk_ops_avx512()->dot_bf16_f32(w, K, x, ldx, M, out);
+}
+
+const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4};
 
 }  // namespace
 

@@ -51,6 +51,66 @@ void dot_bf16(const uint16_t* w, int K, const uint16_t* x, int ldx, int M, float
   for (; m < M; ++m) dot_bf16_tile<1>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
 }
 
+// bf16 weights, fp32 activations (the exact mode): the 32-bit lanes of a pair vector hold
+// [w(2p) | w(2p+1) << 16]; shift left by 16 / mask the low half widen them to fp32 exactly.
+// Rows 0-7 and 8-15 are two ymm halves; each token's even and odd k go into the same chain.
+template <int MT>
+void dot_f32x_tile(const uint16_t* w, int K, const float* x, int ldx, float* out) {
+  const __m256i hi_mask = _mm256_set1_epi32(int(0xffff0000u));
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int p = 0; p < K / 2; ++p) {
+    __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
+    __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
+    __m256 w0e = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+    __m256 w0o = _mm256_castsi256_ps(_mm256_and_si256(w0, hi_mask));
+    __m256 w1e = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    __m256 w1o = _mm256_castsi256_ps(_mm256_and_si256(w1, hi_mask));
+    for (int m = 0; m < MT; ++m) {
+      const float* xm = x + size_t(m) * ldx + 2 * p;
+      __m256 xe = _mm256_broadcast_ss(xm), xo = _mm256_broadcast_ss(xm + 1);
+      acc[m][0] = _mm256_fmadd_ps(w0o, xo, _mm256_fmadd_ps(w0e, xe, acc[m][0]));
+      acc[m][1] = _mm256_fmadd_ps(w1o, xo, _mm256_fmadd_ps(w1e, xe, acc[m][1]));
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    _mm256_storeu_ps(out + m * 16, acc[m][0]);
+    _mm256_storeu_ps(out + m * 16 + 8, acc[m][1]);
+  }
+}
+
+// One token: two pairs per step, even and odd k apart: eight chains (K/2 is a multiple of 32).
+void dot_f32x_one(const uint16_t* w, int K, const float* x, float* out) {
+  const __m256i hi_mask = _mm256_set1_epi32(int(0xffff0000u));
+  __m256 a[8];
+  for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+  for (int p = 0; p < K / 2; p += 2) {
+    for (int j = 0; j < 2; ++j) {
+      const uint16_t* wp = w + (p + j) * 32;
+      __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+      __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16));
+      __m256 xe = _mm256_broadcast_ss(x + 2 * (p + j)), xo = _mm256_broadcast_ss(x + 2 * (p + j) + 1);
+      __m256* aj = a + 4 * j;
+      aj[0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), xe, aj[0]);
+      aj[1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(w0, hi_mask)), xo, aj[1]);
+      aj[2] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), xe, aj[2]);
+      aj[3] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(w1, hi_mask)), xo, aj[3]);
+    }
+  }
+  __m256 lo = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[4], a[5]));
+  __m256 hi = _mm256_add_ps(_mm256_add_ps(a[2], a[3]), _mm256_add_ps(a[6], a[7]));
+  _mm256_storeu_ps(out, lo);
+  _mm256_storeu_ps(out + 8, hi);
+}
+
+void dot_bf16_f32(const uint16_t* w, int K, const float* x, int ldx, int M, float* out) {
+  if (M == 1) return dot_f32x_one(w, K, x, out);
+  int m = 0;
+  for (; m + 4 <= M; m += 4) dot_f32x_tile<4>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+  for (; m + 2 <= M; m += 2) dot_f32x_tile<2>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+  for (; m < M; ++m) dot_f32x_tile<1>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+}
+
 // int8 x int8 with the sign trick: maddubs(|x|, sign(w, x)) never saturates for |q| <= 127.
 template <int MT>
 void dot_int8_tile(const int8_t* w, const float* ws, int K, const int8_t* x, int ldx,
@@ -140,7 +200,7 @@ void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int 
                      out + m * 16);
 }
 
-const ktk_ops kOps = {dot_bf16, dot_int8, dot_int4};
+const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4};
 
 }  // namespace
 

@@ -45,6 +45,64 @@ void dot_bf16(const uint16_t* w, int K, const uint16_t* x, int ldx, int M, float
   for (; m < M; ++m) dot_bf16_tile<1>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
 }
 
+// bf16 weights, fp32 activations (the exact mode): one 64-byte vector holds the pair (2p, 2p+1) of
+// the 16 rows as 32-bit lanes [w(2p) | w(2p+1) << 16]; a left shift by 16 widens the even element
+// to fp32, masking the low half widens the odd one (both exact), then fp32 FMA. Even and odd k
+// accumulate in separate chains.
+inline __m512 widen_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+inline __m512 widen_odd(__m512i v) {
+  return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int(0xffff0000u))));
+}
+
+template <int MT>
+void dot_f32x_tile(const uint16_t* w, int K, const float* x, int ldx, float* out) {
+  __m512 ev[MT], od[MT];
+  for (int m = 0; m < MT; ++m) ev[m] = od[m] = _mm512_setzero_ps();
+  for (int p = 0; p < K / 2; ++p) {
+    __m512i v = _mm512_loadu_si512(w + p * 32);
+    __m512 we = widen_even(v), wo = widen_odd(v);
+    for (int m = 0; m < MT; ++m) {
+      const float* xm = x + size_t(m) * ldx + 2 * p;
+      ev[m] = _mm512_fmadd_ps(we, _mm512_set1_ps(xm[0]), ev[m]);
+      od[m] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xm[1]), od[m]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * 16, _mm512_add_ps(ev[m], od[m]));
+}
+
+// One token: eight chains (4 pairs x even/odd) hide the FMA latency; K/2 is a multiple of 32.
+void dot_f32x_one(const uint16_t* w, int K, const float* x, float* out) {
+  __m512 e0 = _mm512_setzero_ps(), e1 = e0, e2 = e0, e3 = e0, o0 = e0, o1 = e0, o2 = e0, o3 = e0;
+  for (int p = 0; p < K / 2; p += 4) {
+    const uint16_t* wp = w + p * 32;
+    const float* xp = x + 2 * p;
+    __m512i v0 = _mm512_loadu_si512(wp), v1 = _mm512_loadu_si512(wp + 32);
+    __m512i v2 = _mm512_loadu_si512(wp + 64), v3 = _mm512_loadu_si512(wp + 96);
+    e0 = _mm512_fmadd_ps(widen_even(v0), _mm512_set1_ps(xp[0]), e0);
+    o0 = _mm512_fmadd_ps(widen_odd(v0), _mm512_set1_ps(xp[1]), o0);
+    e1 = _mm512_fmadd_ps(widen_even(v1), _mm512_set1_ps(xp[2]), e1);
+    o1 = _mm512_fmadd_ps(widen_odd(v1), _mm512_set1_ps(xp[3]), o1);
+    e2 = _mm512_fmadd_ps(widen_even(v2), _mm512_set1_ps(xp[4]), e2);
+    o2 = _mm512_fmadd_ps(widen_odd(v2), _mm512_set1_ps(xp[5]), o2);
+    e3 = _mm512_fmadd_ps(widen_even(v3), _mm512_set1_ps(xp[6]), e3);
+    o3 = _mm512_fmadd_ps(widen_odd(v3), _mm512_set1_ps(xp[7]), o3);
+  }
+  __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(e0, o0), _mm512_add_ps(e1, o1)),
+                           _mm512_add_ps(_mm512_add_ps(e2, o2), _mm512_add_ps(e3, o3)));
+  _mm512_storeu_ps(out, s);
+}
+
+// Many tokens: the block (16 rows x K) is streamed from memory once; each chunk of up to 8 tokens
+// walks it again from cache (a blocked fp32 GEMM over the expert's grouped tokens).
+void dot_bf16_f32(const uint16_t* w, int K, const float* x, int ldx, int M, float* out) {
+  if (M == 1) return dot_f32x_one(w, K, x, out);
+  int m = 0;
+  for (; m + 8 <= M; m += 8) dot_f32x_tile<8>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+  for (; m + 4 <= M; m += 4) dot_f32x_tile<4>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+  for (; m + 2 <= M; m += 2) dot_f32x_tile<2>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+  for (; m < M; ++m) dot_f32x_tile<1>(w, K, x + size_t(m) * ldx, ldx, out + m * 16);
+}
+
 // int8: vpdpbusd(u8 x, s8 w) with x + 128 as the unsigned operand; minus 128 * rowsum(w).
 template <int MT>
 void dot_int8_tile(const int8_t* w, const float* ws, const int32_t* wsum, int K, const int8_t* x,
@@ -170,7 +228,7 @@ void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int 
     dot_int4_tile<1>(w, gs, K, x + size_t(m) * ldx, ldx, xs + m, xg + size_t(m) * ldg, ldg, out + m * 16);
 }
 
-const ktk_ops kOps = {dot_bf16, dot_int8, dot_int4};
+const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4};
 
 }  // namespace
 

@@ -1,5 +1,10 @@
-// The forward call: routing, activation quantization, and the three parallel phases
-// (gate/up + SiLU*up, intermediate quantization, down + weighted sum) around the ISA micro kernels.
+// The forward call: routing, activation preparation, and the three parallel phases
+// (gate/up + SiLU*up, intermediate preparation, down + weighted sum) around the ISA micro kernels.
+//
+// Activation precision (x and the intermediate h), chosen once per call:
+//   int8/int4 weights: int8 per token (symmetric), whatever x's dtype;
+//   bf16 weights, bf16 x: bf16 (dot_bf16: vdpbf16ps / AMX-BF16);
+//   bf16 weights, fp32 x: fp32, the exact mode (dot_bf16_f32: weights widened, fp32 FMA).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -41,13 +46,16 @@ struct ktk_kernel {
 
 namespace {
 
+enum Act { kActInt8 = 0, kActBf16 = 1, kActF32 = 2 };
+
 struct Call {
   const ktk_forward_args* a;
   const ktk_ops* ops;
   ktk_pool* pool;
   int Hp, Ip, P, G;
   int gate_blocks, out_blocks;  // blocks of 16 rows that hold real rows: ceil(I/16), ceil(H/16)
-  size_t act_bytes;             // bytes per activation element: 2 (bf16) or 1 (int8)
+  int act;                      // Act: how x and h are prepared
+  size_t act_bytes;             // bytes per activation element: 4 (f32), 2 (bf16) or 1 (int8)
   const int32_t *group_expert, *group_off, *slot_token;
   const float* slot_weight;
   uint8_t* xt;  // [T][Hp] per-token prepared activations
@@ -67,12 +75,19 @@ inline float round_even(float v) {  // vectorizable round-half-even for |v| < 2^
   return (v + 12582912.0f) - 12582912.0f;
 }
 
-// Prepares one activation row: n_real values of src (f32 or bf16) into dst (padded to n_pad).
-void prep_row(int fmt, const void* src, int src_dtype, int n_real, int n_pad, uint8_t* dst,
+// Prepares one activation row: n_real values of src (f32 or bf16) into dst (padded to n_pad with
+// zeros) as act: f32 (src is f32 then), bf16, or int8 with a scale and group sums.
+void prep_row(int act, const void* src, int src_dtype, int n_real, int n_pad, uint8_t* dst,
               float* scale, int32_t* gsum) {
   const float* sf = static_cast<const float*>(src);
   const uint16_t* sb = static_cast<const uint16_t*>(src);
-  if (fmt == KTK_FMT_BF16) {
+  if (act == kActF32) {
+    float* d = reinterpret_cast<float*>(dst);
+    memcpy(d, sf, size_t(n_real) * 4);
+    for (int i = n_real; i < n_pad; ++i) d[i] = 0.0f;
+    return;
+  }
+  if (act == kActBf16) {
     uint16_t* d = reinterpret_cast<uint16_t*>(dst);
     if (src_dtype == KTK_DT_BF16)
       memcpy(d, sb, size_t(n_real) * 2);
@@ -115,7 +130,12 @@ void gateup_item(Call& c, int item, float* tg, float* tu) {
   size_t block_elems = size_t(16) * c.Hp;
   size_t expert_blocks = size_t(2) * c.Ip / 16;
   size_t jg = size_t(e) * expert_blocks + 2 * b;  // global block index of the gate block
-  if (a->fmt == KTK_FMT_BF16) {
+  if (c.act == kActF32) {
+    const uint16_t* w = static_cast<const uint16_t*>(a->w13) + jg * block_elems;
+    const float* x = reinterpret_cast<const float*>(c.xa) + size_t(off) * c.Hp;
+    c.ops->dot_bf16_f32(w, c.Hp, x, c.Hp, M, tg);
+    c.ops->dot_bf16_f32(w + block_elems, c.Hp, x, c.Hp, M, tu);
+  } else if (a->fmt == KTK_FMT_BF16) {
     const uint16_t* w = static_cast<const uint16_t*>(a->w13) + jg * block_elems;
     const uint16_t* x = reinterpret_cast<const uint16_t*>(c.xa) + size_t(off) * c.Hp;
     c.ops->dot_bf16(w, c.Hp, x, c.Hp, M, tg);
@@ -152,7 +172,11 @@ void down_dot(const Call& c, int g, int b, float* tmp) {
   int e = c.group_expert[g], off = c.group_off[g], M = c.group_off[g + 1] - off;
   size_t block_elems = size_t(16) * Ip;
   size_t j = size_t(e) * (size_t(c.Hp) / 16) + b;
-  if (a->fmt == KTK_FMT_BF16) {
+  if (c.act == kActF32) {
+    const uint16_t* w = static_cast<const uint16_t*>(a->w2) + j * block_elems;
+    const float* x = reinterpret_cast<const float*>(c.ha) + size_t(off) * Ip;
+    c.ops->dot_bf16_f32(w, Ip, x, Ip, M, tmp);
+  } else if (a->fmt == KTK_FMT_BF16) {
     const uint16_t* w = static_cast<const uint16_t*>(a->w2) + j * block_elems;
     const uint16_t* x = reinterpret_cast<const uint16_t*>(c.ha) + size_t(off) * Ip;
     c.ops->dot_bf16(w, Ip, x, Ip, M, tmp);
@@ -231,14 +255,14 @@ void share(const Call& c, int nb, int tid, int n, int* begin, int* end) {
 void forward_task(void* raw, int tid, int n) {
   Call& c = *static_cast<Call*>(raw);
   const ktk_forward_args* a = c.a;
-  const int T = a->T, Hp = c.Hp, Ip = c.Ip, fmt = a->fmt;
+  const int T = a->T, Hp = c.Hp, Ip = c.Ip, fmt = a->fmt, act = c.act;
   const int ldgx = Hp / 32, ldgh = Ip / 32;
   size_t xelem = a->x_dtype == KTK_DT_BF16 ? 2 : 4;
   int lo, hi;
   // Phase 0a: per-token activations.
   split(T, tid, n, &lo, &hi);
   for (int t = lo; t < hi; ++t)
-    prep_row(fmt, static_cast<const uint8_t*>(a->x) + size_t(t) * a->H * xelem, a->x_dtype, a->H,
+    prep_row(act, static_cast<const uint8_t*>(a->x) + size_t(t) * a->H * xelem, a->x_dtype, a->H,
              Hp, c.xt + size_t(t) * Hp * c.act_bytes, c.xs + t, c.xg + size_t(t) * ldgx);
   ktk_pool_barrier(c.pool);
   // Phase 0b: gather them by slot (expert-major), so each expert's tokens are contiguous rows.
@@ -261,7 +285,7 @@ void forward_task(void* raw, int tid, int n) {
   // Phase 2: prepare h for the down projection.
   split(c.P, tid, n, &lo, &hi);
   for (int s = lo; s < hi; ++s)
-    prep_row(fmt, c.h + size_t(s) * Ip, KTK_DT_F32, a->I, Ip, c.ha + size_t(s) * Ip * c.act_bytes,
+    prep_row(act, c.h + size_t(s) * Ip, KTK_DT_F32, a->I, Ip, c.ha + size_t(s) * Ip * c.act_bytes,
              c.hs + s, c.hg + size_t(s) * ldgh);
   ktk_pool_barrier(c.pool);
   if (!c.partials) {
@@ -329,6 +353,9 @@ void ktk_kernel_destroy(ktk_kernel* k) {
 int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
   if (a->fmt < KTK_FMT_BF16 || a->fmt > KTK_FMT_INT4 || a->T < 0 || a->k < 0 || a->E <= 0)
     return KTK_ERR_BAD_ARG;
+  if ((a->x_dtype != KTK_DT_F32 && a->x_dtype != KTK_DT_BF16) ||
+      (a->out_dtype != KTK_DT_F32 && a->out_dtype != KTK_DT_BF16))
+    return KTK_ERR_BAD_ARG;
   const int T = a->T, K = a->k, E = a->E;
   // Routing: count per expert (validating ids before anything is written), then slots.
   if (!k->counts.reserve(sizeof(int32_t) * (E + 1))) return KTK_ERR_NOMEM;
@@ -351,7 +378,8 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
   c.P = P;
   c.gate_blocks = (a->I + 15) / 16;
   c.out_blocks = (a->H + 15) / 16;
-  c.act_bytes = a->fmt == KTK_FMT_BF16 ? 2 : 1;
+  c.act = a->fmt != KTK_FMT_BF16 ? kActInt8 : a->x_dtype == KTK_DT_F32 ? kActF32 : kActBf16;
+  c.act_bytes = c.act == kActF32 ? 4 : c.act == kActBf16 ? 2 : 1;
   const int n = k->num_threads;
   size_t max_m = size_t(P > T ? P : T);
   // [max_m + 16][16] gate and up results (tmp) + max([max_m + 16][16], [T][kDownChunk * 16]) (acc)

@@ -1,8 +1,12 @@
 """The CPU MoE kernel against a plain torch fp32 reference, on every ISA this machine has.
 
 Error bounds (normalized Frobenius error ||y - y_ref|| / ||y_ref||, y_ref = the bf16-weight result):
-- bf16: the reference uses the bf16-rounded weights; the kernel also rounds x and the intermediate
-  h to bf16 (relative step 2^-8, rms error 2^-8/sqrt(12) ~ 0.1% per operand), so <= 1%.
+- bf16 weights, fp32 x (the exact mode): the kernel does the reference's arithmetic (bf16 weights
+  widened to fp32 exactly, fp32 x and h, fp32 FMA and accumulation); the only differences are the
+  order of the fp32 sums (K <= 256 terms: a few ulps, ~1e-7 relative) and expf vs torch's
+  sigmoid in SiLU (an ulp), so < 1e-5. A bf16 output adds its rounding: <= 2^-9 per element.
+- bf16 weights, bf16 x: the kernel also rounds the intermediate h to bf16 (relative step 2^-8, rms
+  error 2^-8/sqrt(12) ~ 0.1% per operand), so <= 1% (the reference uses the same bf16 x).
 - int8 / int4: a symmetric quantizer with L levels each side and crest factor c = max|v|/rms(v)
   over its scale's span has rms relative error e = c / (L * sqrt(12)). Five operands are
   quantized (x, gate, up, h: int8 activations, per row; gate, up, down weights) and their errors
@@ -35,6 +39,8 @@ from expert_service.kernels import (
 E, H, I = 6, 200, 72  # noqa: E741  (H and I not multiples of 64)
 K_TOP = 4
 FORMATS = [f.value for f in WeightFormat]
+EXACT_BOUND = 1e-5  # bf16 weights with fp32 x: fp32 summation order only (see the docstring)
+BF16_OUT_ROUNDING = 2.0**-9  # relative error of round-to-nearest-even to bf16, per element
 BOUNDS = {"bf16": 0.01, "int8": 0.05, "int4": 0.25}
 SMALL_T_BOUNDS = {"bf16": 0.01, "int8": 0.05, "int4": 0.36}
 ISAS = available_isas()
@@ -114,21 +120,64 @@ def test_matches_reference(seed, experts, packed, kernels, isa, fmt, T, io):
     if not ref.any():  # every id was -1
         assert not out.any()
         return
-    bound = (SMALL_T_BOUNDS if T <= 3 else BOUNDS)[fmt]
-    assert rel_err(out.float(), ref) <= bound + (0.004 if out_dtype == torch.bfloat16 else 0)
+    if fmt == "bf16" and x_dtype == torch.float32:  # the exact mode
+        bound = EXACT_BOUND + (BF16_OUT_ROUNDING if out_dtype == torch.bfloat16 else 0)
+    else:
+        bound = (SMALL_T_BOUNDS if T <= 3 else BOUNDS)[fmt]
+        bound += 0.004 if out_dtype == torch.bfloat16 else 0
+    assert rel_err(out.float(), ref) <= bound
     if T > 1:
         assert torch.count_nonzero(out[1]) == 0  # all-zero routing weights
         assert torch.count_nonzero(out[T - 1]) == 0  # all -1
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("T", [1, 3, 17, 300])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_exact_mode_fp32_activations(seed, experts, packed, kernels, isa, T, out_dtype):
+    """bf16 weights + fp32 x: x and h stay fp32 on every ISA (AMX runs the AVX-512 fp32 code), for
+    decode and prefill sizes alike, so the result is the fp32 reference up to the fp32 summation
+    order (< 1e-5, see the module docstring). Token 0 routes to one expert twice, has a slot with
+    weight 0 and a -1 slot; with T > 1, token 1 has only zero weights and token T-1 only -1."""
+    x, ids, w = make_inputs(seed, T)
+    e0 = int(ids[0].max().clamp_min(0))
+    ids[0] = torch.tensor([e0, e0, (e0 + 1) % E, -1], dtype=torch.int32)
+    w[0, 2] = 0.0
+    ref = reference(experts, x, ids, w)
+    out = torch.full((T, H), float("nan"), dtype=out_dtype)
+    kernels[isa].forward(packed["bf16"], x, ids, w, out)
+    err = rel_err(out.float(), ref)
+    print(f"isa={isa} T={T} out={out_dtype} exact-mode error={err:.3g}")
+    assert err < EXACT_BOUND + (BF16_OUT_ROUNDING if out_dtype == torch.bfloat16 else 0)
+    if out_dtype == torch.float32:
+        # Per token too (token 0 is a single expert's output, the smallest sample).
+        for t in range(T):
+            if ref[t].any():
+                assert rel_err(out[t], ref[t]) < EXACT_BOUND, t
+    else:  # the fp32 result rounded once: at most one bf16 step from round(ref), plus the fp32
+        # sum-order slack for elements near 0 (cancellation)
+        ref16 = ref.bfloat16().float()
+        step = torch.abs(ref16) * 2.0**-7 + EXACT_BOUND * ref.abs().max()
+        assert (torch.abs(out.float() - ref16) <= step).all()
+    if T > 1:
+        assert torch.count_nonzero(out[1]) == 0 and torch.count_nonzero(out[T - 1]) == 0
+    # The same x rounded to bf16 takes the bf16 path (h rounded too): ~1.6e-3 from the fp32 result.
+    out16 = torch.empty(T, H)
+    kernels[isa].forward(packed["bf16"], x.bfloat16(), ids, w, out16)
+    assert rel_err(out16, ref) > 10 * EXACT_BOUND
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_isas_agree(seed, packed, kernels, fmt):
-    """Every ISA does the same quantized arithmetic: only the fp32 summation order differs."""
+@pytest.mark.parametrize("x_dtype", [np.float32, "bf16"])
+def test_isas_agree(seed, packed, kernels, fmt, x_dtype):
+    """Every ISA does the same arithmetic (per format and x dtype): only the fp32 summation order
+    differs."""
     x, ids, w = make_inputs(seed, 300)
+    xin = x.numpy() if x_dtype is np.float32 else x.bfloat16().view(torch.uint16).numpy()
     outs = {}
     for isa in ISAS:
         outs[isa] = np.empty((300, H), np.float32)
-        kernels[isa].forward(packed[fmt], x.numpy(), ids.numpy(), w.numpy(), outs[isa])
+        kernels[isa].forward(packed[fmt], xin, ids.numpy(), w.numpy(), outs[isa])
     for isa in ISAS:
         err = np.linalg.norm(outs[isa] - outs["avx2"]) / np.linalg.norm(outs["avx2"])
         assert err < 1e-4, (isa, err)
