@@ -21,8 +21,6 @@ from expert_service.cli import add_convert_parser, add_expert_parser
 from expert_service.config import FORMATS
 from gpu_service.serve_config import API_KEY_ENV, ServeConfig
 
-log = logging.getLogger("ktserve.serve")
-
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 D = ServeConfig  # defaults
 
@@ -212,27 +210,40 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 def run_serve(args: argparse.Namespace) -> int:
     from gpu_service.api.server import serve
+    from gpu_service.moe_client import ExpertsUnavailable
+    from gpu_service.supervisor import WorkerStartError
 
     config = serve_config(args)
+    signals: list[int] = []
 
     def on_signal(signum: int, frame: object) -> None:
+        signals.append(signum)
         raise Shutdown(signal.Signals(signum).name)
 
     # NOTE: while loading, a signal unwinds through the cleanups; uvicorn installs its own
     # handlers while it serves (and re-raises the signal once it has stopped: Shutdown again).
+    # Raised inside a C extension (torch), Shutdown may come out as another exception: after a
+    # signal, any exception is the shutdown.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     try:
         return serve(config, on_ready=print_ready)
     except Shutdown:
         return 0
+    except BaseException as exc:
+        if signals:
+            return 0
+        if isinstance(exc, WorkerStartError | ExpertsUnavailable):
+            print(f"ktserve serve: error: {exc}", file=sys.stderr)
+            return 1
+        raise
 
 
 def print_ready(url: str, config: ServeConfig) -> None:
     body = json.dumps(
         {"model": config.model_name, "messages": [{"role": "user", "content": "Hello!"}]}
     )
-    auth = f" -H 'Authorization: Bearer ${API_KEY_ENV}'" if config.api_key else ""
+    auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if config.api_key else ""
     print(
         f"ktserve serve: serving {config.model_name!r} at {url}/v1 (OpenAI API; health at "
         f"{url}/health, metrics at {url}/metrics)\n  try: curl {url}/v1/chat/completions "

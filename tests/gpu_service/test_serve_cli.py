@@ -226,3 +226,13 @@ def test_sigterm_while_loading_stops_everything(checkpoint):
         server.close()
     assert len(pids) == 2 and not any(pid_alive(p) for p in pids)
     assert not shm_entries() - before
+
+
+def test_worker_that_cannot_load_fails_the_start(checkpoint):
+    before = shm_entries()
+    result = ktserve(
+        "serve", str(checkpoint), "--port", "0", *FLAGS, "--experts-per-worker", "0-99"
+    )
+    assert result.returncode == 1, result.stderr
+    assert "expert worker 0 (experts 0-99) exited with code" in result.stderr
+    assert not shm_entries() - before
