@@ -4,6 +4,7 @@
     data: {chunk}                one per engine event that released text (or logprobs)
     data: {last chunk}           empty delta, finish_reason set
     data: {usage chunk}          only with stream_options.include_usage: choices [], usage
+                                 (then every chunk before it has "usage": null)
     data: [DONE]
 
 The first engine event is awaited before the response starts, so a request that fails at once
@@ -66,9 +67,15 @@ async def _chunks(
     # NOTE: the finally runs when the client disconnects too (Starlette cancels this generator):
     # that is what aborts the request in the engine.
     num_tokens = 0
+
+    def emit(chunk: dict) -> str:
+        if include_usage:  # as OpenAI does: every chunk but the last has "usage": null
+            chunk.setdefault("usage", None)
+        return sse(chunk)
+
     try:
         for chunk in writer.head():
-            yield sse(chunk)
+            yield emit(chunk)
         while True:
             error = finish_error(event)
             if error is not None:
@@ -78,9 +85,9 @@ async def _chunks(
             num_tokens += len(event.tokens)
             chunk = writer.event(event)
             if chunk is not None:
-                yield sse(chunk)
+                yield emit(chunk)
             if event.finish_reason is not None:
-                yield sse(writer.finish(event.finish_reason.value))
+                yield emit(writer.finish(event.finish_reason.value))
                 break
             event = await generation.next_event()
         if include_usage:

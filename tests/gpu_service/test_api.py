@@ -123,21 +123,28 @@ def test_chat_streaming_matches_non_streaming(client):
     assert text == whole.choices[0].message.content
 
 
-def test_stream_ends_with_done(server):
-    conn, response = server.open_stream(
-        "/v1/chat/completions",
-        {"model": "tiny", "messages": HELLO, "max_tokens": 3, "stream": True},
-        headers=auth(),
-    )
-    try:
-        assert response.status == 200
-        assert response.getheader("content-type").startswith("text/event-stream")
-        events = [e for e in response.read().decode().split("\n\n") if e]
-    finally:
-        conn.close()
-    assert all(e.startswith("data: ") for e in events)
-    assert events[-1] == "data: [DONE]"
-    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+def test_stream_is_openai_sse(server):
+    def events_of(body: dict) -> list[dict | str]:
+        conn, response = server.open_stream("/v1/chat/completions", body, headers=auth())
+        try:
+            assert response.status == 200
+            assert response.getheader("content-type").startswith("text/event-stream")
+            raw = [e for e in response.read().decode().split("\n\n") if e]
+        finally:
+            conn.close()
+        assert all(e.startswith("data: ") for e in raw)
+        assert raw[-1] == "data: [DONE]"
+        return [json.loads(e[6:]) for e in raw[:-1]]
+
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 3, "stream": True}
+    chunks = events_of(body)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["choices"][0]["delta"] == {}
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
+    chunks = events_of({**body, "stream_options": {"include_usage": True}})
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
 
 
 def test_completions_text_and_token_ids(client, server):
