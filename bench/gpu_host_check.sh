@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU host's checks, in one go: build in place, the CPU-side tests on every instruction set
-# the host has (AVX-512, AMX), the two-process parity tests on the CUDA path, and the benchmarks.
-# Logs go to $OUT (or ./gpu-host-out). Wheels in .whl/ (posix_ipc, ...) are installed first:
-# the GPU host has no network.
-#   usage: bash bench/gpu_host_check.sh [tests|bench|all]
+# the host has (AVX-512, AMX), the two-process parity on the CUDA path (against references made
+# here by `python bench/parity_on_gpu_host.py make .device/parity`: the host's transformers is
+# not the pinned one), and the benchmarks. Logs go to $OUT (or ./gpu-host-out). Wheels in .whl/
+# (posix_ipc, ...) are installed first: the GPU host has no network.
+#   usage: bash bench/gpu_host_check.sh [tests|bench|all] [PARITY_REFERENCE_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"
+refs="${2:-.device/parity}"
 out="${OUT:-gpu-host-out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -21,10 +23,11 @@ python3 -c "from expert_service.kernels import available_isas; print('kernel ISA
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -q -p no:cacheprovider tests/expert_service/test_kernels.py tests/ktshm \
     2>&1 | tee "$out/tests-cpu.log" | tail -5
-  KTSERVE_TEST_DEVICE=cuda python3 -m pytest -q -s -p no:cacheprovider tests/e2e/test_parity.py \
-    2>&1 | tee "$out/tests-e2e-cuda.log" | grep -E "error|passed|failed" | tail -30
+  python3 bench/parity_on_gpu_host.py check "$refs" --device cuda 2>&1 | tee "$out/parity-cuda.log" \
+    | grep -v -E "Loading|Writing"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  python3 bench/bench_ktshm.py --iters 5000 2>&1 | tee "$out/bench-ktshm.log"
   python3 bench/bench_moe_kernel.py --threads 15 2>&1 | tee "$out/bench-kernel.log"
+  python3 bench/bench_quality.py --device cuda --threads 8 2>&1 | tee "$out/bench-quality.log"
+  python3 bench/bench_ktshm.py --iters 5000 2>&1 | tee "$out/bench-ktshm.log"
 fi

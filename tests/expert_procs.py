@@ -42,12 +42,17 @@ class ExpertProcess:
         )  # fmt: skip
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
-        line = self.read_line(r"listening on (\S+)")
-        self.address = re.search(r"listening on (\S+)", line).group(1)
-        self.grpc_channel = grpc.insecure_channel(self.address)
-        self.stub = pb_grpc.ExpertServiceStub(self.grpc_channel)
-        if wait_serving and "--model" in args:
-            self.read_line(r"serving")
+        self.grpc_channel = None
+        try:
+            line = self.read_line(r"listening on (\S+)")
+            self.address = re.search(r"listening on (\S+)", line).group(1)
+            self.grpc_channel = grpc.insecure_channel(self.address)
+            self.stub = pb_grpc.ExpertServiceStub(self.grpc_channel)
+            if wait_serving and "--model" in args:
+                self.read_line(r"serving")
+        except BaseException:
+            self.close()  # NOTE: the caller never gets this object: leave no process behind
+            raise
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
@@ -90,7 +95,8 @@ class ExpertProcess:
         self.proc.wait()
 
     def close(self) -> None:
-        self.grpc_channel.close()
+        if self.grpc_channel is not None:
+            self.grpc_channel.close()
         self.kill()
         self.proc.stdout.close()
         self._stderr.close()

@@ -25,10 +25,11 @@ from expert_service.protocol import expert_pb2 as pb
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 # Normalized error ||y - ref|| / ||ref|| against transformers' fp32 experts (the kernel's own
-# bounds, see tests/expert_service/test_kernels.py). bf16 weights are exact (the checkpoint is
-# bf16) but the kernel rounds x and h to bf16 (step 2^-8); int8 has a per-row step of max|w|/127
-# (~0.2% rms per weight); int4 a per-32-group step of max|w|/7 (~9% rms per weight).
-TOLERANCE = {"bf16": 1e-2, "int8": 5e-2, "int4": 0.25}
+# bounds, see tests/expert_service/test_kernels.py). bf16 weights with fp32 x on the wire: exact
+# fp32 math (the checkpoint is bf16), only the summation order differs; int8 has a per-row step
+# of max|w|/127 (~0.2% rms per weight); int4 a per-32-group step of max|w|/7 (~9% rms; with
+# a token or three, few experts average it out: the kernel's tests allow 36% there).
+TOLERANCE = {"bf16": 1e-5, "int8": 5e-2, "int4": 0.36}
 
 
 @pytest.fixture(autouse=True)

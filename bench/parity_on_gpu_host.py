@@ -1,0 +1,129 @@
+"""Parity of the two-process path on a machine whose transformers differs from the pinned one.
+
+`make` (here, with the pinned transformers): tiny checkpoints per family, prompts, transformers'
+fp32 last-position logits and its 32-token greedy continuation (full forward each step), saved.
+`check` (on the GPU host, no transformers needed): the GPU service on --device (cuda) + a
+`ktserve expert` subprocess (bf16 experts, fp32 on the wire and in the GPU part) must give those
+logits (max relative error) and the same tokens. Prints one table.
+
+    python bench/parity_on_gpu_host.py make DIR      # here
+    python bench/parity_on_gpu_host.py check DIR     # there
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
+NUM_TOKENS = 32
+
+
+def make(out: Path, seed: int) -> None:
+    from checkpoints import load_reference_model, make_tiny_checkpoint
+
+    g = torch.Generator().manual_seed(seed)
+    for family in FAMILIES:
+        path = make_tiny_checkpoint(family, out / family, seed=seed)
+        model = load_reference_model(path)
+        prompts = [torch.randint(0, 101, (n,), generator=g).tolist() for n in (6, 13, 3)]
+        logits, greedy = [], []
+        with torch.no_grad():
+            for prompt in prompts:
+                logits.append(model(torch.tensor([prompt])).logits[0, -1])
+                ids = list(prompt)
+                for _ in range(NUM_TOKENS):
+                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+                greedy.append(ids[len(prompt) :])
+        torch.save({"prompts": prompts, "logits": torch.stack(logits), "greedy": greedy},
+                   out / family / "reference.pt")  # fmt: skip
+    print(f"references for {', '.join(FAMILIES)} in {out}")
+
+
+def check(ref_dir: Path, device: str) -> int:
+    from gpu_service.engine import SamplingParams
+    from gpu_service.models import Batch, SeqInput
+    from gpu_service.service import GPUServiceConfig, build_gpu_service
+
+    rows, failed = [], False
+    for family in FAMILIES:
+        path = ref_dir / family
+        ref = torch.load(path / "reference.pt")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "expert_service.cli", "expert", "--model", str(path),
+             "--format", "bf16", "--threads", "4", "--listen", "127.0.0.1:0"],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        address = None
+        for line in proc.stdout:
+            address = address or (
+                m.group(1) if (m := re.search(r"listening on (\S+)", line)) else None
+            )
+            if "serving" in line:
+                break
+        service = build_gpu_service(GPUServiceConfig(
+            model_dir=str(path), workers=(address,), device=device, dtype="float32",
+            wire_dtype="float32", kv_cache_tokens=1024, max_model_len=128))  # fmt: skip
+        try:
+            model = service.engine.model
+            caches = [model.kv_cache.allocate(len(p)) for p in ref["prompts"]]
+            batch = Batch(tuple(SeqInput(p, c, 0) for p, c in zip(ref["prompts"], caches)))
+            got = model.forward(batch).cpu()
+            for c in caches:
+                model.kv_cache.free(c)
+            err = float(((got - ref["logits"]).abs().amax(1) / ref["logits"].abs().amax(1)).max())
+            outputs = [[] for _ in ref["prompts"]]
+            done = threading.Semaphore(0)
+            params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+            for i, prompt in enumerate(ref["prompts"]):
+
+                def on_event(e, i=i):
+                    outputs[i].extend(t.token_id for t in e.tokens)
+                    if e.finish_reason is not None:
+                        done.release()
+
+                service.engine.add_request(prompt, params, on_event)
+            for _ in ref["prompts"]:
+                done.acquire(timeout=300)
+            same = sum(o == g for o, g in zip(outputs, ref["greedy"]))
+            pinned = bool(service.experts._registered)
+        finally:
+            service.close()
+            proc.terminate()
+            proc.wait(30)
+        ok = err < 1e-3 and same == len(ref["prompts"])
+        failed |= not ok
+        rows.append((family, err, f"{same}/{len(ref['prompts'])}", pinned, "ok" if ok else "FAIL"))
+    print(f"two-process parity on {device} (bf16 experts, fp32 wire and GPU part)")
+    print(
+        f"{'family':<12} | {'logits rel err':>14} | {'greedy 32 same':>14} | {'pinned shm':>10} |"
+    )
+    for family, err, same, pinned, verdict in rows:
+        print(f"{family:<12} | {err:>14.2e} | {same:>14} | {pinned!s:>10} | {verdict}")
+    return 1 if failed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=("make", "check"))
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    if args.what == "make":
+        make(args.dir, args.seed)
+        return 0
+    return check(args.dir, args.device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
