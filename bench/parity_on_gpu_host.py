@@ -86,7 +86,7 @@ def check(ref_dir: Path, device: str) -> int:
             params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
             for i, prompt in enumerate(ref["prompts"]):
 
-                def on_event(e, i=i):
+                def on_event(e, i=i, outputs=outputs, done=done):
                     outputs[i].extend(t.token_id for t in e.tokens)
                     if e.finish_reason is not None:
                         done.release()
