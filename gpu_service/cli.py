@@ -97,7 +97,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--gpu-experts",
         type=int,
         default=D.gpu_experts,
-        help="routed experts to keep on the GPU; only 0 is supported so far (default %(default)s)",
+        help="hot routed experts per MoE layer to keep on the GPU, computed there while the CPU "
+        "workers do the rest; chosen from the workers' activation counts (default %(default)s)",
+    )
+    p.add_argument(
+        "--expert-placement",
+        metavar="FILE",
+        help='JSON {"layer": [expert ids]} naming the experts to keep on the GPU per layer',
     )
     p.add_argument(
         "--max-model-len",
@@ -196,6 +202,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         weight_format=args.weight_format,
         threads=args.threads,
         gpu_experts=args.gpu_experts,
+        expert_placement=args.expert_placement,
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,
         dtype=args.dtype,

@@ -19,8 +19,9 @@ class ServeConfig:
     listens (port 0 picks a free one). api_key: required as `Authorization: Bearer ...` on /v1/*
     when set. served_model_name: the `model` clients send (default: model_dir's name).
     expert_workers: CPU worker processes; experts_per_worker: their expert id ranges ("0-63"), by
-    default an even split; weight_format and threads apply to each worker. gpu_experts: routed
-    experts kept on the GPU (not implemented yet: must be 0). restart_workers: restart a worker
+    default an even split; weight_format and threads apply to each worker. gpu_experts: hot
+    routed experts per MoE layer kept on the GPU (chosen from the workers' activation counts, or
+    listed per layer in the JSON file expert_placement). restart_workers: restart a worker
     that exits; worker_timeout_s: how long requests wait for a dead worker before failing (503);
     worker_start_timeout_s: how long a worker may take to load. The rest is GPUServiceConfig's.
     """
@@ -35,6 +36,7 @@ class ServeConfig:
     weight_format: str = "int8"
     threads: int | None = None
     gpu_experts: int = 0
+    expert_placement: str | None = None
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
     dtype: str = "bfloat16"
@@ -64,11 +66,8 @@ class ServeConfig:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.gpu_experts < 0:
             raise ValueError(f"--gpu-experts must be >= 0, got {self.gpu_experts}")
-        if self.gpu_experts > 0:
-            raise ValueError(
-                "--gpu-experts > 0 is not supported yet: ktserve has no backend that keeps routed "
-                "experts on the GPU; use --gpu-experts 0 (every routed expert on the CPU workers)"
-            )
+        if self.expert_placement is not None and not Path(self.expert_placement).is_file():
+            raise ValueError(f"--expert-placement {self.expert_placement!r} is not a file")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.wire_dtype not in WIRE_DTYPES:
@@ -103,6 +102,8 @@ class ServeConfig:
             kv_cache_tokens=self.kv_cache_tokens,
             max_num_seqs=self.max_num_seqs,
             worker_timeout_s=self.worker_timeout_s,
+            gpu_experts=self.gpu_experts,
+            expert_placement=self.expert_placement,
         )
 
 

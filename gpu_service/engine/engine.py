@@ -156,9 +156,7 @@ class Engine:
     def step(self) -> None:
         """One scheduling decision and its execution (the engine thread's unit of work)."""
         step = self.scheduler.schedule()
-        self.metrics.running.set(self.num_running)
-        self.metrics.waiting.set(self.num_waiting)
-        self.metrics.kv_usage.set(self.scheduler.kv_usage)
+        self._update_gauges()
         if not step.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
                 # nothing can ever run it (should have been refused by add)
@@ -183,6 +181,11 @@ class Engine:
             if tracked is None or s.request.state != RequestState.RUNNING:
                 continue
             self._append(tracked, token, now)
+
+    def _update_gauges(self) -> None:
+        self.metrics.running.set(self.num_running)
+        self.metrics.waiting.set(self.num_waiting)
+        self.metrics.kv_usage.set(self.scheduler.kv_usage)
 
     def _moe_seconds(self) -> tuple[float, float]:
         stats = self.experts_stats
@@ -228,5 +231,6 @@ class Engine:
         self._tracked.pop(request.request_id, None)
         self.metrics.e2e.observe(time.monotonic() - request.arrival)
         self.metrics.finished.labels(reason=reason.value).inc()
+        self._update_gauges()
         tracked.on_event(TokenEvent(request.request_id, (), finish_reason=reason, error=error,
                                     num_prompt_tokens=len(request.prompt_ids)))  # fmt: skip

@@ -43,6 +43,7 @@ SERVE_FLAGS = (
     "--format",
     "--threads",
     "--gpu-experts",
+    "--expert-placement",
     "--max-model-len",
     "--kv-cache-tokens",
     "--dtype",
@@ -160,7 +161,8 @@ def test_no_model_serves_the_demo_or_says_how_to_pass_one(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (("--gpu-experts", "4"), "--gpu-experts > 0 is not supported yet"),
+        (("--gpu-experts", "-1"), "--gpu-experts must be >= 0"),
+        (("--expert-placement", "/nonexistent.json"), "is not a file"),
         (("--expert-workers", "0"), "--expert-workers must be >= 1"),
         (("--expert-workers", "2", "--experts-per-worker", "0-11"), "one range per worker"),
         (("--expert-workers", "50"), "use at most 12 workers"),
