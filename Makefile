@@ -19,8 +19,12 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
+# The OpenAI-compatible server on the embedded demo model (MODEL=dir to serve another; ARGS for
+# more flags, see `.venv/bin/ktserve serve --help`). Without a GPU, the GPU part runs on the CPU.
+MODEL ?=
+ARGS ?=
 serve: install
-	$(PY) bench/bench_ktshm.py
+	$(VENV)/bin/ktserve serve $(MODEL) $(ARGS)
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -31,6 +35,7 @@ lint: install
 bench: install
 	$(PY) bench/bench_ktshm.py
 	$(PY) bench/bench_moe_kernel.py
+	$(PY) bench/bench_quality.py
 
 clean:
 	rm -rf build *.egg-info $(VENV)
