@@ -168,9 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_command(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse argv and run the chosen subcommand; a user's mistake is one line and exit code 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
     from expert_service.checkpoint import CheckpointError
 
     try:
@@ -178,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"ktserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

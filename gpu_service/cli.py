@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import sys
 from pathlib import Path
 
-from expert_service.cli import add_convert_parser, add_expert_parser
+from expert_service.cli import add_convert_parser, add_expert_parser, run_command
 from expert_service.config import FORMATS
 from gpu_service.serve_config import API_KEY_ENV, ServeConfig
 
@@ -260,15 +259,7 @@ def print_ready(url: str, config: ServeConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
-    from expert_service.checkpoint import CheckpointError
-
-    try:
-        return args.run(args)
-    except (CheckpointError, ValueError, OSError) as exc:
-        print(f"ktserve {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -5,13 +5,9 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import queue
 import re
-import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -19,8 +15,8 @@ from pathlib import Path
 
 from checkpoints import make_tiny_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
+from watched_process import WatchedProcess
 
-REPO = Path(__file__).resolve().parent.parent
 EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
@@ -70,8 +66,10 @@ def make_served_checkpoint(path: Path, seed: int, max_position_embeddings: int =
     return path
 
 
-class ServerProcess:
+class ServerProcess(WatchedProcess):
     """`python -m gpu_service.cli serve MODEL --port 0 ...`; the URL is read from its stdout."""
+
+    what = "the server"
 
     def __init__(
         self,
@@ -83,20 +81,7 @@ class ServerProcess:
     ) -> None:
         model = [str(model_dir)] if model_dir is not None else []
         cmd = [sys.executable, "-m", "gpu_service.cli", "serve", *model, "--port", "0", *flags]
-        self.output: list[str] = []
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        # NOTE: stderr to a file: nobody reads it while the server runs, and a full pipe would
-        # block the server's logging.
-        self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
-        )
-        threading.Thread(target=self._pump, daemon=True).start()
+        super().__init__(cmd, env)
         self.url = ""
         if wait:
             line = self.read_line(r"serving .* at (http://\S+)/v1", timeout)
@@ -105,32 +90,6 @@ class ServerProcess:
     @property
     def base_url(self) -> str:
         return f"{self.url}/v1"
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.output.append(line)
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def read_line(self, pattern: str, timeout: float = 60.0) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"the server printed no line matching {pattern!r}")
-            try:
-                line = self._lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                code = self.proc.wait()
-                raise RuntimeError(f"the server exited ({code}):\n{self.stderr()}")
-            if re.search(pattern, line):
-                return line
-
-    def stderr(self) -> str:
-        self._stderr.seek(0)
-        return self._stderr.read()
 
     def get(self, path: str, headers: dict | None = None) -> tuple[int, bytes]:
         request = urllib.request.Request(self.url + path, headers=headers or {})
@@ -187,19 +146,12 @@ class ServerProcess:
             time.sleep(0.05)
         raise TimeoutError(f"{what} did not hold within {timeout} s")
 
-    def terminate(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
     def close(self) -> None:
         try:
             self.terminate()
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc.stdout.close()
-        self._stderr.close()
+            self.kill()
+        self.close_streams()
 
 
 def pid_alive(pid: int) -> bool:

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import load_reference_model, make_tiny_checkpoint, moe_block
-from expert_procs import FORMAT_PB, REPO, ExpertProcess, moe_call, shm_entries
+from expert_procs import FORMAT_PB, ExpertProcess, moe_call, shm_entries
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from watched_process import REPO
 
 import ktshm
 from expert_service import wire

@@ -12,9 +12,10 @@ import sys
 
 import openai
 import pytest
-from api_server import REPO, ServerProcess, make_served_checkpoint, pid_alive
+from api_server import ServerProcess, make_served_checkpoint, pid_alive
 from checkpoints import make_tiny_checkpoint
 from expert_procs import shm_entries
+from watched_process import REPO
 
 from gpu_service.cli import DEMO_MODEL_DIR, build_parser, serve_config
 from gpu_service.serve_config import split_experts
