@@ -52,8 +52,8 @@ def histogram_sum(metric, **labels) -> tuple[float, float]:
 
 def run_batch(service, batch: int, tokens: int) -> dict[str, float]:
     metrics = service.metrics
-    before = {p: histogram_sum(metrics.step_seconds, phase=p) for p in ("gpu", "transfer",
-                                                                         "expert_wait")}  # fmt: skip
+    phases = ("gpu", "transfer", "expert_wait")
+    before = {p: histogram_sum(metrics.step_seconds, phase=p) for p in phases}
     done = threading.Semaphore(0)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     start = time.perf_counter()
