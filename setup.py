@@ -45,7 +45,7 @@ def generate_protos() -> None:
         raise RuntimeError(f"protoc failed on {[p.name for p in protos]}")
     init = out_dir / "__init__.py"
     if not init.exists():
-        init.write_text('"""gRPC/protobuf modules generated from proto/ktserve/v1 at build time."""\n')
+        init.write_text('"""gRPC/protobuf modules generated from proto/ktserve/v1."""\n')
 
 
 class BuildPyWithProtos(build_py):
