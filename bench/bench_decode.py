@@ -11,8 +11,6 @@ into GPU compute, transfers to and from the expert channels, and waiting for the
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
 import sys
 import threading
 import time
@@ -23,23 +21,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from worker_process import start_worker  # noqa: E402
+
 from gpu_service.engine import SamplingParams  # noqa: E402
 from gpu_service.service import GPUServiceConfig, build_gpu_service  # noqa: E402
-
-
-def start_worker(model: Path, fmt: str, threads: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "expert_service.cli", "expert", "--model", str(model),
-         "--format", fmt, "--threads", str(threads), "--listen", "127.0.0.1:0"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    address = None
-    for line in proc.stdout:
-        if m := re.search(r"listening on (\S+)", line):
-            address = m.group(1)
-        if "serving" in line:
-            return proc, address
-    raise RuntimeError(f"expert worker exited with {proc.wait()}")
 
 
 def histogram_sum(metric, **labels) -> tuple[float, float]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,26 +21,13 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from worker_process import start_worker  # noqa: E402
+
 from gpu_service.models import Batch, SeqInput  # noqa: E402
 from gpu_service.service import GPUServiceConfig, build_gpu_service  # noqa: E402
 from training.perplexity import tokenize_file, transformers_perplexity, windows  # noqa: E402
 
 TARGETS = {"bf16": 0.001, "int8": 0.005, "int4": 0.03}
-
-
-def start_worker(model: Path, fmt: str, threads: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "expert_service.cli", "expert", "--model", str(model),
-         "--format", fmt, "--threads", str(threads), "--listen", "127.0.0.1:0"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    address = None
-    for line in proc.stdout:
-        if m := re.search(r"listening on (\S+)", line):
-            address = m.group(1)
-        if "serving" in line:
-            return proc, address
-    raise RuntimeError(f"expert worker exited with {proc.wait()}")
 
 
 def ktserve_perplexity(model: Path, ids: list[int], seq_len: int, fmt: str, threads: int,

@@ -13,8 +13,6 @@ logits (max relative error) and the same tokens. Prints one table.
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -50,6 +48,8 @@ def make(out: Path, seed: int) -> None:
 
 
 def check(ref_dir: Path, device: str) -> int:
+    from worker_process import start_worker
+
     from gpu_service.engine import SamplingParams
     from gpu_service.models import Batch, SeqInput
     from gpu_service.service import GPUServiceConfig, build_gpu_service
@@ -58,18 +58,7 @@ def check(ref_dir: Path, device: str) -> int:
     for family in FAMILIES:
         path = ref_dir / family
         ref = torch.load(path / "reference.pt")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "expert_service.cli", "expert", "--model", str(path),
-             "--format", "bf16", "--threads", "4", "--listen", "127.0.0.1:0"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        address = None
-        for line in proc.stdout:
-            address = address or (
-                m.group(1) if (m := re.search(r"listening on (\S+)", line)) else None
-            )
-            if "serving" in line:
-                break
+        proc, address = start_worker(path, "bf16", 4)
         service = build_gpu_service(GPUServiceConfig(
             model_dir=str(path), workers=(address,), device=device, dtype="float32",
             wire_dtype="float32", kv_cache_tokens=1024, max_model_len=128))  # fmt: skip

@@ -68,6 +68,7 @@ __all__ = [
     "available_memory_bytes",
     "check_memory_available",
     "estimate_shard_bytes",
+    "index_tensors",
     "parse_expert_range",
     "validate_shard",
 ]
@@ -89,7 +90,7 @@ class CheckpointReader:
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
         self.spec = ModelSpec.from_config_dir(self.model_dir)
-        self._tensor_files = _index_tensors(self.model_dir)
+        self._tensor_files = index_tensors(self.model_dir)
         self._handles: dict[Path, Any] = {}
         self._layouts: dict[int, str] = {}
 
@@ -206,7 +207,7 @@ class CheckpointReader:
         return torch.cat([dequantize_fp8_blocks(w, s, self.block_size) for w, s in parts])
 
 
-def _index_tensors(model_dir: Path) -> dict[str, Path]:
+def index_tensors(model_dir: Path) -> dict[str, Path]:
     """tensor name -> safetensors file, from the index json when present, else by scanning."""
     index_path = model_dir / INDEX_FILE
     if index_path.is_file():

@@ -96,19 +96,8 @@ class ModelSpec:
 
     @classmethod
     def from_config_dir(cls, path: str | Path) -> ModelSpec:
-        path = Path(path)
-        if not path.is_dir():
-            raise CheckpointDirNotFound(path)
-        config_path = path / "config.json"
-        if not config_path.is_file():
-            raise ConfigNotFound(path)
-        try:
-            config = json.loads(config_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidConfig(config_path, f"not readable JSON ({exc})") from exc
-        if not isinstance(config, dict):
-            raise InvalidConfig(config_path, "the top level is not a JSON object")
-        return cls.from_config(config, source=str(config_path))
+        config, source = read_config_json(path)
+        return cls.from_config(config, source=source)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str = "<config>") -> ModelSpec:
@@ -200,3 +189,20 @@ class _ConfigReader:
             kind = "a non-negative" if allow_zero else "a positive"
             raise InvalidConfig(self.source, f"{key}={value!r} is not {kind} integer")
         return value
+
+
+def read_config_json(model_dir: str | Path) -> tuple[dict, str]:
+    """(config.json of a checkpoint directory as a dict, its path), with clear errors."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointDirNotFound(path)
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ConfigNotFound(path)
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidConfig(config_path, f"not readable JSON ({exc})") from exc
+    if not isinstance(config, dict):
+        raise InvalidConfig(config_path, "the top level is not a JSON object")
+    return config, str(config_path)

@@ -6,12 +6,12 @@ each family module turns it into its own frozen `*Config` dataclass.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from expert_service.checkpoint import CheckpointDirNotFound, ConfigNotFound, InvalidConfig
+from expert_service.checkpoint import InvalidConfig
+from expert_service.checkpoint_spec import read_config_json
 
 _MISSING: Any = object()
 
@@ -25,19 +25,7 @@ class HFConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> HFConfig:
-        path = Path(model_dir)
-        if not path.is_dir():
-            raise CheckpointDirNotFound(path)
-        config_path = path / "config.json"
-        if not config_path.is_file():
-            raise ConfigNotFound(path)
-        try:
-            data = json.loads(config_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise InvalidConfig(config_path, f"not readable JSON ({exc})") from exc
-        if not isinstance(data, dict):
-            raise InvalidConfig(config_path, "the top level is not a JSON object")
-        return cls(data, str(config_path))
+        return cls(*read_config_json(model_dir))
 
     @property
     def model_type(self) -> str:

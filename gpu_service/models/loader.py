@@ -7,7 +7,6 @@ block-scaled FP8 weights (DeepSeek-V3: `<name>_scale_inv`) are dequantized befor
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +17,10 @@ from expert_service.checkpoint import (
     DEFAULT_FP8_BLOCK,
     CheckpointError,
     InvalidConfig,
-    SafetensorsNotFound,
     TensorShapeMismatch,
+    index_tensors,
 )
 from expert_service.checkpoint_fp8 import dequantize_fp8_blocks
-
-INDEX_FILE = "model.safetensors.index.json"
 
 
 class MissingTensor(CheckpointError):
@@ -48,7 +45,7 @@ class WeightLoader:
         self.device = torch.device(device)
         self.dtype = dtype
         self.fp8_block = fp8_block or DEFAULT_FP8_BLOCK
-        self._files = _index_tensors(self.model_dir)
+        self._files = index_tensors(self.model_dir)
         self._handles: dict[Path, Any] = {}
 
     def has(self, name: str) -> bool:
@@ -81,28 +78,3 @@ class WeightLoader:
         if path not in self._handles:
             self._handles[path] = safe_open(str(path), framework="pt")
         return self._handles[path]
-
-
-def _index_tensors(model_dir: Path) -> dict[str, Path]:
-    """tensor name -> safetensors file."""
-    index_path = model_dir / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise InvalidConfig(index_path, f"no readable weight_map ({exc!r})") from exc
-        files = {name: model_dir / file for name, file in weight_map.items()}
-        for file in sorted(set(files.values())):
-            if not file.is_file():
-                raise SafetensorsNotFound(
-                    model_dir, f"{INDEX_FILE} names {file.name}, which is missing"
-                )
-        return files
-    paths = sorted(model_dir.glob("*.safetensors"))
-    if not paths:
-        raise SafetensorsNotFound(model_dir)
-    files: dict[str, Path] = {}
-    for path in paths:
-        with safe_open(str(path), framework="pt") as handle:
-            files.update(dict.fromkeys(handle.keys(), path))
-    return files
