@@ -5,6 +5,10 @@
 
 #include "ktk.h"
 
+#ifndef KTK_INT4_PREFETCH
+#define KTK_INT4_PREFETCH 4096
+#endif
+
 namespace {
 
 inline __m512i bcast32(const void* p) {
@@ -158,60 +162,86 @@ void dot_int8(const int8_t* w, const float* ws, const int32_t* wsum, int K, cons
   for (; m < M; ++m) dot_int8_tile<1>(w, ws, wsum, K, x + size_t(m) * ldx, ldx, xs + m, out + m * 16);
 }
 
-// int4: vpdpbusd(u8 nibbles, s8 x); per group: (acc - 8 * sum(x)) * scale.
+// bf16 scales of one group (16 rows) widened to fp32.
+inline __m512 group_scale(const uint16_t* gs) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs))), 16));
+}
+
+// Decode streams weights from DRAM: ask for them this far ahead (past a block's end, that is the
+// next block of the thread's contiguous range); the scales (1/8 of the weight bytes) likewise.
+constexpr int kPrefetchBytes = KTK_INT4_PREFETCH;
+
+// One group of one token, as 16 x the integer dot product minus 128 * sum(x) (the +8 offset):
+// the low nibbles (v & 0x0f) and the high nibbles left in place (v & 0xf0, i.e. 16 x the value,
+// still a valid unsigned byte) feed separate vpdpbusd chains, so unpacking costs one AND per
+// nibble; lo * 16 + hi is exact in int32 (|.| < 2^21).
+inline __m512i group16_one(const uint8_t* wg, const int8_t* xm, int32_t xg) {
+  const __m512i lom = _mm512_set1_epi8(0x0f), him = _mm512_set1_epi8(int8_t(0xf0));
+  __m512i lo = _mm512_setzero_si512(), hi = _mm512_set1_epi32(-128 * xg);
+  for (int c = 0; c < 4; ++c) {
+    __m512i v = _mm512_loadu_si512(wg + c * 64);
+    lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, lom), bcast32(xm + 4 * c));
+    hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(v, him), bcast32(xm + 4 * (c + 4)));
+  }
+  return _mm512_add_epi32(_mm512_slli_epi32(lo, 4), hi);
+}
+
+// int4, several tokens: the nibbles of each 64-byte vector are unpacked once (as in group16_one)
+// and feed every token's two chains; per group: (lo * 16 + hi - 128 * sum(x)) * scale / 16.
 template <int MT>
 void dot_int4_tile(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
                    const float* xs, const int32_t* xg, int ldg, float* out) {
-  const __m512i nib = _mm512_set1_epi8(0x0f);
+  const __m512i lom = _mm512_set1_epi8(0x0f), him = _mm512_set1_epi8(int8_t(0xf0));
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int g = 0; g < K / 32; ++g) {
-    __m512i ia[MT];
-    for (int m = 0; m < MT; ++m) ia[m] = _mm512_setzero_si512();
     const uint8_t* wg = w + g * 256;
+    if (kPrefetchBytes > 0) {
+      for (int i = 0; i < 256; i += 64) _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetchBytes + i, _MM_HINT_T0);
+      if (!(g & 1)) _mm_prefetch(reinterpret_cast<const char*>(gs + g * 16) + kPrefetchBytes / 8, _MM_HINT_T0);
+    }
+    __m512i lo[MT], hi[MT];
+    for (int m = 0; m < MT; ++m) {
+      lo[m] = _mm512_setzero_si512();
+      hi[m] = _mm512_set1_epi32(-128 * xg[size_t(m) * ldg + g]);
+    }
     for (int c = 0; c < 4; ++c) {
       __m512i v = _mm512_loadu_si512(wg + c * 64);
-      __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      __m512i vl = _mm512_and_si512(v, lom), vh = _mm512_and_si512(v, him);
       for (int m = 0; m < MT; ++m) {
         const int8_t* xm = x + size_t(m) * ldx + g * 32;
-        ia[m] = _mm512_dpbusd_epi32(ia[m], lo, bcast32(xm + 4 * c));
-        ia[m] = _mm512_dpbusd_epi32(ia[m], hi, bcast32(xm + 4 * (c + 4)));
+        lo[m] = _mm512_dpbusd_epi32(lo[m], vl, bcast32(xm + 4 * c));
+        hi[m] = _mm512_dpbusd_epi32(hi[m], vh, bcast32(xm + 4 * (c + 4)));
       }
     }
-    __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + g * 16))), 16));
+    __m512 sc = group_scale(gs + g * 16);
     for (int m = 0; m < MT; ++m) {
-      __m512i corr = _mm512_set1_epi32(8 * xg[size_t(m) * ldg + g]);
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(ia[m], corr)), sc, acc[m]);
+      __m512i ia = _mm512_add_epi32(_mm512_slli_epi32(lo[m], 4), hi[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), sc, acc[m]);
     }
   }
-  for (int m = 0; m < MT; ++m) _mm512_storeu_ps(out + m * 16, _mm512_mul_ps(acc[m], _mm512_set1_ps(xs[m])));
+  for (int m = 0; m < MT; ++m)
+    _mm512_storeu_ps(out + m * 16, _mm512_mul_ps(acc[m], _mm512_set1_ps(xs[m] * 0.0625f)));
 }
 
-// One token: per group, low and high nibbles feed separate chains; two fp32 accumulators.
+// One token: two groups per step (four independent vpdpbusd chains, two fp32 accumulators); the
+// factor 16 of group16_one is folded into the final scale (exact: a power of two).
 void dot_int4_one(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, const float* xs,
                   const int32_t* xg, float* out) {
-  const __m512i nib = _mm512_set1_epi8(0x0f);
   __m512 f0 = _mm512_setzero_ps(), f1 = f0;
-  for (int g = 0; g < K / 32; ++g) {
+  for (int g = 0; g < K / 32; g += 2) {  // K is a multiple of 64
     const uint8_t* wg = w + g * 256;
-    const int8_t* xm = x + g * 32;
-    __m512i lo = _mm512_setzero_si512(), hi = lo;
-    for (int c = 0; c < 4; ++c) {
-      __m512i v = _mm512_loadu_si512(wg + c * 64);
-      lo = _mm512_dpbusd_epi32(lo, _mm512_and_si512(v, nib), bcast32(xm + 4 * c));
-      hi = _mm512_dpbusd_epi32(hi, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib),
-                               bcast32(xm + 4 * (c + 4)));
+    if (kPrefetchBytes > 0) {
+      for (int i = 0; i < 512; i += 64) _mm_prefetch(reinterpret_cast<const char*>(wg) + kPrefetchBytes + i, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(gs + g * 16) + kPrefetchBytes / 8, _MM_HINT_T0);
     }
-    __m512i ia = _mm512_sub_epi32(_mm512_add_epi32(lo, hi), _mm512_set1_epi32(8 * xg[g]));
-    __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + g * 16))), 16));
-    if (g & 1)
-      f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), sc, f1);
-    else
-      f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia), sc, f0);
+    __m512i i0 = group16_one(wg, x + g * 32, xg[g]);
+    __m512i i1 = group16_one(wg + 256, x + g * 32 + 32, xg[g + 1]);
+    f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), group_scale(gs + g * 16), f0);
+    f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), group_scale(gs + g * 16 + 16), f1);
   }
-  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_add_ps(f0, f1), _mm512_set1_ps(xs[0])));
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_add_ps(f0, f1), _mm512_set1_ps(xs[0] * 0.0625f)));
 }
 
 void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
