@@ -367,6 +367,10 @@ cdef class Channel:
 
     def __dealloc__(self):
         kt_heartbeat_stop(&self._hb)
+        # NOTE: a producer dropped without close() (an exception between create() and its
+        # owner keeping it) still removes its names; the mapping goes with the mmap object.
+        if not self._closed and self.is_producer and self._owner_pid == os.getpid():
+            _unlink_all(self.name)
 
     @property
     def closed(self):

@@ -450,6 +450,14 @@ def test_close_unlinks_and_later_attach_fails():
         ktshm.Channel.attach(name)
 
 
+def test_dropped_producer_unlinks_its_names():
+    ch = ktshm.Channel.create(FAST)
+    name = ch.name
+    del ch  # never closed: the last reference goes
+    assert not os.path.exists(f"/dev/shm/{name}")
+    assert not os.path.exists(f"/dev/shm/sem.{name}.req")
+
+
 def test_creator_exit_unlinks_at_exit():
     code = "import ktshm\nch = ktshm.Channel.create()\nprint(ch.name)\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
