@@ -208,14 +208,7 @@ def build(
             mlp = DenseMLP.load(
                 loader, f"{p}.mlp", hidden, cfg.intermediate_size, bias=cfg.mlp_bias
             )
-        layers.append(
-            DecoderLayer(
-                MLAttention(cfg, loader, i),
-                mlp,
-                RMSNorm.load(loader, f"{p}.input_layernorm", hidden, eps),
-                RMSNorm.load(loader, f"{p}.post_attention_layernorm", hidden, eps),
-            )
-        )
+        layers.append(DecoderLayer.load(loader, i, MLAttention(cfg, loader, i), mlp, hidden, eps))
     latent = (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)
     kv_config = KVCacheConfig(cfg.base.num_layers, (latent,), max_num_tokens_in_cache, block_size)
     kv_cache = KVCache(kv_config, loader.dtype, loader.device)

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from expert_service.checkpoint import ModelSpec
 from gpu_service.models.config import BaseConfig, HFConfig
 from gpu_service.models.experts import RoutedExperts
-from gpu_service.models.layers import RMSNorm
 from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM, DecoderLayer
 from gpu_service.models.moe import MoE, SoftmaxRouter
@@ -62,14 +61,7 @@ def build(
             norm_topk_prob=True,
         )
         attn = load_gqa(loader, i, base, cfg.num_kv_heads, cfg.head_dim, window=cfg.sliding_window)
-        layers.append(
-            DecoderLayer(
-                attn,
-                MoE(i, router, experts),
-                RMSNorm.load(loader, f"{p}.input_layernorm", hidden, eps),
-                RMSNorm.load(loader, f"{p}.post_attention_layernorm", hidden, eps),
-            )
-        )
+        layers.append(DecoderLayer.load(loader, i, attn, MoE(i, router, experts), hidden, eps))
     kv_cache = gqa_cache(
         base, cfg.num_kv_heads, cfg.head_dim, loader, max_num_tokens_in_cache, block_size
     )

@@ -31,6 +31,18 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn, self.mlp, self.input_norm, self.post_norm = attn, mlp, input_norm, post_norm
 
+    @classmethod
+    def load(cls, loader: WeightLoader, layer: int, attn: nn.Module, mlp: nn.Module,
+             hidden: int, eps: float) -> DecoderLayer:  # fmt: skip
+        """The layer with its two norms read from the checkpoint (names every family shares)."""
+        p = f"model.layers.{layer}"
+        return cls(
+            attn,
+            mlp,
+            RMSNorm.load(loader, f"{p}.input_layernorm", hidden, eps),
+            RMSNorm.load(loader, f"{p}.post_attention_layernorm", hidden, eps),
+        )
+
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         h = h + self.attn(self.input_norm(h), ctx)
         return h + self.mlp(self.post_norm(h))

@@ -167,14 +167,7 @@ def build(
             qk_norm=cfg.qwen3,
             window=cfg.windows[i],
         )
-        layers.append(
-            DecoderLayer(
-                attn,
-                mlp,
-                RMSNorm.load(loader, f"{p}.input_layernorm", hidden, eps),
-                RMSNorm.load(loader, f"{p}.post_attention_layernorm", hidden, eps),
-            )
-        )
+        layers.append(DecoderLayer.load(loader, i, attn, mlp, hidden, eps))
     kv_cache = gqa_cache(
         base, cfg.num_kv_heads, cfg.head_dim, loader, max_num_tokens_in_cache, block_size
     )
