@@ -160,6 +160,20 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=D.worker_start_timeout_s,
         help="seconds an expert worker may take to load (default %(default)s)",
     )
+    p.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run every decode step eagerly (by default, on CUDA, the decode step's GPU "
+        "segments between MoE calls are captured once per batch size and replayed as CUDA graphs)",
+    )
+    p.add_argument(
+        "--cuda-graph-max-batch",
+        type=int,
+        default=D.cuda_graph_max_batch,
+        help="largest decode batch run with CUDA graphs; larger ones run eagerly "
+        "(default %(default)s)",
+    )
     p.set_defaults(run=run_serve)
 
 
@@ -211,6 +225,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         worker_timeout_s=args.worker_timeout_s,
         restart_workers=args.restart_workers,
         worker_start_timeout_s=args.worker_start_timeout_s,
+        cuda_graphs=args.cuda_graphs,
+        cuda_graph_max_batch=args.cuda_graph_max_batch,
     )
 
 

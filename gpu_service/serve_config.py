@@ -23,7 +23,8 @@ class ServeConfig:
     routed experts per MoE layer kept on the GPU (chosen from the workers' activation counts, or
     listed per layer in the JSON file expert_placement). restart_workers: restart a worker
     that exits; worker_timeout_s: how long requests wait for a dead worker before failing (503);
-    worker_start_timeout_s: how long a worker may take to load. The rest is GPUServiceConfig's.
+    worker_start_timeout_s: how long a worker may take to load. cuda_graphs: replay the decode
+    step's GPU segments as CUDA graphs (CUDA only) for batches up to cuda_graph_max_batch. The rest is GPUServiceConfig's.
     """
 
     model_dir: str
@@ -46,6 +47,8 @@ class ServeConfig:
     worker_timeout_s: float = 30.0
     restart_workers: bool = True
     worker_start_timeout_s: float = 3600.0
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 32
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -78,6 +81,10 @@ class ServeConfig:
             raise ValueError(f"--kv-cache-tokens must be >= 16, got {self.kv_cache_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(
+                f"--cuda-graph-max-batch must be >= 1, got {self.cuda_graph_max_batch}"
+            )
         if self.worker_timeout_s <= 0 or self.worker_start_timeout_s <= 0:
             raise ValueError("--worker-timeout and --worker-start-timeout must be positive")
 
@@ -104,6 +111,8 @@ class ServeConfig:
             worker_timeout_s=self.worker_timeout_s,
             gpu_experts=self.gpu_experts,
             expert_placement=self.expert_placement,
+            cuda_graphs=self.cuda_graphs,
+            cuda_graph_max_batch=self.cuda_graph_max_batch,
         )
 
 

@@ -45,6 +45,8 @@ class GPUServiceConfig:
     worker_timeout_s: float = 30.0
     gpu_experts: int = 0
     expert_placement: str | None = None
+    cuda_graphs: bool = True
+    cuda_graph_max_batch: int = 32
 
     def __post_init__(self) -> None:
         if self.gpu_experts < 0:
