@@ -24,7 +24,8 @@ class ServeConfig:
     listed per layer in the JSON file expert_placement). restart_workers: restart a worker
     that exits; worker_timeout_s: how long requests wait for a dead worker before failing (503);
     worker_start_timeout_s: how long a worker may take to load. cuda_graphs: replay the decode
-    step's GPU segments as CUDA graphs (CUDA only) for batches up to cuda_graph_max_batch. The rest is GPUServiceConfig's.
+    step's GPU segments as CUDA graphs (CUDA only) for batches up to cuda_graph_max_batch.
+    The rest is GPUServiceConfig's.
     """
 
     model_dir: str
