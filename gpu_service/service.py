@@ -14,6 +14,7 @@ from expert_service.checkpoint import CheckpointReader
 from gpu_service.engine import Engine, EngineMetrics, SchedulerConfig
 from gpu_service.gpu_experts import HybridExperts, choose_hot_experts, worker_activation_counts
 from gpu_service.models import KVCache, load_model
+from gpu_service.models.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.models.registry import default_device
 from gpu_service.moe_client import ExpertClientConfig, ShmExperts
 
@@ -29,7 +30,9 @@ class GPUServiceConfig:
     dtype: the GPU part's dtype; wire_dtype: hidden states sent to the experts.
     max_model_len: context length (default: the model's, capped at 8192).
     kv_cache_tokens: KV cache size in tokens (default: what `gpu_memory_fraction` of the free
-    GPU memory holds after the weights; on the CPU, 32768).
+    GPU memory holds after the weights; on the CPU, 32768). cuda_graphs: on CUDA, decode batches
+    of up to cuda_graph_max_batch sequences replay their GPU segments as CUDA graphs (captured in
+    the memory the fraction leaves free).
     """
 
     model_dir: str
@@ -57,6 +60,8 @@ class GPUServiceConfig:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 16:
             raise ValueError("kv_cache_tokens must be >= 16")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError("cuda_graph_max_batch must be >= 1")
 
 
 @dataclass
@@ -101,6 +106,11 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None) -
         )
         log.info("KV cache: %d tokens (%.2f GiB)", tokens,
                  tokens * model.kv_cache.config.bytes_per_token(dtype) / 2**30)  # fmt: skip
+        graphs = None
+        if device.type == "cuda" and config.cuda_graphs:
+            max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
+            graphs = DecodeGraphs(model, DecodeGraphConfig(max_batch=max_batch))
+            graphs.warm_up()
         metrics = EngineMetrics()
         experts.on_round_trip = metrics.moe_round_trip.observe
         scheduler = SchedulerConfig(
@@ -109,7 +119,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None) -
             max_model_len=max_model_len,
         )
         engine = Engine(model, scheduler, eos_token_ids=eos_token_ids, decode=decode,
-                        metrics=metrics, experts_stats=experts.stats).start()  # fmt: skip
+                        metrics=metrics, experts_stats=experts.stats,
+                        decode_graphs=graphs).start()  # fmt: skip
     except BaseException:
         experts.close()
         raise

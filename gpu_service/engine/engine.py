@@ -26,6 +26,7 @@ from gpu_service.engine.request import FinishReason, Request, RequestState, Toke
 from gpu_service.engine.runner import Runner
 from gpu_service.engine.sampling import SamplingParams
 from gpu_service.engine.scheduler import Scheduler, SchedulerConfig
+from gpu_service.models.decode_graphs import DecodeGraphs
 from gpu_service.models.model import CausalLM
 
 log = logging.getLogger("ktserve.engine")
@@ -48,10 +49,11 @@ class _Tracked:
 class Engine:
     def __init__(self, model: CausalLM, scheduler_config: SchedulerConfig, *,
                  eos_token_ids: Sequence[int] = (), decode: Decode | None = None,
-                 metrics: EngineMetrics | None = None, experts_stats=None) -> None:  # fmt: skip
+                 metrics: EngineMetrics | None = None, experts_stats=None,
+                 decode_graphs: DecodeGraphs | None = None) -> None:  # fmt: skip
         self.model = model
         self.scheduler = Scheduler(scheduler_config, model.kv_cache)
-        self.runner = Runner(model)
+        self.runner = Runner(model, decode_graphs)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.decode = decode
         self.metrics = metrics or EngineMetrics()
@@ -174,7 +176,7 @@ class Engine:
                     self._finish(tracked, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
             return
         transfer, wait = (b - a for a, b in zip(moe_before, self._moe_seconds()))
-        self.metrics.observe_step(result.seconds, transfer, wait, step.num_tokens)
+        self.metrics.observe_step(result.seconds, transfer, wait, step.num_tokens, result.graphed)
         now = time.monotonic()
         for s, token in zip(step.seqs, result.tokens):
             tracked = self._tracked.get(s.request.request_id)

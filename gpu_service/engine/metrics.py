@@ -43,13 +43,17 @@ class EngineMetrics:
         )  # fmt: skip
         self.step_tokens = Counter("ktserve_step_tokens", "Tokens run through the model",
                                    registry=r)  # fmt: skip
+        self.steps = Counter("ktserve_steps", "Forward steps by mode: graph (decode replayed as "
+                             "CUDA graphs) or eager", ["mode"], registry=r)  # fmt: skip
         self.moe_round_trip = Histogram(
             "ktserve_moe_round_trip_seconds",
             "One MoE call: submit to the expert workers until their summed reply",
             buckets=FAST, registry=r,
         )  # fmt: skip
 
-    def observe_step(self, total: float, transfer: float, wait: float, num_tokens: int) -> None:
+    def observe_step(self, total: float, transfer: float, wait: float, num_tokens: int,
+                     graphed: bool = False) -> None:  # fmt: skip
+        self.steps.labels(mode="graph" if graphed else "eager").inc()
         self.step_seconds.labels(phase="gpu").observe(max(total - transfer - wait, 0.0))
         self.step_seconds.labels(phase="transfer").observe(transfer)
         self.step_seconds.labels(phase="expert_wait").observe(wait)

@@ -40,6 +40,8 @@ def attend(
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, values)  # [B, Hkv, G, Q, Dv]
     out = out.permute(0, 3, 1, 2, 4).reshape(b, q_len, num_heads, -1)  # [B, Q, Hq, Dv]
+    if q_len == 1:  # decode: one query per sequence, none padded (and no host sync)
+        return out[:, 0]
     return out[meta.q_valid]  # [T, Hq, Dv]
 
 

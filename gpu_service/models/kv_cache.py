@@ -6,6 +6,8 @@ A sequence owns a list of blocks (`SeqCache.block_ids`); its token at position p
     block_ids[p // block_size] * block_size + p % block_size.
 Entry shapes: GQA (num_kv_heads, head_dim) for k and for v; MLA (kv_lora_rank + qk_rope_head_dim,),
 the normalized compressed kv followed by the roped shared key, per token.
+One more slot past the blocks, `scratch_slot`, belongs to no sequence: padding rows of a fixed-size
+decode batch (CUDA graphs) write their K/V there.
 
 Lifecycle (paired verbs): can_allocate/allocate a sequence for its prompt, can_extend/extend it as
 decoding grows it, free it when finished. Running out raises `KVCacheFull` (never blocks).
@@ -88,9 +90,10 @@ class KVCache:
     def __init__(self, config: KVCacheConfig, dtype: torch.dtype, device: torch.device | str):
         self.config = config
         self.block_size = config.block_size
+        self.scratch_slot = config.num_slots
         self.layers: list[tuple[torch.Tensor, ...]] = [
             tuple(
-                torch.zeros((config.num_slots, *shape), dtype=dtype, device=device)
+                torch.zeros((config.num_slots + 1, *shape), dtype=dtype, device=device)
                 for shape in config.entry_shapes
             )
             for _ in range(config.num_layers)

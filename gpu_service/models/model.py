@@ -71,10 +71,8 @@ class CausalLM(nn.Module):
         self.rotary = rotary
         self.kv_cache = kv_cache
 
-    @torch.inference_mode()
-    def forward(self, batch: Batch, all_positions: bool = False) -> torch.Tensor:
-        """float32 logits: [B, V] at each sequence's last new token, or [T, V] for every new token
-        (flat, sequence after sequence; batch.cu_seqlens splits them) with all_positions=True."""
+    def check_batch(self, batch: Batch) -> None:
+        """Raises ValueError (or InvalidSequenceCache) for a batch this model cannot run."""
         for s in batch.seqs:
             self.kv_cache.check_live(s.cache)
             if s.end_pos > s.cache.capacity:
@@ -86,6 +84,12 @@ class CausalLM(nn.Module):
                 raise ValueError(
                     f"sequence {s.cache.seq_id}: token ids must be in [0, {self.config.vocab_size})"
                 )
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, all_positions: bool = False) -> torch.Tensor:
+        """float32 logits: [B, V] at each sequence's last new token, or [T, V] for every new token
+        (flat, sequence after sequence; batch.cu_seqlens splits them) with all_positions=True."""
+        self.check_batch(batch)
         meta = AttentionMetadata.build(batch, self.device)
         cos, sin = self.rotary(meta.positions)  # [T, rope_dim/2]
         ctx = StepContext(meta=meta, cos=cos, sin=sin, kv_cache=self.kv_cache)

@@ -13,6 +13,7 @@ from expert_service.checkpoint import CheckpointReader
 from gpu_service.engine import Engine, EngineError, FinishReason, SamplingParams, SchedulerConfig
 from gpu_service.engine.detokenizer import Detokenizer
 from gpu_service.models import TorchExperts, load_model
+from gpu_service.models.decode_graphs import DecodeGraphConfig, DecodeGraphs
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +33,14 @@ def reference(checkpoint):
     return load_reference_model(checkpoint)
 
 
-def make_engine(checkpoint, cache_tokens=4096, **scheduler) -> Engine:
+def make_engine(checkpoint, cache_tokens=4096, graphs: DecodeGraphConfig | None = None,
+                **scheduler) -> Engine:  # fmt: skip
     experts = TorchExperts(CheckpointReader(checkpoint), "cpu", torch.float32)
     model = load_model(checkpoint, "cpu", torch.float32, experts=experts,
                        max_num_tokens_in_cache=cache_tokens, block_size=4)  # fmt: skip
     config = SchedulerConfig(**{"max_model_len": 128, **scheduler})
-    return Engine(model, config).start()
+    decode_graphs = DecodeGraphs(model, graphs) if graphs is not None else None
+    return Engine(model, config, decode_graphs=decode_graphs).start()
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +117,24 @@ def test_batched_requests_match_transformers_each(engine, reference, seed):
     results = run_together(engine, [(p, params) for p in ps])
     for prompt, events in zip(ps, results):
         assert tokens_of(events) == hf_greedy(reference, prompt, 32)
+
+
+def test_segmented_decode_in_the_engine_matches_transformers(checkpoint, reference, seed):
+    """Decode steps through DecodeGraphs (its segments run eagerly on the CPU; test_decode_graphs
+    captures them on CUDA); the batch of 3 is padded to 4; prefills run eagerly."""
+    ps = prompts(seed + 3)
+    eng = make_engine(checkpoint, graphs=DecodeGraphConfig(max_batch=4, min_kv_bucket=8,
+                                                           capture=False))  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        results = run_together(eng, [(p, params) for p in ps])
+    finally:
+        eng.stop()
+    for prompt, events in zip(ps, results):
+        assert tokens_of(events) == hf_greedy(reference, prompt, 24)
+    steps = eng.metrics.steps
+    assert steps.labels(mode="graph")._value.get() >= 23
+    assert steps.labels(mode="eager")._value.get() >= 1  # the prefills
 
 
 def test_preemption_when_the_cache_is_full_keeps_outputs_exact(checkpoint, reference, seed):

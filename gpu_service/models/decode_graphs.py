@@ -1,0 +1,295 @@
+"""Decode steps replayed as CUDA graphs: the GPU segments between the MoE layers' expert calls.
+
+A decode step (every sequence adds one token) splits at each MoE layer m_j's call to the experts:
+
+    segment 0    embed; layers before m_0; m_0's attention, post-norm and router -> x, ids, weights
+    host         pending = experts.submit(x, ids, weights)   (copies into the expert channels)
+    shared 0     m_0's shared expert on x                    (a graph of its own: the GPU runs it
+                                                              while the CPU computes the experts)
+    host         routed <- pending.wait()                   (into a static buffer)
+    segment 1    h += routed + shared; the layers up to m_1's router ...
+    segment n    h += routed + shared; the layers left; final norm; lm_head -> logits [B_pad, V]
+
+The graphs of a bucket (B_pad sequences, K_pad cached positions at most) are captured on its first
+use, into one memory pool shared by every bucket. They read static inputs that each step fills
+with one host-to-device copy: tokens, positions, slot_mapping and kv_len [B_pad], and the block
+table [B_pad, K_pad / block_size] (kv_slots are computed from it on the GPU). Padding sequences
+write their K/V to the cache's scratch slot and attend to position 0 alone; their rows are
+dropped. With capture off (no CUDA) the same segments run eagerly on the same inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu_service.models.batch import AttentionMetadata, Batch, StepContext
+from gpu_service.models.model import CausalLM
+from gpu_service.models.moe import MoE
+
+log = logging.getLogger("ktserve.gpu")
+
+
+@dataclass(frozen=True)
+class DecodeGraphConfig:
+    """max_batch: the largest decode batch run here (larger ones run eagerly). min_kv_bucket:
+    the smallest K_pad, doubled as sequences grow. capture: record CUDA graphs (False runs the
+    same segments eagerly: for devices without graphs, and for tests)."""
+
+    max_batch: int = 32
+    min_kv_bucket: int = 256
+    capture: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.min_kv_bucket < 1:
+            raise ValueError(
+                f"max_batch ({self.max_batch}) and min_kv_bucket ({self.min_kv_bucket}) "
+                "must be >= 1"
+            )
+
+    @property
+    def batch_buckets(self) -> tuple[int, ...]:
+        """1, 2, 4, 8, then steps of 8, and max_batch itself."""
+        sizes = [b for b in (1, 2, 4, 8) if b < self.max_batch]
+        sizes += range(16, self.max_batch, 8)
+        return (*sizes, self.max_batch)
+
+    def kv_bucket(self, kv_len: int, block_size: int) -> int:
+        bucket = self.min_kv_bucket
+        while bucket < kv_len:
+            bucket *= 2
+        return -(-bucket // block_size) * block_size
+
+
+@dataclass
+class _SegmentOut:
+    h: torch.Tensor  # [B_pad, H] the residual after m_j's attention
+    ctx: StepContext
+    moe_in: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # x [B_pad, H], ids/weights [B_pad, k]
+
+
+class _Bucket:
+    """Static inputs, and (once captured) the graphs and their outputs, of one (B_pad, K_pad)."""
+
+    def __init__(self, batch: int, kv_pad: int, block_size: int, device: torch.device) -> None:
+        self.batch, self.kv_pad = batch, kv_pad
+        num_blocks = kv_pad // block_size
+        self.sizes = (batch, batch, batch, batch, batch * num_blocks)
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(sum(self.sizes), dtype=torch.int64, pin_memory=pinned)
+        self.inputs = torch.zeros(sum(self.sizes), dtype=torch.int64, device=device)
+        tokens, positions, slots, kv_len, table = self.inputs.split(self.sizes)
+        self.tokens, self.positions, self.slot_mapping = tokens, positions, slots
+        self.kv_len = kv_len
+        self.block_table = table.view(batch, num_blocks)
+        pos = torch.arange(kv_pad, device=device)
+        self.block_of, self.offset = pos // block_size, pos % block_size  # [K_pad]
+        rows = torch.arange(batch, device=device)
+        self.rows, self.q_index = rows, rows[:, None]
+        self.q_valid = torch.ones((batch, 1), dtype=torch.bool, device=device)
+        self.copied: torch.cuda.Event | None = None
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.segments: list[_SegmentOut] = []
+        self.shared: list[torch.Tensor | None] = []
+        self.routed: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+
+    def fill(self, batch: Batch | None, scratch_slot: int) -> None:
+        """Host values of this step's sequences; every other row (all of them for None) is
+        padding: token 0 at position 0, written to the scratch slot."""
+        if self.copied is not None:
+            self.copied.synchronize()  # NOTE: the last step's copy may still read the host buffer
+        host = self.host.numpy()
+        tokens, positions, slots, kv_len, table = np.split(host, np.cumsum(self.sizes)[:-1])
+        table = table.reshape(self.batch, -1)
+        tokens[:], positions[:], slots[:], kv_len[:], table[:] = 0, 0, scratch_slot, 1, 0
+        for i, s in enumerate(batch.seqs if batch is not None else ()):
+            blocks, bs = s.cache.block_ids, s.cache.block_size
+            tokens[i], positions[i], kv_len[i] = s.token_ids[0], s.start_pos, s.end_pos
+            slots[i] = blocks[s.start_pos // bs] * bs + s.start_pos % bs
+            table[i, : len(blocks)] = blocks
+
+    def upload(self) -> None:
+        self.inputs.copy_(self.host, non_blocking=True)
+        if self.inputs.is_cuda:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+
+class DecodeGraphs:
+    """Runs decode batches of `model` segment by segment (see the module docstring)."""
+
+    def __init__(self, model: CausalLM, config: DecodeGraphConfig) -> None:
+        if config.capture and model.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {model.device}")
+        self.model, self.config = model, config
+        layers = model.layers
+        self.moe_layers = tuple(i for i, layer in enumerate(layers) if isinstance(layer.mlp, MoE))
+        self.windows = {getattr(layer.attn, "window", None) for layer in model.layers}
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._pool = torch.cuda.graph_pool_handle() if config.capture else None
+        self.num_graphs = 0
+
+    def warm_up(self, batch_sizes: tuple[int, ...] = (1,)) -> None:
+        """Capture the buckets of these batch sizes at the shortest context now, not mid-request."""
+        for size in batch_sizes:
+            self._bucket(size, 1)
+
+    def supports(self, batch: Batch) -> bool:
+        return len(batch.seqs) <= self.config.max_batch and all(
+            len(s.token_ids) == 1 for s in batch.seqs
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """float32 logits [B, V], as CausalLM.forward(batch) gives for a decode batch."""
+        if not self.supports(batch):
+            raise ValueError(
+                f"not a decode batch of at most {self.config.max_batch} sequences with one "
+                "token each"
+            )
+        model = self.model
+        model.check_batch(batch)
+        b = len(batch.seqs)
+        bucket = self._bucket(b, max(s.end_pos for s in batch.seqs))
+        bucket.fill(batch, model.kv_cache.scratch_slot)
+        bucket.upload()
+        logits = self._run(bucket, b)
+        for s in batch.seqs:
+            s.cache.num_tokens = s.end_pos
+        return logits[:b]
+
+    # ------------------------------------------------------------------ execution
+    def _run(self, bucket: _Bucket, b: int) -> torch.Tensor:
+        if not self.config.capture:
+            return self._run_eager(bucket, b)
+        graphs = iter(bucket.graphs)
+        next(graphs).replay()
+        for j, index in enumerate(self.moe_layers):
+            moe = self.model.layers[index].mlp
+            x, ids, weights = bucket.segments[j].moe_in
+            pending = moe.experts.submit(moe.layer, x[:b], ids[:b], weights[:b])
+            if bucket.shared[j] is not None:
+                next(graphs).replay()
+            assert bucket.routed is not None
+            bucket.routed[:b].copy_(pending.wait())
+            next(graphs).replay()
+        assert bucket.logits is not None
+        return bucket.logits
+
+    def _run_eager(self, bucket: _Bucket, b: int) -> torch.Tensor:
+        out = self._segment(bucket, 0, None, None, None)
+        for j, index in enumerate(self.moe_layers):
+            assert isinstance(out, _SegmentOut)
+            moe = self.model.layers[index].mlp
+            x, ids, weights = out.moe_in
+            pending = moe.experts.submit(moe.layer, x[:b], ids[:b], weights[:b])
+            shared = self._shared(j, x)
+            routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            routed[:b] = pending.wait()
+            out = self._segment(bucket, j + 1, out, routed, shared)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def _segment(self, bucket: _Bucket, j: int, prev: _SegmentOut | None,
+                 routed: torch.Tensor | None, shared: torch.Tensor | None):  # fmt: skip
+        """Segment j: a _SegmentOut, or for the last one the logits [B_pad, V] float32."""
+        model, layers = self.model, self.model.layers
+        if prev is None:
+            h = model.embed[bucket.tokens]  # [B_pad, H]
+            cos, sin = model.rotary(bucket.positions)
+            kv_slots = bucket.block_table[:, bucket.block_of] * model.kv_cache.block_size
+            meta = AttentionMetadata(
+                positions=bucket.positions, slot_mapping=bucket.slot_mapping,
+                q_index=bucket.q_index, q_valid=bucket.q_valid, q_pos=bucket.positions[:, None],
+                kv_slots=kv_slots + bucket.offset, kv_len=bucket.kv_len, last_index=bucket.rows,
+            )  # fmt: skip
+            ctx = StepContext(meta=meta, cos=cos, sin=sin, kv_cache=model.kv_cache)
+            for window in self.windows:  # NOTE: every mask is computed here, in segment 0's graph
+                ctx.mask(window)
+            first = 0
+        else:
+            assert routed is not None
+            mlp_out = routed.to(prev.h.dtype)
+            if shared is not None:
+                mlp_out = mlp_out + shared
+            h, ctx, first = prev.h + mlp_out, prev.ctx, self.moe_layers[j - 1] + 1
+        last = self.moe_layers[j] if j < len(self.moe_layers) else len(layers)
+        for layer in layers[first:last]:
+            h = layer(h, ctx)
+        if j == len(self.moe_layers):
+            return model.lm_head(model.norm(h)).float()
+        layer = layers[last]
+        h = h + layer.attn(layer.input_norm(h), ctx)
+        x = layer.post_norm(h)
+        ids, weights = layer.mlp.router(x)
+        return _SegmentOut(h, ctx, (x, ids, weights))
+
+    def _shared(self, j: int, x: torch.Tensor) -> torch.Tensor | None:
+        moe = self.model.layers[self.moe_layers[j]].mlp
+        if moe.shared is None:
+            return None
+        shared = moe.shared(x)
+        if moe.shared_gate is not None:
+            shared = torch.sigmoid(moe.shared_gate(x)) * shared
+        return shared
+
+    # ------------------------------------------------------------------ capture
+    def _bucket(self, batch: int, kv_len: int) -> _Bucket:
+        cfg, cache = self.config, self.model.kv_cache
+        b_pad = next(size for size in cfg.batch_buckets if size >= batch)
+        k_pad = cfg.kv_bucket(kv_len, cache.block_size)
+        bucket = self._buckets.get((b_pad, k_pad))
+        if bucket is None:
+            bucket = _Bucket(b_pad, k_pad, cache.block_size, self.model.device)
+            if cfg.capture:
+                self._capture(bucket)
+            self._buckets[(b_pad, k_pad)] = bucket
+        return bucket
+
+    def _capture(self, bucket: _Bucket) -> None:
+        """Graphs in replay order: segment 0, then per MoE layer [shared], next segment.
+        Inputs are all padding meanwhile, so warm-up and capture write only the scratch slot."""
+        start = time.perf_counter()
+        hidden = self.model.config.hidden_size
+        device = self.model.device
+        bucket.fill(None, self.model.kv_cache.scratch_slot)
+        bucket.upload()
+        bucket.routed = torch.zeros((bucket.batch, hidden), dtype=torch.float32, device=device)
+        routed = bucket.routed
+        out = self._record(bucket, lambda: self._segment(bucket, 0, None, None, None))
+        for j in range(len(self.moe_layers)):
+            prev, shared = out, None
+            if self.model.layers[self.moe_layers[j]].mlp.shared is not None:
+                shared = self._record(bucket, lambda j=j, x=prev.moe_in[0]: self._shared(j, x))
+            bucket.segments.append(prev)
+            bucket.shared.append(shared)
+            out = self._record(
+                bucket, lambda j=j, p=prev, s=shared: self._segment(bucket, j + 1, p, routed, s)
+            )
+        bucket.logits = out
+        torch.cuda.synchronize(device)
+        self.num_graphs += len(bucket.graphs)
+        log.info(
+            "captured %d CUDA graphs for decode batches of %d (context up to %d) in %.2f s",
+            len(bucket.graphs), bucket.batch, bucket.kv_pad, time.perf_counter() - start,
+        )  # fmt: skip
+
+    def _record(self, bucket: _Bucket, segment: Callable):
+        """Warm up on a side stream, capture, replay once (so the outputs hold real values)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            segment()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = segment()
+        graph.replay()
+        bucket.graphs.append(graph)
+        return out

@@ -1,0 +1,157 @@
+"""Segmented decode (CUDA graphs on CUDA, the same segments eagerly elsewhere) against the eager
+forward pass of the same checkpoint, which test_models checks against transformers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from checkpoints import available_families, make_tiny_checkpoint
+
+from expert_service.checkpoint import CheckpointReader
+from gpu_service.models import Batch, CausalLM, SeqInput, TorchExperts, load_model
+from gpu_service.models.decode_graphs import DecodeGraphConfig, DecodeGraphs
+
+VARIANTS = {  # family, overrides: each family, a shared gate (Qwen2) and a sliding window
+    "deepseek_v3": ("deepseek_v3", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "mixtral_window": ("mixtral", {"sliding_window": 12}),
+}
+NAMES = [v for v in VARIANTS if VARIANTS[v][0] in available_families()]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def seed() -> int:
+    value = int(os.environ.get("KTSERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
+    print(f"seed={value}")
+    return value
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, seed):
+    root = tmp_path_factory.mktemp("graphs")
+    made = {}
+    for i, name in enumerate(NAMES):
+        family, overrides = VARIANTS[name]
+        made[name] = make_tiny_checkpoint(family, root / name, seed=seed + i, **overrides)
+    return made
+
+
+def _load(path, device: str) -> CausalLM:
+    experts = TorchExperts(CheckpointReader(path), device, torch.float32)
+    return load_model(path, device, torch.float32, experts=experts, max_num_tokens_in_cache=512,
+                      block_size=BLOCK)  # fmt: skip
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+class Pair:
+    """The same sequences in two models: `eager` runs CausalLM.forward, `seg` DecodeGraphs."""
+
+    def __init__(self, path, device: str, config: DecodeGraphConfig) -> None:
+        self.eager, self.seg = _load(path, device), _load(path, device)
+        self.graphs = DecodeGraphs(self.seg, config)
+        self.caches: dict[int, tuple] = {}
+        self.next_token: dict[int, int] = {}
+        self.pos: dict[int, int] = {}
+
+    def add(self, key: int, prompt: list[int]) -> None:
+        caches = tuple(m.kv_cache.allocate(len(prompt)) for m in (self.eager, self.seg))
+        models = (self.eager, self.seg)
+        logits = [m.forward(Batch((SeqInput(prompt, c, 0),))) for m, c in zip(models, caches)]
+        self.caches[key], self.pos[key] = caches, len(prompt)
+        self.next_token[key] = int(logits[0][0].argmax())
+
+    def drop(self, key: int) -> None:
+        for model, cache in zip((self.eager, self.seg), self.caches.pop(key)):
+            model.kv_cache.free(cache)
+
+    def step(self) -> float:
+        """One decode step of every live sequence in both; the largest relative logits error."""
+        keys = sorted(self.caches)
+        batches = []
+        for side, model in enumerate((self.eager, self.seg)):
+            seqs = []
+            for key in keys:
+                cache = self.caches[key][side]
+                model.kv_cache.extend(cache, self.pos[key] + 1)
+                seqs.append(SeqInput([self.next_token[key]], cache, self.pos[key]))
+            batches.append(Batch(tuple(seqs)))
+        reference = self.eager.forward(batches[0])
+        assert self.graphs.supports(batches[1])
+        got = self.graphs.forward(batches[1])
+        assert got.shape == reference.shape and got.dtype == torch.float32
+        for i, key in enumerate(keys):
+            self.pos[key] += 1
+            self.next_token[key] = int(reference[i].argmax())
+            assert self.caches[key][1].num_tokens == self.pos[key]
+        return _rel_err(got, reference)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", NAMES)
+def test_segmented_decode_matches_eager(checkpoints, seed, name: str, device: str) -> None:
+    """Batches of 1-5 sequences (padded to 1, 2, 4, 8), joining and leaving, contexts crossing
+    K buckets (8, 16, 32, 64): logits match the eager forward, and after all of it both KV caches
+    hold the same values everywhere but the scratch slot (padding rows wrote nowhere else)."""
+    config = DecodeGraphConfig(max_batch=8, min_kv_bucket=8, capture=device == "cuda")
+    pair = Pair(checkpoints[name], device, config)
+    gen = torch.Generator().manual_seed(seed)
+
+    def prompt(n: int) -> list[int]:
+        return torch.randint(0, 101, (n,), generator=gen).tolist()
+
+    errors = []
+    pair.add(0, prompt(5))
+    errors += [pair.step() for _ in range(4)]  # batch 1
+    pair.add(1, prompt(13))
+    pair.add(2, prompt(2))
+    errors += [pair.step() for _ in range(6)]  # batch 3 -> bucket 4
+    pair.drop(1)
+    pair.add(3, prompt(7))
+    pair.add(4, prompt(30))
+    pair.add(5, prompt(1))
+    errors += [pair.step() for _ in range(8)]  # batch 5 -> bucket 8, contexts past 32
+    print(f"[{name} {device}] max rel logits err {max(errors):.2e} over {len(errors)} steps")
+    assert max(errors) < 1e-4
+    scratch = pair.seg.kv_cache.scratch_slot
+    for eager_layer, seg_layer in zip(pair.eager.kv_cache.layers, pair.seg.kv_cache.layers):
+        for a, b in zip(eager_layer, seg_layer):
+            assert _rel_err(b[:scratch], a[:scratch]) < 1e-4
+    if config.capture:
+        assert pair.graphs.num_graphs > 0
+
+
+def test_graphs_refuse_what_they_cannot_run(checkpoints) -> None:
+    model = _load(checkpoints[NAMES[0]], "cpu")
+    graphs = DecodeGraphs(model, DecodeGraphConfig(max_batch=2, capture=False))
+    caches = [model.kv_cache.allocate(4) for _ in range(3)]
+    prefill = Batch((SeqInput([1, 2], caches[0], 0),))
+    too_many = Batch(tuple(SeqInput([1], c, 0) for c in caches))
+    for batch in (prefill, too_many):
+        assert not graphs.supports(batch)
+        with pytest.raises(ValueError, match="not a decode batch"):
+            graphs.forward(batch)
+    beyond = Batch((SeqInput([1], caches[0], 0),))
+    caches[0].num_tokens = 0
+    with pytest.raises(ValueError, match="token ids"):
+        graphs.forward(Batch((SeqInput([10**6], caches[1], 0),)))
+    assert graphs.forward(beyond).shape == (1, model.config.vocab_size)
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        DecodeGraphs(model, DecodeGraphConfig(capture=True))
+
+
+def test_buckets() -> None:
+    config = DecodeGraphConfig(max_batch=32, min_kv_bucket=256)
+    assert config.batch_buckets == (1, 2, 4, 8, 16, 24, 32)
+    assert DecodeGraphConfig(max_batch=3).batch_buckets == (1, 2, 3)
+    assert [config.kv_bucket(n, 16) for n in (1, 256, 257, 5000)] == [256, 256, 512, 8192]
+    assert DecodeGraphConfig(min_kv_bucket=10).kv_bucket(11, 16) == 32
+    with pytest.raises(ValueError, match="must be >= 1"):
+        DecodeGraphConfig(max_batch=0)
