@@ -4,8 +4,10 @@ The GPU service (this process; KV cache sized by the service itself) + `ktserve 
 (subprocesses) on a checkpoint (the demo model by default): N concurrent greedy requests of M new
 tokens each. Prints one table per batch size: tokens/s, mean step time, and how a step splits
 into GPU compute, transfers to and from the expert channels, and waiting for the CPU experts.
+On CUDA it runs every batch size with the decode step's CUDA graphs on and off, in the same run
+(one service after the other, the same worker), and prints the speed-up.
 
-    python bench/bench_decode.py [--model demo_model] [--batch 1,8] [--tokens 128]
+    python bench/bench_decode.py [--model demo_model] [--batch 1,8] [--tokens 128] [--graphs on,off]
 """
 
 from __future__ import annotations
@@ -65,31 +67,47 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--graphs", default="on,off", help="CUDA graphs settings to compare")
     args = parser.parse_args()
+    batches = [int(b) for b in args.batch.split(",")]
+    on_cuda = args.device.startswith("cuda")
+    modes = [m == "on" for m in args.graphs.split(",")] if on_cuda else [False]
     proc, address = start_worker(Path(args.model), args.format, args.threads)
-    service = None
+    rows = []
     try:
-        service = build_gpu_service(GPUServiceConfig(
-            model_dir=args.model, workers=(address,), device=args.device, dtype=args.dtype,
-            wire_dtype=args.dtype))  # fmt: skip
-        cache = service.engine.model.kv_cache.config
-        run_batch(service, 1, 8)  # warm-up
-        rows = [(b, run_batch(service, b, args.tokens)) for b in map(int, args.batch.split(","))]
+        for graphs in modes:
+            service = build_gpu_service(GPUServiceConfig(
+                model_dir=args.model, workers=(address,), device=args.device, dtype=args.dtype,
+                wire_dtype=args.dtype, cuda_graphs=graphs,
+                cuda_graph_max_batch=max(batches)))  # fmt: skip
+            try:
+                cache = service.engine.model.kv_cache.config
+                run_batch(service, 1, 8)  # warm-up
+                for b in batches:
+                    run_batch(service, b, 8)  # captures this batch size's graphs
+                    rows.append((graphs, b, run_batch(service, b, args.tokens)))
+                graph_steps = service.metrics.steps.labels(mode="graph")._value.get()
+                if graphs and not graph_steps:
+                    raise SystemExit("CUDA graphs were asked for but no step ran as graphs")
+            finally:
+                service.close()
     finally:
-        if service is not None:
-            service.close()
         proc.terminate()
         proc.wait(30)
     print(f"generation through ktserve: {Path(args.model).name}, GPU part {args.dtype} on "
           f"{args.device}, 1 expert worker ({args.format}, {args.threads} threads), "
           f"{args.tokens} new tokens per request, KV cache {cache.num_slots} tokens (sized by "
           f"the service)")  # fmt: skip
-    print(f"{'batch':>5} | {'tok/s':>8} | {'steps':>5} | {'ms/step':>8} | {'gpu ms':>7} | "
-          f"{'transfer ms':>11} | {'expert wait ms':>14}")  # fmt: skip
-    for batch, r in rows:
+    print(f"{'graphs':>6} | {'batch':>5} | {'tok/s':>8} | {'vs off':>6} | {'steps':>5} | "
+          f"{'ms/step':>8} | {'gpu ms':>7} | {'transfer ms':>11} | "
+          f"{'expert wait ms':>14}")  # fmt: skip
+    eager = {b: r["tok/s"] for graphs, b, r in rows if not graphs}
+    for graphs, batch, r in rows:
         total = r["gpu"] + r["transfer"] + r["expert_wait"]
-        print(f"{batch:>5} | {r['tok/s']:>8.1f} | {int(r['steps']):>5} | {total:>8.2f} | "
-              f"{r['gpu']:>7.2f} | {r['transfer']:>11.2f} | {r['expert_wait']:>14.2f}")  # fmt: skip
+        ratio = f"{r['tok/s'] / eager[batch]:.2f}x" if batch in eager else "-"
+        print(f"{'on' if graphs else 'off':>6} | {batch:>5} | {r['tok/s']:>8.1f} | {ratio:>6} | "
+              f"{int(r['steps']):>5} | {total:>8.2f} | {r['gpu']:>7.2f} | {r['transfer']:>11.2f} | "
+              f"{r['expert_wait']:>14.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -85,19 +85,23 @@ def check(ref_dir: Path, device: str) -> int:
                 done.acquire(timeout=300)
             same = sum(o == g for o, g in zip(outputs, ref["greedy"]))
             pinned = bool(service.experts._registered)
+            graphed = int(service.metrics.steps.labels(mode="graph")._value.get())
         finally:
             service.close()
             proc.terminate()
             proc.wait(30)
         ok = err < 1e-3 and same == len(ref["prompts"])
         failed |= not ok
-        rows.append((family, err, f"{same}/{len(ref['prompts'])}", pinned, "ok" if ok else "FAIL"))
+        verdict = "ok" if ok else "FAIL"
+        rows.append((family, err, f"{same}/{len(ref['prompts'])}", pinned, graphed, verdict))
     print(f"two-process parity on {device} (bf16 experts, fp32 wire and GPU part)")
     print(
-        f"{'family':<12} | {'logits rel err':>14} | {'greedy 32 same':>14} | {'pinned shm':>10} |"
+        f"{'family':<12} | {'logits rel err':>14} | {'greedy 32 same':>14} | {'pinned shm':>10} | "
+        f"{'graph steps':>11} |"
     )
-    for family, err, same, pinned, verdict in rows:
-        print(f"{family:<12} | {err:>14.2e} | {same:>14} | {pinned!s:>10} | {verdict}")
+    for family, err, same, pinned, graphed, verdict in rows:
+        print(f"{family:<12} | {err:>14.2e} | {same:>14} | {pinned!s:>10} | {graphed:>11} | "
+              f"{verdict}")  # fmt: skip
     return 1 if failed else 0
 
 
