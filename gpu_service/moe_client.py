@@ -228,14 +228,22 @@ class PendingShm:
         owner = self.owner
         start = time.perf_counter()
         total: torch.Tensor | None = None
-        for worker, seq in self.calls:
-            reply = owner._recv(worker, seq)
-            try:
-                partial = torch.from_numpy(reply.arrays[0])  # [T, H] float32, a view on the slot
-                part = partial.to(owner.device, copy=True)
-                total = part if total is None else total.add_(part)
-            finally:
-                worker.channel.release(seq)
+        done = 0
+        try:
+            for worker, seq in self.calls:
+                reply = owner._recv(worker, seq)
+                try:
+                    partial = torch.from_numpy(reply.arrays[0])  # [T, H] float32, slot view
+                    part = partial.to(owner.device, copy=True)
+                    total = part if total is None else total.add_(part)
+                finally:
+                    worker.channel.release(seq)
+                done += 1
+        except BaseException:
+            # NOTE: free the slots of the replies nobody will read, or the ring fills up.
+            for worker, seq in self.calls[done:]:
+                worker.channel.abandon(seq)
+            raise
         end = time.perf_counter()
         owner.stats.wait_s += end - start
         owner.stats.calls += 1
