@@ -2,9 +2,10 @@
 expert_service.
 
 `ktserve serve MODEL_DIR` binds the HTTP port first (a busy port fails at once), loads the
-tokenizer, starts the expert workers (supervised subprocesses) and waits until they serve, builds
-the GPU service on them, then serves HTTP until SIGINT/SIGTERM, after which it stops uvicorn, the
-engine (closing its ktshm channels) and the workers (SIGTERM: they drain), in that order.
+tokenizer, starts the expert workers (supervised subprocesses; or, with --expert-address, connects
+to workers running on their own) and waits until they serve, builds the GPU service on them, then
+serves HTTP until SIGINT/SIGTERM, after which it stops uvicorn, the engine (closing its ktshm
+channels) and the workers it started (SIGTERM: they drain), in that order.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from expert_service.cli import add_convert_parser, add_expert_parser, run_command
 from expert_service.config import FORMATS
-from gpu_service.serve_config import API_KEY_ENV, ServeConfig
+from gpu_service.serve_config import API_KEY_ENV, DEVICE_ENV, ServeConfig
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 D = ServeConfig  # defaults
@@ -35,8 +36,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         description=(
             "Serve a Mixture-of-Experts checkpoint over an OpenAI-compatible HTTP API "
             "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics). Starts the "
-            "CPU expert workers as supervised subprocesses (restarted if they die), the GPU "
-            "service, and the HTTP server; SIGINT/SIGTERM stop all of them."
+            "CPU expert workers as supervised subprocesses (restarted if they die) unless "
+            "--expert-address names workers already running, the GPU service, and the HTTP "
+            "server; SIGINT/SIGTERM stop all of them (workers named by --expert-address keep "
+            "running)."
         ),
     )
     p.add_argument(
@@ -69,11 +72,23 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="the model name clients send and /v1/models lists (default: the directory's name)",
     )
     p.add_argument(
+        "--expert-address",
+        dest="expert_addresses",
+        action="append",
+        metavar="HOST:PORT",
+        help="connect to a CPU expert worker that runs on its own (`ktserve expert --model DIR "
+        "--experts RANGE --listen HOST:PORT`, e.g. another container) instead of starting "
+        "workers here; repeat the flag or separate addresses with commas. The workers' "
+        "--experts ranges must hold every routed expert exactly once (checked at start). A "
+        "worker that dies is waited for (--worker-timeout) and re-attached once it serves at "
+        "the same address again; restarting it is up to whoever started it. Not combinable "
+        "with --expert-workers, --experts-per-worker, --format, --threads",
+    )
+    p.add_argument(
         "--expert-workers",
         type=int,
-        default=D.expert_workers,
-        help="CPU expert worker processes; each holds an equal share of the routed "
-        "experts (default %(default)s)",
+        help=f"CPU expert worker processes to start; each holds an equal share of the routed "
+        f"experts (default {D.expert_workers})",
     )
     p.add_argument(
         "--experts-per-worker",
@@ -85,9 +100,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--format",
         dest="weight_format",
         choices=FORMATS,
-        default=D.weight_format,
         help="routed experts' format in RAM: bf16 (exact), int8 (per-row scales), "
-        "int4 (group-32 scales) (default %(default)s)",
+        f"int4 (group-32 scales) (default {D.weight_format})",
     )
     p.add_argument(
         "--threads", type=int, help="kernel threads per expert worker (default: cores - 1)"
@@ -137,7 +151,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--device",
-        help="torch device of the GPU part, e.g. cuda:1 or cpu (default: cuda if available)",
+        default=os.environ.get(DEVICE_ENV) or None,
+        help="torch device of the GPU part, e.g. cuda:1 or cpu (default: the "
+        f"{DEVICE_ENV} environment variable; unset: cuda if available)",
     )
     p.add_argument(
         "--worker-timeout",
@@ -158,7 +174,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         dest="worker_start_timeout_s",
         type=float,
         default=D.worker_start_timeout_s,
-        help="seconds an expert worker may take to load (default %(default)s)",
+        help="seconds an expert worker may take to load, or to come up and load when named by "
+        "--expert-address (default %(default)s)",
     )
     p.add_argument(
         "--no-cuda-graphs",
@@ -204,15 +221,18 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     if not (Path(model_dir) / "config.json").is_file():
         raise ValueError(f"{model_dir} is not a checkpoint directory: it has no config.json")
     ranges = args.experts_per_worker
+    addresses = parse_addresses(args.expert_addresses)
+    if addresses is not None:
+        check_no_spawn_flags(args)
     return ServeConfig(
         model_dir=model_dir,
         host=args.host,
         port=args.port,
         api_key=args.api_key or None,
         served_model_name=args.served_model_name,
-        expert_workers=args.expert_workers,
+        expert_workers=D.expert_workers if args.expert_workers is None else args.expert_workers,
         experts_per_worker=tuple(r.strip() for r in ranges.split(",")) if ranges else None,
-        weight_format=args.weight_format,
+        weight_format=args.weight_format or D.weight_format,
         threads=args.threads,
         gpu_experts=args.gpu_experts,
         expert_placement=args.expert_placement,
@@ -227,7 +247,35 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         worker_start_timeout_s=args.worker_start_timeout_s,
         cuda_graphs=args.cuda_graphs,
         cuda_graph_max_batch=args.cuda_graph_max_batch,
+        expert_addresses=addresses,
     )
+
+
+def parse_addresses(values: list[str] | None) -> tuple[str, ...] | None:
+    """--expert-address values (each may hold several, comma-separated) as one tuple."""
+    if values is None:
+        return None
+    return tuple(a.strip() for value in values for a in value.split(",") if a.strip())
+
+
+def check_no_spawn_flags(args: argparse.Namespace) -> None:
+    """The flags that shape the workers serve starts make no sense with --expert-address."""
+    given = [
+        flag
+        for flag, value in (
+            ("--expert-workers", args.expert_workers),
+            ("--experts-per-worker", args.experts_per_worker),
+            ("--format", args.weight_format),
+            ("--threads", args.threads),
+        )
+        if value is not None
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} configure{'s' if len(given) == 1 else ''} the expert workers "
+            "ktserve serve starts; with --expert-address the workers run on their own: give "
+            "these to each `ktserve expert`"
+        )
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from gpu_service.moe_client import WIRE_DTYPES
 from gpu_service.service import DTYPES, GPUServiceConfig
 
 API_KEY_ENV = "KTSERVE_API_KEY"
+DEVICE_ENV = "KTSERVE_DEVICE"
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,9 @@ class ServeConfig:
     routed experts per MoE layer kept on the GPU (chosen from the workers' activation counts, or
     listed per layer in the JSON file expert_placement). restart_workers: restart a worker
     that exits; worker_timeout_s: how long requests wait for a dead worker before failing (503);
-    worker_start_timeout_s: how long a worker may take to load. cuda_graphs: replay the decode
+    worker_start_timeout_s: how long a worker may take to load. expert_addresses: gRPC addresses
+    ("HOST:PORT") of workers that run on their own (`ktserve expert`); when set, none are
+    started here and the worker flags above do not apply. cuda_graphs: replay the decode
     step's GPU segments as CUDA graphs (CUDA only) for batches up to cuda_graph_max_batch.
     The rest is GPUServiceConfig's.
     """
@@ -50,6 +53,7 @@ class ServeConfig:
     worker_start_timeout_s: float = 3600.0
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 32
+    expert_addresses: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -88,6 +92,8 @@ class ServeConfig:
             )
         if self.worker_timeout_s <= 0 or self.worker_start_timeout_s <= 0:
             raise ValueError("--worker-timeout and --worker-start-timeout must be positive")
+        if self.expert_addresses is not None:
+            check_addresses(self.expert_addresses)
 
     @property
     def model_name(self) -> str:
@@ -115,6 +121,24 @@ class ServeConfig:
             cuda_graphs=self.cuda_graphs,
             cuda_graph_max_batch=self.cuda_graph_max_batch,
         )
+
+
+def check_addresses(addresses: tuple[str, ...]) -> None:
+    """ValueError unless each is HOST:PORT (or unix:/path) and none repeats."""
+    if not addresses:
+        raise ValueError("--expert-address needs at least one HOST:PORT")
+    for address in addresses:
+        if address.startswith("unix:"):
+            continue
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(
+                f"--expert-address {address!r} is not HOST:PORT (e.g. expert-0:50061) or "
+                "unix:/path.sock"
+            )
+    repeated = sorted({a for a in addresses if addresses.count(a) > 1})
+    if repeated:
+        raise ValueError(f"--expert-address names {', '.join(repeated)} more than once")
 
 
 def split_experts(num_experts: int, num_workers: int) -> tuple[str, ...]:

@@ -4,10 +4,12 @@ Order of start (each step fails with a clear error before the next one costs tim
 
     bind the HTTP socket          (a busy port fails before anything loads)
     load the tokenizer            (missing tokenizer files fail before the workers start)
-    start the expert workers      (Supervisor; wait until each prints that it serves)
+    start the expert workers      (Supervisor; wait until each prints that it serves), or wait
+                                  for the workers named by --expert-address (ExternalWorkers:
+                                  until each serves; their shards must cover every expert)
     build the GPU service         (model, KV cache, engine; ktshm channels attached to the workers)
     serve HTTP until SIGINT/SIGTERM
-    stop: uvicorn -> engine + channels -> workers (SIGTERM, they drain)
+    stop: uvicorn -> engine + channels -> workers started here (SIGTERM, they drain)
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from expert_service.checkpoint_spec import ModelSpec
 from gpu_service.api.app import create_app
 from gpu_service.api.context import ApiContext
 from gpu_service.api.tokenizer import load_tokenizer
+from gpu_service.api.worker_metrics import worker_registry
+from gpu_service.external_workers import ExternalWorkers
 from gpu_service.serve_config import ServeConfig
 from gpu_service.service import GPUService, build_gpu_service
 from gpu_service.supervisor import Supervisor, worker_specs
@@ -53,37 +57,28 @@ def url_of(sock: socket.socket) -> str:
 def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> int:
     """Run until SIGINT/SIGTERM; every process and shared-memory segment is gone on return."""
     sock = bind_socket(config.host, config.port)
-    supervisor: Supervisor | None = None
+    workers: Supervisor | ExternalWorkers | None = None
     service: GPUService | None = None
     try:
         tokenizer = load_tokenizer(config.model_dir)
         spec = ModelSpec.from_config_dir(config.model_dir)
-        ranges = config.expert_ranges(spec.num_experts)
-        supervisor = Supervisor(
-            worker_specs(config.model_dir, ranges, config.weight_format, config.threads),
-            restart=config.restart_workers,
-        )
-        log.info(
-            "starting %d expert worker(s) (experts %s, %s)",
-            len(ranges),
-            ", ".join(ranges),
-            config.weight_format,
-        )
-        supervisor.start(config.worker_start_timeout_s)
+        workers = _workers(config, spec)
+        workers.start(config.worker_start_timeout_s)
         log.info("loading the model's GPU part")
         service = build_gpu_service(
-            config.gpu_service_config(supervisor.addresses),
+            config.gpu_service_config(workers.addresses),
             eos_token_ids=tokenizer.eos_token_ids,
             decode=tokenizer.decode,
         )
+        worker_status = _worker_status(workers, service)
         ctx = ApiContext(
             engine=service.engine,
             tokenizer=tokenizer,
             model_name=config.model_name,
             max_model_len=service.max_model_len,
-            worker_status=_worker_status(supervisor, service),
+            worker_status=worker_status,
             api_key=config.api_key,
-            registries=(service.metrics.registry,),
+            registries=(service.metrics.registry, worker_registry(worker_status)),
         )
         server = uvicorn.Server(
             uvicorn.Config(
@@ -101,19 +96,38 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
         _ignore_signals()
         if service is not None:
             service.close()
-        if supervisor is not None:
-            supervisor.stop()
+        if workers is not None:
+            workers.stop()
         sock.close()
         log.info("stopped")
 
 
-def _worker_status(supervisor: Supervisor, service: GPUService) -> Callable[[], list[dict]]:
-    """Each worker: its process (state serving = alive) and whether its channel's peer beats
-    (a restarted worker is re-attached at the next MoE call)."""
+def _workers(config: ServeConfig, spec: ModelSpec) -> Supervisor | ExternalWorkers:
+    if config.expert_addresses is not None:
+        log.info("connecting to expert workers at %s", ", ".join(config.expert_addresses))
+        return ExternalWorkers(config.expert_addresses, spec)
+    ranges = config.expert_ranges(spec.num_experts)
+    log.info(
+        "starting %d expert worker(s) (experts %s, %s)",
+        len(ranges),
+        ", ".join(ranges),
+        config.weight_format,
+    )
+    return Supervisor(
+        worker_specs(config.model_dir, ranges, config.weight_format, config.threads),
+        restart=config.restart_workers,
+    )
+
+
+def _worker_status(
+    workers: Supervisor | ExternalWorkers, service: GPUService
+) -> Callable[[], list[dict]]:
+    """Each worker: its state (serving = alive) and whether its channel's peer beats (a
+    restarted worker is re-attached at the next MoE call)."""
 
     def status() -> list[dict]:
         attached = service.experts.alive()
-        rows = supervisor.status()
+        rows = workers.status()
         for row in rows:
             row["attached"] = attached.get(row["address"], False)
             row["alive"] = row["state"] == "serving"

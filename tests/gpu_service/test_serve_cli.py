@@ -9,31 +9,31 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import openai
 import pytest
 from api_server import ServerProcess, make_served_checkpoint, pid_alive
 from checkpoints import make_tiny_checkpoint
-from expert_procs import shm_entries
+from expert_procs import ExpertProcess, shm_entries
 from watched_process import REPO
 
+from expert_service.checkpoint_spec import ModelSpec
 from gpu_service.cli import DEMO_MODEL_DIR, build_parser, serve_config
+from gpu_service.external_workers import ExpertCoverageError, WorkerShard, check_coverage
 from gpu_service.serve_config import split_experts
 
-FLAGS = (
-    "--threads",
-    "1",
+GPU_FLAGS = (
     "--device",
     "cpu",
     "--dtype",
     "float32",
-    "--format",
-    "bf16",
     "--max-model-len",
     "128",
     "--kv-cache-tokens",
     "1024",
 )
+FLAGS = ("--threads", "1", "--format", "bf16", *GPU_FLAGS)  # the workers serve starts, too
 SERVE_FLAGS = (
     "--host",
     "--port",
@@ -54,6 +54,7 @@ SERVE_FLAGS = (
     "--worker-timeout",
     "--no-restart-workers",
     "--worker-start-timeout",
+    "--expert-address",
 )
 
 
@@ -86,7 +87,7 @@ def test_help_explains_every_flag():
     text = result.stdout
     for flag in SERVE_FLAGS:
         assert re.search(rf"{flag}\b.*\n?\s+\S", text), f"{flag} missing from --help"
-    assert "KTSERVE_API_KEY" in text and "MODEL_DIR" in text
+    assert "KTSERVE_API_KEY" in text and "KTSERVE_DEVICE" in text and "MODEL_DIR" in text
     top = ktserve("--help").stdout
     for command in ("serve", "expert", "convert"):
         assert command in top
@@ -239,3 +240,124 @@ def test_worker_that_cannot_load_fails_the_start(checkpoint):
     assert result.returncode == 1, result.stderr
     assert "expert worker 0 (experts 0-99) exited with code" in result.stderr
     assert not shm_entries() - before
+
+
+def test_expert_addresses_map_onto_serve_config(checkpoint, monkeypatch):
+    monkeypatch.setenv("KTSERVE_DEVICE", "cpu")
+    parse = build_parser().parse_args
+    args = parse(["serve", str(checkpoint), "--expert-address", "a:1, b:2", "--expert-address",
+                  "unix:/run/w.sock"])  # fmt: skip
+    config = serve_config(args)
+    assert config.expert_addresses == ("a:1", "b:2", "unix:/run/w.sock")
+    assert config.device == "cpu"
+    assert serve_config(parse(["serve", str(checkpoint)])).expert_addresses is None
+    for flags, message in [
+        (["--threads", "2"], "--threads configures the expert workers ktserve serve starts"),
+        (["--expert-workers", "2", "--format", "int4"], "--expert-workers, --format configure"),
+        (["--expert-address", "a:1"], "names a:1 more than once"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            serve_config(parse(["serve", str(checkpoint), "--expert-address", "a:1", *flags]))
+    for bad in ("nohost", "a:0", "a:port", ":80"):
+        with pytest.raises(ValueError, match="is not HOST:PORT"):
+            serve_config(parse(["serve", str(checkpoint), "--expert-address", bad]))
+
+
+def test_coverage_check_names_missing_and_doubled_experts(checkpoint):
+    spec = ModelSpec.from_config_dir(checkpoint)
+    assert spec.num_experts == 12
+
+    def shard(address, start, stop, **changes):
+        model = dict(num_experts=12, hidden_size=spec.hidden_size, moe_layers=spec.moe_layers)
+        return WorkerShard(address, range(start, stop), **{**model, **changes})
+
+    check_coverage([shard("a:1", 0, 5), shard("b:1", 5, 12)], spec)
+    check_coverage([shard("a:1", 0, 12)], spec)
+    with pytest.raises(ExpertCoverageError, match=r"no worker holds experts 5-9, 11 \(a:1 holds"):
+        check_coverage([shard("a:1", 0, 5), shard("b:1", 10, 11)], spec)
+    with pytest.raises(ExpertCoverageError, match=r"experts 4-5 are held by more than one worker"):
+        check_coverage([shard("a:1", 0, 6), shard("b:1", 4, 12)], spec)
+    with pytest.raises(ExpertCoverageError, match="b:1 serves another model: 16 experts"):
+        check_coverage([shard("a:1", 0, 12), shard("b:1", 0, 16, num_experts=16)], spec)
+
+
+def expert_worker(checkpoint, experts: str, *flags: str) -> ExpertProcess:
+    return ExpertProcess("--model", str(checkpoint), "--experts", experts, "--format", "bf16",
+                         *flags)  # fmt: skip
+
+
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def test_serve_on_external_workers_survives_a_worker_restart(checkpoint):
+    """Two `ktserve expert` started by hand; serve --expert-address; kill -9 one: requests get 503
+    after --worker-timeout; a new worker on the same address: the next request succeeds."""
+    before = shm_entries()
+    workers = [expert_worker(checkpoint, "0-5"), expert_worker(checkpoint, "6-11")]
+    addresses = [w.address for w in workers]
+    server = None
+    try:
+        server = ServerProcess(checkpoint, *GPU_FLAGS, "--worker-timeout", "4", "--expert-address",
+                               addresses[0], "--expert-address", addresses[1])  # fmt: skip
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        r = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4)
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens <= 4
+        status, health = server.health()
+        assert status == 200 and [w["experts"] for w in health["workers"]] == ["0-5", "6-11"]
+        assert (
+            server.metrics()[f"ktserve_worker_up{{address={addresses[1]},experts=6-11,worker=1}}"]
+            == 1.0
+        )
+
+        workers[1].kill()
+        server.wait_until(lambda: server.health()[0] == 503, timeout=10, what="/health 503")
+        start = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as exc:
+            client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4)
+        waited = time.monotonic() - start
+        assert exc.value.status_code == 503 and exc.value.body["code"] == "experts_unavailable"
+        assert 3.0 <= waited < 20, f"the request waited {waited:.1f} s for --worker-timeout 4"
+        assert (
+            server.metrics()[f"ktserve_worker_up{{address={addresses[1]},experts=6-11,worker=1}}"]
+            == 0.0
+        )
+
+        workers[1].close()
+        workers[1] = expert_worker(checkpoint, "6-11", "--listen", addresses[1])
+        r = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4)
+        assert r.usage.completion_tokens <= 4
+        server.wait_until(lambda: server.health()[0] == 200, timeout=10, what="/health 200")
+        assert server.terminate() == 0, server.stderr()[-3000:]
+        assert f"expert worker {addresses[1]} died; waiting for it" in server.stderr()
+        assert all(w.proc.poll() is None for w in workers), "serve must leave its workers alone"
+    finally:
+        if server is not None:
+            server.close()
+        for worker in workers:
+            worker.close()
+    assert not shm_entries() - before
+
+
+def test_serve_refuses_workers_that_do_not_cover_every_expert(checkpoint):
+    before = shm_entries()
+    worker = expert_worker(checkpoint, "0-5")
+    try:
+        result = ktserve("serve", str(checkpoint), "--port", "0", *GPU_FLAGS,
+                         "--expert-address", worker.address)  # fmt: skip
+    finally:
+        worker.close()
+    assert result.returncode == 2, result.stderr
+    assert "no worker holds experts 6-11" in result.stderr
+    assert f"{worker.address} holds 0-5" in result.stderr
+    assert not shm_entries() - before
+
+
+def test_serve_gives_up_on_an_unreachable_worker(checkpoint):
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"
+    result = ktserve("serve", str(checkpoint), "--port", "0", *GPU_FLAGS, "--expert-address",
+                     address, "--worker-start-timeout", "1")  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert f"expert worker {address} was not serving within 1 s" in result.stderr
+    assert "last state: unreachable" in result.stderr

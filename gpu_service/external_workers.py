@@ -1,0 +1,206 @@
+"""Expert workers that run on their own (`ktserve serve --expert-address`): started by hand, by
+compose or by any other supervisor, and reached at fixed gRPC addresses.
+
+`start` waits until every worker answers GetInfo with a loaded model, then checks that their
+shards are of this model and hold every routed expert exactly once (partial sums of two workers
+holding the same expert would count it twice). While serving, a thread asks each worker for
+GetInfo once a second, for /health and the ktserve_worker_up metric. A worker that dies is
+waited for by the GPU side's channels (re-attached when it answers at the same address again,
+up to --worker-timeout); restarting it is up to whoever started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from expert_service.checkpoint_spec import ModelSpec
+from expert_service.protocol import expert_pb2 as pb
+from expert_service.protocol import expert_pb2_grpc as pb_grpc
+from gpu_service.supervisor import WorkerStartError
+
+log = logging.getLogger("ktserve.workers")
+
+POLL_S = 1.0
+STATES = {
+    pb.WORKER_STATE_EMPTY: "empty",
+    pb.WORKER_STATE_LOADING: "loading",
+    pb.WORKER_STATE_SERVING: "serving",
+    pb.WORKER_STATE_DRAINING: "draining",
+}
+UNREACHABLE = "unreachable"
+
+
+class ExpertCoverageError(ValueError):
+    """The workers' shards are not one model's routed experts, each held exactly once."""
+
+
+@dataclass(frozen=True)
+class WorkerShard:
+    """What one worker holds, from its GetInfo: expert ids [start, stop) of a model."""
+
+    address: str
+    experts: range
+    num_experts: int
+    hidden_size: int
+    moe_layers: tuple[int, ...]
+
+    @classmethod
+    def from_info(cls, address: str, info: pb.WorkerInfo) -> WorkerShard:
+        return cls(
+            address=address,
+            experts=range(info.experts.start, info.experts.stop),
+            num_experts=info.num_experts,
+            hidden_size=info.hidden_size,
+            moe_layers=tuple(info.moe_layers),
+        )
+
+    @property
+    def label(self) -> str:
+        return f"{self.experts.start}-{self.experts.stop - 1}"
+
+
+def check_coverage(shards: list[WorkerShard], spec: ModelSpec) -> None:
+    """ExpertCoverageError unless the shards are of `spec`'s model and hold each expert once."""
+    held = ", ".join(f"{s.address} holds {s.label}" for s in shards)
+    for s in shards:
+        mine = (s.num_experts, s.hidden_size, s.moe_layers)
+        model = (spec.num_experts, spec.hidden_size, tuple(spec.moe_layers))
+        if mine != model:
+            raise ExpertCoverageError(
+                f"expert worker {s.address} serves another model: {s.num_experts} experts, "
+                f"hidden size {s.hidden_size}, MoE layers {list(s.moe_layers)}; this model has "
+                f"{spec.num_experts}, {spec.hidden_size}, {list(spec.moe_layers)}"
+            )
+    owners: list[list[str]] = [[] for _ in range(spec.num_experts)]
+    for s in shards:
+        for expert in s.experts:
+            owners[expert].append(s.address)
+    missing = _runs([e for e, o in enumerate(owners) if not o])
+    twice = _runs([e for e, o in enumerate(owners) if len(o) > 1])
+    problems = []
+    if missing:
+        problems.append(f"no worker holds experts {missing}")
+    if twice:
+        problems.append(f"experts {twice} are held by more than one worker")
+    if problems:
+        raise ExpertCoverageError(
+            f"the expert workers must hold each of the model's {spec.num_experts} routed experts "
+            f"(0-{spec.num_experts - 1}) exactly once, but {' and '.join(problems)} ({held}); "
+            "start each `ktserve expert` with its own --experts range"
+        )
+
+
+def _runs(ids: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+class _Remote:
+    def __init__(self, index: int, address: str) -> None:
+        self.index = index
+        self.address = address
+        self.grpc_channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.ExpertServiceStub(self.grpc_channel)
+        self.state = UNREACHABLE
+        self.pid: int | None = None
+        self.experts = ""
+        self.detail = ""
+
+    def poll(self, timeout_s: float) -> pb.WorkerInfo | None:
+        try:
+            info = self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            self.state, self.detail = UNREACHABLE, f"{exc.code().name}: {exc.details()}"
+            return None
+        self.state = STATES.get(info.state, "unknown")
+        self.pid = info.pid
+        if info.state == pb.WORKER_STATE_SERVING:
+            self.experts = f"{info.experts.start}-{info.experts.stop - 1}"
+        return info
+
+
+class ExternalWorkers:
+    """Same interface as Supervisor (start, addresses, status, stop) for workers run elsewhere."""
+
+    def __init__(self, addresses: tuple[str, ...], spec: ModelSpec) -> None:
+        self.spec = spec
+        self.workers = [_Remote(i, address) for i, address in enumerate(addresses)]
+        self._stopping = threading.Event()
+        self._monitor: threading.Thread | None = None
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(w.address for w in self.workers)
+
+    def start(self, timeout_s: float) -> None:
+        """Wait until every worker serves a model, then check their shards (see module doc)."""
+        deadline = time.monotonic() + timeout_s
+        shards = [self._wait_serving(w, deadline, timeout_s) for w in self.workers]
+        check_coverage(shards, self.spec)
+        log.info(
+            "expert workers: %s", ", ".join(f"{s.address} (experts {s.label})" for s in shards)
+        )
+        self._monitor = threading.Thread(target=self._watch, name="expert-workers", daemon=True)
+        self._monitor.start()
+
+    def status(self) -> list[dict]:
+        return [
+            {
+                "index": w.index,
+                "address": w.address,
+                "experts": w.experts,
+                "state": w.state,
+                "pid": w.pid,
+            }
+            for w in self.workers
+        ]
+
+    def stop(self) -> None:
+        """Stop watching and close the gRPC connections; the workers keep running."""
+        self._stopping.set()
+        if self._monitor is not None:
+            self._monitor.join()
+        for worker in self.workers:
+            worker.grpc_channel.close()
+
+    def _wait_serving(self, worker: _Remote, deadline: float, timeout_s: float) -> WorkerShard:
+        last_state = None
+        while True:
+            info = worker.poll(timeout_s=max(min(deadline - time.monotonic(), POLL_S), 0.1))
+            if info is not None and info.state == pb.WORKER_STATE_SERVING:
+                return WorkerShard.from_info(worker.address, info)
+            if info is not None and info.state == pb.WORKER_STATE_EMPTY:
+                raise WorkerStartError(
+                    f"expert worker {worker.address} has no model loaded; start it with "
+                    "`ktserve expert --model DIR --experts RANGE ...`"
+                )
+            if worker.state != last_state:
+                last_state = worker.state
+                log.info("waiting for expert worker %s (%s)", worker.address, worker.state)
+            if time.monotonic() >= deadline:
+                raise WorkerStartError(
+                    f"expert worker {worker.address} was not serving within {timeout_s:g} s "
+                    f"(--worker-start-timeout); last state: {worker.state}"
+                    + (f" ({worker.detail})" if worker.state == UNREACHABLE else "")
+                )
+            time.sleep(POLL_S / 10)  # NOTE: polling a remote process; nothing to wait on here
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(POLL_S):
+            for worker in self.workers:
+                before = worker.state
+                worker.poll(timeout_s=POLL_S)
+                if worker.state != before:
+                    level = logging.INFO if worker.state == "serving" else logging.WARNING
+                    log.log(level, "expert worker %s: %s", worker.address, worker.state)
