@@ -1,0 +1,220 @@
+"""compose.yaml, Prometheus' and Grafana's configs checked against the real code, so that they
+cannot drift: commands parse with ktserve's own parser, addresses and ports agree, and every
+metric a dashboard panel queries is exported by a real `ktserve serve` and `ktserve expert`."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import sys
+import urllib.request
+
+import openai
+import pytest
+import yaml
+from api_server import ServerProcess
+from compose_file import Reset, flag, host_path, load, mounts, replace_flags
+from expert_procs import shm_entries
+from prometheus_client.parser import text_string_to_metric_families
+from watched_process import REPO, WatchedProcess
+
+from expert_service.checkpoint import parse_expert_range
+from expert_service.checkpoint_spec import ModelSpec
+from gpu_service.api.app import ROUTES
+from gpu_service.cli import build_parser, serve_config
+from gpu_service.external_workers import WorkerShard, check_coverage
+from gpu_service.serve_config import DEVICE_ENV
+
+DEPLOY = REPO / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "ktserve.json"
+METRIC = re.compile(r"\bktserve_\w+")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load(REPO / "compose.yaml")
+
+
+def expert_services(compose: dict) -> dict[str, dict]:
+    return {
+        name: s for name, s in compose["services"].items() if s.get("command", [""])[0] == "expert"
+    }
+
+
+def addresses(gpu: dict) -> list[str]:
+    return flag(gpu["command"], "--expert-address").split(",")
+
+
+def port_of(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
+def test_service_commands_parse_with_the_real_cli(compose, monkeypatch):
+    gpu = compose["services"]["gpu"]
+    argv = gpu["command"]
+    model = str(host_path(REPO, gpu, argv[1]))
+    monkeypatch.setenv(DEVICE_ENV, gpu["environment"][DEVICE_ENV])
+    config = serve_config(build_parser().parse_args([argv[0], model, *argv[2:]]))
+    assert config.device == "cuda" and config.host == "0.0.0.0"
+    assert config.expert_addresses == tuple(addresses(gpu))
+    spec = ModelSpec.from_config_dir(model)
+    shards = []
+    for name, service in expert_services(compose).items():
+        args = build_parser().parse_args(service["command"])
+        assert args.command == "expert" and service["restart"] == "unless-stopped"
+        assert host_path(REPO, service, args.model) == host_path(REPO, gpu, argv[1])
+        experts = parse_expert_range(args.experts)
+        shards.append(
+            WorkerShard(name, experts, spec.num_experts, spec.hidden_size, spec.moe_layers)
+        )
+    check_coverage(shards, spec)  # the default shards hold the default model's experts once
+
+
+def test_gpu_reaches_every_expert_service_at_its_listen_port(compose):
+    services = compose["services"]
+    experts = expert_services(compose)
+    gpu = services["gpu"]
+    named = {a.rpartition(":")[0]: port_of(a) for a in addresses(gpu)}
+    assert set(named) == set(experts) and len(experts) >= 2
+    for name, service in experts.items():
+        listen = flag(service["command"], "--listen")
+        assert listen.startswith("0.0.0.0:") and port_of(listen) == named[name]
+        exposed = {int(p) for p in service["expose"]}
+        assert {port_of(listen), int(flag(service["command"], "--metrics-port"))} <= exposed
+        assert flag(service["command"], "--metrics-host") == "0.0.0.0"
+    assert set(gpu["depends_on"]) == set(experts)
+    [published] = gpu["ports"]
+    assert int(published.rpartition(":")[2]) == int(flag(gpu["command"], "--port")) == 8000
+
+
+def test_prometheus_scrapes_the_real_metrics_endpoints(compose):
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    gpu = compose["services"]["gpu"]
+    assert jobs["ktserve-gpu"]["metrics_path"] == "/metrics" and "/metrics" in ROUTES
+    [gpu_targets] = [t["targets"] for t in jobs["ktserve-gpu"]["static_configs"]]
+    assert gpu_targets == [f"gpu:{flag(gpu['command'], '--port')}"]
+    expert_targets = {t for c in jobs["ktserve-expert"]["static_configs"] for t in c["targets"]}
+    assert expert_targets == {
+        f"{name}:{flag(s['command'], '--metrics-port')}"
+        for name, s in expert_services(compose).items()
+    }
+    mount = {m.target: m.source for m in mounts(compose["services"]["prometheus"])}
+    assert (REPO / mount["/etc/prometheus/prometheus.yml"]).resolve() == (
+        DEPLOY / "prometheus" / "prometheus.yml"
+    )
+
+
+def test_ktserve_containers_share_one_tmpfs_at_dev_shm(compose):
+    ktserve = {"gpu", *expert_services(compose)}
+    for name in ktserve:
+        service = compose["services"][name]
+        shm = [m.source for m in mounts(service) if m.target == "/dev/shm"]
+        assert shm == ["ktshm"], f"{name} must mount the shared ktshm volume at /dev/shm"
+    assert compose["volumes"]["ktshm"]["driver_opts"]["type"] == "tmpfs"
+    assert "mode=1777" in compose["volumes"]["ktshm"]["driver_opts"]["o"]
+
+
+def test_gpu_reservation_and_the_cpu_override(compose):
+    gpu = compose["services"]["gpu"]
+    [device] = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    assert (
+        load(REPO / "compose.yaml", {"KTSERVE_DEVICE": "cpu"})["services"]["gpu"]["environment"][
+            DEVICE_ENV
+        ]
+        == "cpu"
+    )
+    override = load(DEPLOY / "compose.cpu.yaml")["services"]["gpu"]
+    assert isinstance(override["deploy"], Reset)
+    assert override["environment"][DEVICE_ENV] == "cpu"
+
+
+def test_grafana_provisions_the_datasource_and_the_dashboard(compose):
+    grafana = compose["services"]["grafana"]
+    mount = {m.target: (REPO / m.source).resolve() for m in mounts(grafana)}
+    provisioning = mount["/etc/grafana/provisioning"]
+    assert provisioning == DEPLOY / "grafana" / "provisioning"
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "ktserve.yml").read_text())[
+        "providers"
+    ]
+    assert mount[provider["options"]["path"]] == DASHBOARD.parent
+    [source] = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
+    assert source["url"] == "http://prometheus:9090" and "prometheus" in compose["services"]
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/{DASHBOARD.name}"
+    for panel in json.loads(DASHBOARD.read_text())["panels"]:
+        assert panel["datasource"]["uid"] == source["uid"], panel["title"]
+        assert panel["targets"] and all(t["datasource"]["uid"] == source["uid"]
+                                        for t in panel["targets"])  # fmt: skip
+
+
+def dashboard_metrics() -> dict[str, set[str]]:
+    """Each panel's title -> the ktserve metric names its queries use."""
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return {
+        p["title"]: {m for t in p["targets"] for m in METRIC.findall(t["expr"])} for p in panels
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(url: str) -> set[str]:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_every_dashboard_metric_is_exported(compose):
+    """The compose commands themselves (container paths, addresses and ports made local), a chat
+    completion, then every metric a panel queries must be in a scrape of the services."""
+    wanted = dashboard_metrics()
+    assert all(wanted.values()), f"panels without a ktserve metric: {wanted}"
+    before = shm_entries()
+    gpu = compose["services"]["gpu"]
+    experts, server, local = [], None, {}
+    try:
+        for name, service in expert_services(compose).items():
+            listen, metrics = f"127.0.0.1:{free_port()}", free_port()
+            argv = replace_flags(service["command"], {
+                "--model": str(host_path(REPO, service, flag(service["command"], "--model"))),
+                "--listen": listen, "--metrics-host": "127.0.0.1", "--metrics-port": str(metrics),
+            })  # fmt: skip
+            proc = WatchedProcess([sys.executable, "-m", "gpu_service.cli", *argv])
+            experts.append(proc)
+            local[name] = (listen, metrics)
+        for proc in experts:
+            proc.read_line("ktserve expert: serving", timeout=180)
+        argv = gpu["command"]
+        argv = replace_flags(
+            [str(host_path(REPO, gpu, argv[1])), *argv[2:]],
+            {"--host": "127.0.0.1", "--port": "0",
+             "--expert-address": ",".join(local[a.rpartition(":")[0]][0] for a in addresses(gpu))},
+        )  # fmt: skip
+        server = ServerProcess(None, *argv, env={DEVICE_ENV: "cpu"}, timeout=300)
+        name = flag(gpu["command"], "--served-model-name")
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        r = client.chat.completions.create(
+            model=name, max_tokens=4, messages=[{"role": "user", "content": "Hello"}]
+        )
+        assert r.usage.completion_tokens >= 1
+        exported = scrape(f"{server.url}/metrics")
+        for _, metrics in local.values():
+            exported |= scrape(f"http://127.0.0.1:{metrics}/metrics")
+        missing = {t: sorted(m - exported) for t, m in wanted.items() if m - exported}
+        assert not missing, f"panels query metrics nobody exports: {missing}"
+        assert server.terminate() == 0, server.stderr()[-3000:]
+    finally:
+        if server is not None:
+            server.close()
+        for proc in experts:
+            proc.terminate()
+            proc.close_streams()
+    assert not shm_entries() - before
