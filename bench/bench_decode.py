@@ -68,46 +68,53 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--graphs", default="on,off", help="CUDA graphs settings to compare")
+    parser.add_argument("--spin-us", default="",
+                        help="worker spin settings to compare (channel thread and kernel pool), "
+                        "e.g. 200,2000 (default: the worker's)")  # fmt: skip
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     on_cuda = args.device.startswith("cuda")
     modes = [m == "on" for m in args.graphs.split(",")] if on_cuda else [False]
-    proc, address = start_worker(Path(args.model), args.format, args.threads)
+    spins = [float(v) for v in args.spin_us.split(",")] if args.spin_us else [None]
     rows = []
-    try:
-        for graphs in modes:
-            service = build_gpu_service(GPUServiceConfig(
-                model_dir=args.model, workers=(address,), device=args.device, dtype=args.dtype,
-                wire_dtype=args.dtype, cuda_graphs=graphs,
-                cuda_graph_max_batch=max(batches)))  # fmt: skip
-            try:
-                cache = service.engine.model.kv_cache.config
-                run_batch(service, 1, 8)  # warm-up
-                for b in batches:
-                    run_batch(service, b, 8)  # captures this batch size's graphs
-                    rows.append((graphs, b, run_batch(service, b, args.tokens)))
-                graph_steps = service.metrics.steps.labels(mode="graph")._value.get()
-                if graphs and not graph_steps:
-                    raise SystemExit("CUDA graphs were asked for but no step ran as graphs")
-            finally:
-                service.close()
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    for spin in spins:
+        proc, address = start_worker(Path(args.model), args.format, args.threads, spin)
+        try:
+            for graphs in modes:
+                service = build_gpu_service(GPUServiceConfig(
+                    model_dir=args.model, workers=(address,), device=args.device,
+                    dtype=args.dtype, wire_dtype=args.dtype, cuda_graphs=graphs,
+                    cuda_graph_max_batch=max(batches)))  # fmt: skip
+                try:
+                    cache = service.engine.model.kv_cache.config
+                    run_batch(service, 1, 8)  # warm-up
+                    for b in batches:
+                        run_batch(service, b, 8)  # captures this batch size's graphs
+                        rows.append((spin, graphs, b, run_batch(service, b, args.tokens)))
+                    graph_steps = service.metrics.steps.labels(mode="graph")._value.get()
+                    if graphs and not graph_steps:
+                        raise SystemExit("CUDA graphs were asked for but no step ran as graphs")
+                finally:
+                    service.close()
+        finally:
+            proc.terminate()
+            proc.wait(30)
     print(f"generation through ktserve: {Path(args.model).name}, GPU part {args.dtype} on "
           f"{args.device}, 1 expert worker ({args.format}, {args.threads} threads), "
           f"{args.tokens} new tokens per request, KV cache {cache.num_slots} tokens (sized by "
           f"the service)")  # fmt: skip
-    print(f"{'graphs':>6} | {'batch':>5} | {'tok/s':>8} | {'vs off':>6} | {'steps':>5} | "
-          f"{'ms/step':>8} | {'gpu ms':>7} | {'transfer ms':>11} | "
+    print(f"{'spin us':>7} | {'graphs':>6} | {'batch':>5} | {'tok/s':>8} | {'vs off':>6} | "
+          f"{'steps':>5} | {'ms/step':>8} | {'gpu ms':>7} | {'transfer ms':>11} | "
           f"{'expert wait ms':>14}")  # fmt: skip
-    eager = {b: r["tok/s"] for graphs, b, r in rows if not graphs}
-    for graphs, batch, r in rows:
+    eager = {(spin, b): r["tok/s"] for spin, graphs, b, r in rows if not graphs}
+    for spin, graphs, batch, r in rows:
         total = r["gpu"] + r["transfer"] + r["expert_wait"]
-        ratio = f"{r['tok/s'] / eager[batch]:.2f}x" if batch in eager else "-"
-        print(f"{'on' if graphs else 'off':>6} | {batch:>5} | {r['tok/s']:>8.1f} | {ratio:>6} | "
-              f"{int(r['steps']):>5} | {total:>8.2f} | {r['gpu']:>7.2f} | {r['transfer']:>11.2f} | "
-              f"{r['expert_wait']:>14.2f}")  # fmt: skip
+        base = eager.get((spin, batch))
+        ratio = f"{r['tok/s'] / base:.2f}x" if base else "-"
+        spin_text = "default" if spin is None else f"{spin:.0f}"
+        print(f"{spin_text:>7} | {'on' if graphs else 'off':>6} | {batch:>5} | "
+              f"{r['tok/s']:>8.1f} | {ratio:>6} | {int(r['steps']):>5} | {total:>8.2f} | "
+              f"{r['gpu']:>7.2f} | {r['transfer']:>11.2f} | {r['expert_wait']:>14.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

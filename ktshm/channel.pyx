@@ -138,11 +138,14 @@ def _specs_of(arrays, dtypes):
 
 
 class Message:
-    """One request or reply: metadata plus numpy views on the slot's region."""
+    """One request or reply: metadata plus numpy views on the slot's region. `payload` (requests
+    from begin() only, else None): the region up to the last array's end as one uint8 view, with
+    the arrays at their offsets, for filling every array with one bulk copy."""
 
-    __slots__ = ("seq", "slot", "kind", "layer", "num_tokens", "status", "arrays", "dtypes")
+    __slots__ = ("seq", "slot", "kind", "layer", "num_tokens", "status", "arrays", "dtypes",
+                 "payload")
 
-    def __init__(self, seq, slot, kind, layer, num_tokens, status, arrays, dtypes):
+    def __init__(self, seq, slot, kind, layer, num_tokens, status, arrays, dtypes, payload=None):
         self.seq = seq
         self.slot = slot
         self.kind = kind
@@ -151,6 +154,7 @@ class Message:
         self.status = status
         self.arrays = arrays
         self.dtypes = dtypes
+        self.payload = payload
 
     def __repr__(self):
         shapes = [tuple(a.shape) for a in self.arrays]
@@ -497,15 +501,19 @@ cdef class Channel:
                     f"slot {index} still holds request {slot.seq}; receive or release it first "
                     f"({self.num_slots} slots)")
         codes = [_dtype_code(dt) for _, dt in specs]
-        arrays = self._lay_out(&slot.request, codes, [s for s, _ in specs],
-                               self._region_offset(index, False), "request")
+        cdef uint64_t region_off = self._region_offset(index, False)
+        arrays = self._lay_out(&slot.request, codes, [s for s, _ in specs], region_off, "request")
+        cdef uint32_t last = slot.request.num_arrays - 1 if slot.request.num_arrays else 0
+        cdef uint64_t end = (slot.request.arrays[last].offset + slot.request.arrays[last].nbytes
+                             if slot.request.num_arrays else 0)
+        payload = np.ndarray((end,), np.uint8, self._mm, region_off)
         slot.request.kind = kind
         slot.request.layer = layer
         slot.request.num_tokens = num_tokens
         slot.request.status = KT_OK
         self._next_seq += 1
         return Message(seq, index, kind, layer, num_tokens, KT_OK, arrays,
-                       [DTYPES[c][0] for c in codes])
+                       [DTYPES[c][0] for c in codes], payload)
 
     def commit(self, msg):
         """Publish a request prepared by begin(); returns its sequence number."""

@@ -92,6 +92,37 @@ def test_payload_views_are_zero_copy(producer):
         consumer.close()
 
 
+def test_one_bulk_write_through_the_payload_fills_every_array(producer, rng):
+    """begin()'s payload spans the arrays at their offsets: bytes packed the same way elsewhere
+    (as the GPU service lays them out on the device) arrive as the arrays."""
+    consumer = ktshm.Channel.attach(producer.name, FAST)
+    try:
+        arrays = [
+            rng.standard_normal((3, 5)).astype(np.float32),
+            rng.integers(-1, 9, (3, 2)).astype(np.int32),
+            np.arange(7, dtype=np.uint16),
+        ]
+        msg = producer.begin(0, 2, [(a.shape, a.dtype.name) for a in arrays], 3)
+        base = msg.payload.ctypes.data
+        packed = np.zeros(msg.payload.nbytes, np.uint8)
+        for view, a in zip(msg.arrays, arrays):
+            offset = view.ctypes.data - base
+            assert offset % 64 == 0
+            packed[offset : offset + a.nbytes] = a.view(np.uint8).ravel()
+        assert msg.payload.nbytes == (msg.arrays[-1].ctypes.data - base) + arrays[-1].nbytes
+        msg.payload[...] = packed
+        seq = producer.commit(msg)
+        req = consumer.recv_request(timeout=5)
+        assert req.payload is None
+        for got, sent in zip(req.arrays, arrays):
+            np.testing.assert_array_equal(got, sent)
+        consumer.reply(req, [])
+        producer.recv(seq, timeout=5)
+        producer.release(seq)
+    finally:
+        consumer.close()
+
+
 def test_round_trips_across_processes(producer, spawn_consumer, rng):
     spawn_consumer(producer.name)
     for num_tokens in (1, 5, 33, 100):
