@@ -1,8 +1,11 @@
 """Incremental detokenization with stop strings: text deltas safe to stream.
 
-Text is decoded from all output ids each time (byte-level BPE can merge across tokens) and a
-delta is released only when it is final: not ending in a partial UTF-8 character, and not
-possibly the beginning of a stop string (the last max(len(stop)) - 1 characters wait).
+Each new token decodes a short window, not the whole output: byte-level BPE and SentencePiece can
+merge across tokens, so the window starts at the tokens already turned into text last time
+(`_prefix`), and the new text is decode(window) minus decode(the window's already-read part).
+Text is taken only once it does not end in a partial UTF-8 character; the sum of the taken parts
+is decode(all output ids). A delta is released only when it cannot be the beginning of a stop
+string (the last max(len(stop)) - 1 characters wait).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 Decode = Callable[[Sequence[int]], str]
+PARTIAL = "\ufffd"  # what decode gives for bytes that are not yet a whole UTF-8 character
 
 
 class Detokenizer:
@@ -20,11 +24,15 @@ class Detokenizer:
         self.text = ""
         self.sent = 0  # characters of self.text already released
         self.stopped = False
+        self._prefix = 0  # output ids [_prefix, _read) were decoded into text last time
+        self._read = 0
+        self._decoded = ""  # decode(output ids [0, _read))
+        self._last_ids: Sequence[int] = ()
 
     def add(self, output_ids: Sequence[int]) -> str:
         """Text newly released after the output grew to `output_ids`; sets `stopped` when a stop
         string appeared (the text is cut before it)."""
-        text = self.decode(output_ids)
+        text = self._advance(output_ids, final=False)
         for s in self.stop:
             at = text.find(s, max(0, self.sent - len(s) + 1))
             if at >= 0:
@@ -32,14 +40,25 @@ class Detokenizer:
                 self.stopped = True
                 return self._release(len(self.text))
         self.text = text
-        safe = len(text) - self.holdback
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence so far
-            safe = min(safe, len(text.rstrip("\ufffd")))
-        return self._release(safe)
+        return self._release(len(text) - self.holdback)
 
     def flush(self) -> str:
-        """Everything not yet released (the request ended without a stop string)."""
+        """Everything not yet released (the request ended without a stop string), an unfinished
+        character at the end included."""
+        if not self.stopped:
+            self.text = self._advance(self._last_ids, final=True)
         return self._release(len(self.text))
+
+    def _advance(self, output_ids: Sequence[int], final: bool) -> str:
+        """decode(output_ids), computed from the last window on."""
+        self._last_ids = output_ids
+        if len(output_ids) > self._read:
+            before = self.decode(output_ids[self._prefix : self._read])
+            window = self.decode(output_ids[self._prefix :])
+            if final or (len(window) > len(before) and not window.endswith(PARTIAL)):
+                self._decoded += window[len(before) :]
+                self._prefix, self._read = self._read, len(output_ids)
+        return self._decoded
 
     def _release(self, upto: int) -> str:
         if upto <= self.sent:

@@ -10,6 +10,7 @@ import torch
 from checkpoints import load_reference_model, make_tiny_checkpoint
 
 from expert_service.checkpoint import CheckpointReader
+from gpu_service.cli import DEMO_MODEL_DIR as DEMO_MODEL
 from gpu_service.engine import Engine, EngineError, FinishReason, SamplingParams, SchedulerConfig
 from gpu_service.engine.detokenizer import Detokenizer
 from gpu_service.models import TorchExperts, load_model
@@ -252,10 +253,44 @@ def test_detokenizer_holds_back_possible_stop_string_prefixes():
     assert detok.stopped and detok.text == "Hello "
 
 
+def _byte_decode(pieces: list[bytes]):
+    """A byte-level decoder: token i is pieces[i]; invalid or unfinished UTF-8 gives U+FFFD."""
+    return lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
 def test_detokenizer_waits_for_whole_characters_and_flushes():
-    texts = ["a", "a\ufffd", "aé", "aéb"]
-    detok = Detokenizer(lambda ids: texts[len(ids) - 1])
-    assert [detok.add([0] * n) for n in range(1, 5)] == ["a", "", "é", "b"]
-    detok2 = Detokenizer(lambda ids: "xyz"[: len(ids)], stop=("zz",))
-    assert detok2.add([0]) == "" and detok2.add([0, 0]) == "x"
+    e_acute = "é".encode()
+    detok = Detokenizer(_byte_decode([b"a", e_acute[:1], e_acute[1:], b"b"]))
+    assert [detok.add(list(range(n))) for n in range(1, 5)] == ["a", "", "é", "b"]
+    detok2 = Detokenizer(_byte_decode([b"x", b"y", b"z"]), stop=("zz",))
+    assert detok2.add([0]) == "" and detok2.add([0, 1]) == "x"
     assert detok2.flush() == "y"
+    unfinished = Detokenizer(_byte_decode([b"a", e_acute[:1]]))
+    assert unfinished.add([0]) == "a" and unfinished.add([0, 1]) == ""
+    assert unfinished.flush() == "\ufffd"  # what decoding the whole output gives
+
+
+def test_detokenizer_streams_what_the_tokenizer_decodes_at_once(seed):
+    """The demo model's byte-level BPE tokenizer: deltas of random outputs (partial UTF-8 tokens
+    included) add up to decode(all ids), with a fixed number of decode calls per token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
+    gen = torch.Generator().manual_seed(seed)
+    text = "Grüße, 世界! The json module: 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 — naïve café ☕ x = [1, 2]\n"
+    for trial in range(20):
+        if trial % 2:
+            ids = torch.randint(0, len(tokenizer), (200,), generator=gen).tolist()
+        else:
+            ids = tokenizer.encode(text * 3, add_special_tokens=False)
+        calls = []
+
+        def decode(part, calls=calls):
+            calls.append(len(part))
+            return tokenizer.decode(part, skip_special_tokens=True)
+
+        detok = Detokenizer(decode, stop=())
+        out = "".join(detok.add(ids[: n + 1]) for n in range(len(ids))) + detok.flush()
+        assert out == tokenizer.decode(ids, skip_special_tokens=True)
+        assert len(calls) <= 2 * len(ids) + 2
+        assert max(calls) < 64  # windows stay short: no decoding of the whole output
