@@ -5,13 +5,21 @@
     wait:   y = y_gpu + y_cpu
 
 Which experts are hot, per layer: a placement file ({"layer": [expert ids]}), else the
-activation counts the workers report (GetStats), else the lowest ids.
+activation counts the workers report (GetStats), else the lowest ids. HybridExperts counts every
+routed id it sees (GPU and CPU alike, on the device), and HotExpertRefresher re-chooses the hot
+experts from the counts of the last interval:
+
+    refresher thread: counts delta ──▶ top-N per layer ──▶ read the new experts (CPU) ──▶ staged
+    engine thread:    submit(layer) installs a staged set first (upload, swap), then computes
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +28,8 @@ import torch.nn.functional as F
 from expert_service.checkpoint import CheckpointReader
 from expert_service.protocol import expert_pb2 as pb
 from gpu_service.moe_client import ShmExperts
+
+log = logging.getLogger("ktserve.gpu")
 
 
 def choose_hot_experts(
@@ -56,48 +66,146 @@ def worker_activation_counts(experts: ShmExperts) -> dict[tuple[int, int], int]:
     return counts
 
 
+@dataclass(frozen=True)
+class _HotLayer:
+    ids: torch.Tensor  # [n] int32, sorted, on the device
+    gate: torch.Tensor  # [n, I, H]
+    up: torch.Tensor  # [n, I, H]
+    down: torch.Tensor  # [n, H, I]
+
+
+@dataclass(frozen=True)
+class _Staged:
+    ids: list[int]  # the new hot set, sorted
+    added: list[int]  # its experts not on the device yet, sorted
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # of `added`, on the CPU
+
+
 class HybridExperts:
     """RoutedExperts: hot experts on `device`, everything else on the CPU workers."""
 
     def __init__(self, cpu: ShmExperts, reader: CheckpointReader, hot: dict[int, list[int]],
                  device: torch.device | str, dtype: torch.dtype) -> None:  # fmt: skip
         self.cpu = cpu
+        self.reader = reader
         self.device = torch.device(device)
         self.dtype = dtype
-        self.hot: dict[int, torch.Tensor] = {}
-        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.layers: dict[int, _HotLayer] = {}
         for layer, ids in hot.items():
-            gate, up, down = reader.read_experts(
-                layer, ids, dtype
-            )  # [n, I, H], [n, I, H], [n, H, I]
-            self.weights[layer] = (gate.to(self.device), up.to(self.device), down.to(self.device))
-            self.hot[layer] = torch.tensor(ids, dtype=torch.int32, device=self.device)
+            gate, up, down = reader.read_experts(layer, ids, dtype)  # [n, I, H] x2, [n, H, I]
+            ids_t = torch.tensor(ids, dtype=torch.int32)
+            self.layers[layer] = self._upload(ids_t, gate, up, down)
+        num_experts = reader.spec.num_experts
+        self.counts = {  # routed ids seen per (layer, expert), GPU and CPU alike
+            layer: torch.zeros(num_experts, dtype=torch.int64, device=self.device)
+            for layer in reader.spec.moe_layers
+        }
+        self._staged: dict[int, _Staged] = {}
+        self.swaps = 0
+
+    def _upload(self, ids, gate, up, down) -> _HotLayer:
+        dev = self.device
+        return _HotLayer(ids.to(dev), gate.to(dev), up.to(dev), down.to(dev))
+
+    def hot_ids(self, layer: int) -> list[int]:
+        hot = self._staged.get(layer)
+        return list(hot.ids) if hot is not None else self.layers[layer].ids.tolist()
+
+    def stage(self, layer: int, ids: list[int]) -> None:
+        """Make `ids` the hot set of `layer` from its next call on (reads the new experts now)."""
+        current = set(self.layers[layer].ids.tolist())
+        added = sorted(set(ids) - current)
+        weights = self.reader.read_experts(layer, added, self.dtype)
+        self._staged[layer] = _Staged(sorted(ids), added, weights)  # NOTE: one atomic store
+
+    def _install(self, layer: int) -> None:
+        staged = self._staged.pop(layer, None)
+        if staged is None:
+            return
+        old = self.layers[layer]
+        pool_ids = old.ids.tolist() + staged.added  # rows of [old tensors; added tensors]
+        rows = torch.tensor([pool_ids.index(e) for e in staged.ids], device=self.device)
+        new = self._upload(torch.tensor(staged.ids, dtype=torch.int32), *staged.weights)
+        self.layers[layer] = _HotLayer(
+            new.ids, *(torch.cat((a, b))[rows] for a, b in
+                       ((old.gate, new.gate), (old.up, new.up), (old.down, new.down))),
+        )  # fmt: skip
+        self.swaps += 1
+        log.info("GPU experts of layer %d: now %s (%d read in)", layer, staged.ids,
+                 len(staged.added))  # fmt: skip
 
     def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
-        hot = self.hot.get(layer)
+        counts = self.counts.get(layer)
+        if counts is not None:
+            flat = ids.reshape(-1).long()
+            counts.index_add_(0, flat.clamp(min=0), (flat >= 0).long())
+        self._install(layer)
+        hot = self.layers.get(layer)
         if hot is None:
             return self.cpu.submit(layer, x, ids, weights)
-        on_gpu = torch.isin(ids, hot)  # [T, k]
+        on_gpu = torch.isin(ids, hot.ids)  # [T, k]
         pending = self.cpu.submit(layer, x, torch.where(on_gpu, -1, ids), weights)
-        y = self._gpu_part(layer, x, ids, weights, on_gpu)
+        y = self._gpu_part(hot, x, ids, weights, on_gpu)
         return _Sum(pending, y)
 
-    def _gpu_part(self, layer, x, ids, weights, on_gpu) -> torch.Tensor:
-        gate, up, down = self.weights[layer]
-        hot = self.hot[layer]
+    def _gpu_part(self, hot: _HotLayer, x, ids, weights, on_gpu) -> torch.Tensor:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, H]
         token, slot = torch.nonzero(on_gpu, as_tuple=True)  # [n], [n]
         if token.numel() == 0:
             return out
-        local = torch.searchsorted(hot, ids[token, slot].contiguous())  # [n] rows of the hot set
+        local = torch.searchsorted(hot.ids, ids[token, slot].contiguous())  # [n] hot-set rows
         for j in torch.unique(local).tolist():
             pick = local == j
             t = token[pick]
             xe = x[t].to(self.dtype)  # [m, H]
-            h = F.silu(xe @ gate[j].T) * (xe @ up[j].T)  # [m, I]
-            y = (h @ down[j].T).float()  # [m, H]
+            h = F.silu(xe @ hot.gate[j].T) * (xe @ hot.up[j].T)  # [m, I]
+            y = (h @ hot.down[j].T).float()  # [m, H]
             out.index_add_(0, t, y * weights[t, slot[pick], None].float())
         return out
+
+
+class HotExpertRefresher:
+    """Every `interval_s`, re-chooses each layer's hot experts from the routed ids counted since
+    the last time (ties keep the current ones) and stages the layers whose set changed."""
+
+    def __init__(self, experts: HybridExperts, per_layer: int, interval_s: float) -> None:
+        self.experts, self.per_layer, self.interval_s = experts, per_layer, interval_s
+        self._last = {layer: experts.counts[layer].to("cpu", copy=True) for layer in experts.layers}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hot-experts", daemon=True)
+
+    def start(self) -> HotExpertRefresher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - keep serving with the current placement
+                log.exception("re-choosing the GPU experts failed")
+
+    def refresh(self) -> dict[int, list[int]]:
+        """Stage new hot sets now; returns {layer: new hot ids} for the layers that change."""
+        changed = {}
+        for layer in self.experts.layers:
+            now = self.experts.counts[layer].to("cpu", copy=True)
+            recent, self._last[layer] = now - self._last[layer], now
+            if int(recent.sum()) == 0:
+                continue
+            current = set(self.experts.hot_ids(layer))
+            ranked = sorted(range(len(recent)),
+                            key=lambda e: (-int(recent[e]), e not in current, e))  # fmt: skip
+            chosen = sorted(ranked[: self.per_layer])
+            if set(chosen) != current:
+                self.experts.stage(layer, chosen)
+                changed[layer] = chosen
+        return changed
 
 
 class _Sum:

@@ -12,7 +12,12 @@ import torch
 
 from expert_service.checkpoint import CheckpointReader
 from gpu_service.engine import Engine, EngineMetrics, SchedulerConfig
-from gpu_service.gpu_experts import HybridExperts, choose_hot_experts, worker_activation_counts
+from gpu_service.gpu_experts import (
+    HotExpertRefresher,
+    HybridExperts,
+    choose_hot_experts,
+    worker_activation_counts,
+)
 from gpu_service.models import KVCache, load_model
 from gpu_service.models.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.models.registry import default_device
@@ -32,7 +37,8 @@ class GPUServiceConfig:
     kv_cache_tokens: KV cache size in tokens (default: what `gpu_memory_fraction` of the free
     GPU memory holds after the weights; on the CPU, 32768). cuda_graphs: on CUDA, decode batches
     of up to cuda_graph_max_batch sequences replay their GPU segments as CUDA graphs (captured in
-    the memory the fraction leaves free).
+    the memory the fraction leaves free). gpu_experts_refresh_s: how often the hot GPU experts
+    are re-chosen from the routed ids counted meanwhile (0: never; never with a placement file).
     """
 
     model_dir: str
@@ -50,6 +56,7 @@ class GPUServiceConfig:
     expert_placement: str | None = None
     cuda_graphs: bool = True
     cuda_graph_max_batch: int = 32
+    gpu_experts_refresh_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.gpu_experts < 0:
@@ -62,6 +69,8 @@ class GPUServiceConfig:
             raise ValueError("kv_cache_tokens must be >= 16")
         if self.cuda_graph_max_batch < 1:
             raise ValueError("cuda_graph_max_batch must be >= 1")
+        if self.gpu_experts_refresh_s < 0:
+            raise ValueError("gpu_experts_refresh_s must be >= 0")
 
 
 @dataclass
@@ -71,8 +80,11 @@ class GPUService:
     experts: ShmExperts
     metrics: EngineMetrics
     max_model_len: int
+    refresher: HotExpertRefresher | None = None
 
     def close(self) -> None:
+        if self.refresher is not None:
+            self.refresher.stop()
         self.engine.stop()
         self.experts.close()
 
@@ -121,10 +133,15 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None) -
         engine = Engine(model, scheduler, eos_token_ids=eos_token_ids, decode=decode,
                         metrics=metrics, experts_stats=experts.stats,
                         decode_graphs=graphs).start()  # fmt: skip
+        refresher = None
+        refresh = config.gpu_experts_refresh_s > 0 and not config.expert_placement
+        if isinstance(backend, HybridExperts) and refresh:
+            refresher = HotExpertRefresher(backend, config.gpu_experts,
+                                           config.gpu_experts_refresh_s).start()  # fmt: skip
     except BaseException:
         experts.close()
         raise
-    return GPUService(config, engine, experts, metrics, max_model_len)
+    return GPUService(config, engine, experts, metrics, max_model_len, refresher)
 
 
 def _hybrid(config: GPUServiceConfig, experts: ShmExperts, device: torch.device,

@@ -12,6 +12,7 @@ from checkpoints import load_reference_model, make_tiny_checkpoint
 from expert_procs import ExpertProcess, shm_entries
 
 from gpu_service.engine import FinishReason, SamplingParams
+from gpu_service.gpu_experts import worker_activation_counts
 from gpu_service.models import Batch, SeqInput
 from gpu_service.service import GPUServiceConfig, build_gpu_service
 
@@ -175,6 +176,50 @@ def test_gpu_experts_split_gives_the_same_logits(gpu_experts, checkpoints, seed)
             with torch.no_grad():
                 want = reference(torch.tensor([prompt])).logits[0, -1]
             assert relative_error(got[i], want) < BOUNDS[("float32", "bf16")]
+    finally:
+        if service is not None:
+            service.close()
+        worker.close()
+
+
+def test_gpu_experts_follow_the_traffic(checkpoints, seed):
+    """The GPU side counts every routed id; for the experts the worker computed its own counts
+    (GetStats) agree. A refresh makes each layer's most used experts of the interval hot (ties
+    keep the current ones), and after the swap it is still the same model."""
+    path = checkpoints["deepseek_v3"]
+    reference = load_reference_model(path)
+    worker = ExpertProcess("--model", str(path), "--format", "bf16")
+    service = None
+    try:
+        service = service_for(path, worker, "float32", "float32", gpu_experts=3)
+        experts = service.refresher.experts
+        before = {layer: experts.hot_ids(layer) for layer in experts.layers}
+        ps = prompts(seed + 3, lengths=(9, 14, 5))
+        last_logits(service, ps)
+        seen = worker_activation_counts(service.experts)
+        top_k = experts.reader.spec.num_experts_per_tok
+        for layer, hot in before.items():
+            counts = experts.counts[layer].cpu().tolist()
+            assert sum(counts) == sum(map(len, ps)) * top_k
+            for e, n in enumerate(counts):
+                if e not in hot:
+                    assert n == seen.get((layer, e), 0), (layer, e)
+        expected = {}
+        for layer, hot in before.items():
+            counts = experts.counts[layer].cpu().tolist()
+            ranked = sorted(range(len(counts)), key=lambda e: (-counts[e], e not in hot, e))
+            expected[layer] = sorted(ranked[:3])
+        changed = service.refresher.refresh()
+        assert changed == {layer: ids for layer, ids in expected.items() if ids != before[layer]}
+        assert changed, "random routing left every layer's hot set as it was"
+        got = last_logits(service, ps).cpu()  # the first calls install the staged sets
+        assert experts.swaps == len(changed)
+        assert {layer: experts.hot_ids(layer) for layer in experts.layers} == expected
+        for i, prompt in enumerate(ps):
+            with torch.no_grad():
+                want = reference(torch.tensor([prompt])).logits[0, -1]
+            assert relative_error(got[i], want) < BOUNDS[("float32", "bf16")]
+        assert service.refresher.refresh() == {}  # the same traffic again: nothing to change
     finally:
         if service is not None:
             service.close()
