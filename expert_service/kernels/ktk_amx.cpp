@@ -181,6 +181,8 @@ void int4_pass(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int
     for (int i = 0; i < 256; i += 64) _mm_prefetch(wpf + i, _MM_HINT_T0);
     if (!(g & 1)) _mm_prefetch(reinterpret_cast<const char*>(gs + g * 16) + kPrefetchBytes / 8, _MM_HINT_T0);
     unpack_group(w + g * 256, bq);
+    // The tile-load intrinsic does not tell the compiler it reads bq: this empty asm does.
+    __asm__ volatile("" ::"m"(*reinterpret_cast<const int8_t(*)[512]>(bq)));
     _tile_loadd(4, bq, 64);
     __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + g * 16))), 16));
