@@ -1,11 +1,11 @@
 # One image for every ktserve service: `ktserve serve` (the GPU service) and `ktserve expert`.
 #
-#   docker build -t ktserve .                       torch from the default index (with CUDA)
-#   docker build --build-arg TORCH_SPEC=torch==2.13.0+cpu -t ktserve .
-#                                                   a CPU-only torch wheel put in .whl/ first
+#   docker build -t ktserve .          torch from the default index (the CUDA build on Linux)
+#   docker build --build-arg TORCH_SPEC=torch==2.13.0+cpu \
+#     --build-arg PIP_ARGS="--extra-index-url URL_OF_A_CPU_WHEEL_INDEX" -t ktserve .
 #
 # BASE_IMAGE: any Debian-based image with Python >= 3.11, its headers and venv (the official
-# python:3.11-slim has them). Wheels in .whl/ (ignored by git) are preferred over downloads.
+# python:3.11-slim has them). PIP_ARGS go to both pip installs (e.g. --find-links DIR).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
@@ -14,17 +14,18 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 ARG TORCH_SPEC=torch>=2.4,<2.14
 ARG PIP_ARGS=""
+# NOTE: a CA bundle for a TLS-intercepting proxy, mounted into the build (podman build -v).
+ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# NOTE: torch first, in its own layer, so that the project's range cannot swap it for another
+# build and source changes do not download it again.
+RUN python3 -m venv /opt/ktserve && /opt/ktserve/bin/pip install ${PIP_ARGS} "${TORCH_SPEC}"
 COPY . /src
-WORKDIR /src
-# NOTE: torch first, so that the project's own range cannot swap it for another build.
-RUN python3 -m venv /opt/ktserve \
- && /opt/ktserve/bin/pip install --find-links /src/.whl ${PIP_ARGS} "${TORCH_SPEC}" \
- && /opt/ktserve/bin/pip install --find-links /src/.whl ${PIP_ARGS} /src
+RUN /opt/ktserve/bin/pip install ${PIP_ARGS} /src
 
 FROM ${BASE_IMAGE}
 COPY --from=build /opt/ktserve /opt/ktserve
-RUN useradd --uid 1000 --create-home ktserve
+RUN useradd --uid 1000 --user-group --create-home ktserve
 ENV PATH=/opt/ktserve/bin:$PATH PYTHONUNBUFFERED=1
 USER ktserve
 WORKDIR /home/ktserve

@@ -65,6 +65,15 @@ def mounts(service: dict) -> list[Mount]:
     return out
 
 
+def environment(service: dict) -> dict[str, str | None]:
+    """The service's environment (list form "NAME=VALUE", or "NAME": passed on from the host)."""
+    out = {}
+    for entry in service.get("environment", []):
+        name, sep, value = entry.partition("=")
+        out[name] = value if sep else None
+    return out
+
+
 def host_path(root: Path, service: dict, container_path: str) -> Path:
     """Where a bind-mounted container path lies on the host (compose's relative sources are
     relative to the compose file's directory)."""

@@ -14,7 +14,7 @@ import openai
 import pytest
 import yaml
 from api_server import ServerProcess
-from compose_file import Reset, flag, host_path, load, mounts, replace_flags
+from compose_file import Reset, environment, flag, host_path, load, mounts, replace_flags
 from expert_procs import shm_entries
 from prometheus_client.parser import text_string_to_metric_families
 from watched_process import REPO, WatchedProcess
@@ -24,7 +24,7 @@ from expert_service.checkpoint_spec import ModelSpec
 from gpu_service.api.app import ROUTES
 from gpu_service.cli import build_parser, serve_config
 from gpu_service.external_workers import WorkerShard, check_coverage
-from gpu_service.serve_config import DEVICE_ENV
+from gpu_service.serve_config import API_KEY_ENV, DEVICE_ENV
 
 DEPLOY = REPO / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "ktserve.json"
@@ -54,7 +54,7 @@ def test_service_commands_parse_with_the_real_cli(compose, monkeypatch):
     gpu = compose["services"]["gpu"]
     argv = gpu["command"]
     model = str(host_path(REPO, gpu, argv[1]))
-    monkeypatch.setenv(DEVICE_ENV, gpu["environment"][DEVICE_ENV])
+    monkeypatch.setenv(DEVICE_ENV, environment(gpu)[DEVICE_ENV])
     config = serve_config(build_parser().parse_args([argv[0], model, *argv[2:]]))
     assert config.device == "cuda" and config.host == "0.0.0.0"
     assert config.expert_addresses == tuple(addresses(gpu))
@@ -112,23 +112,22 @@ def test_ktserve_containers_share_one_tmpfs_at_dev_shm(compose):
         service = compose["services"][name]
         shm = [m.source for m in mounts(service) if m.target == "/dev/shm"]
         assert shm == ["ktshm"], f"{name} must mount the shared ktshm volume at /dev/shm"
-    assert compose["volumes"]["ktshm"]["driver_opts"]["type"] == "tmpfs"
-    assert "mode=1777" in compose["volumes"]["ktshm"]["driver_opts"]["o"]
+    options = compose["volumes"]["ktshm"]["driver_opts"]
+    assert options["type"] == "tmpfs"
+    [uid] = re.findall(r"useradd --uid (\d+)", (REPO / "Dockerfile").read_text())
+    assert {"mode=1777", f"uid={uid}", f"gid={uid}"} <= set(options["o"].split(","))
 
 
 def test_gpu_reservation_and_the_cpu_override(compose):
     gpu = compose["services"]["gpu"]
     [device] = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-    assert (
-        load(REPO / "compose.yaml", {"KTSERVE_DEVICE": "cpu"})["services"]["gpu"]["environment"][
-            DEVICE_ENV
-        ]
-        == "cpu"
-    )
+    on_cpu = load(REPO / "compose.yaml", {DEVICE_ENV: "cpu"})["services"]["gpu"]
+    assert environment(on_cpu)[DEVICE_ENV] == "cpu"
+    assert environment(gpu)[API_KEY_ENV] is None  # the host's, when set
     override = load(DEPLOY / "compose.cpu.yaml")["services"]["gpu"]
     assert isinstance(override["deploy"], Reset)
-    assert override["environment"][DEVICE_ENV] == "cpu"
+    assert environment(override)[DEVICE_ENV] == "cpu"
 
 
 def test_grafana_provisions_the_datasource_and_the_dashboard(compose):
