@@ -114,6 +114,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "workers do the rest; chosen from the workers' activation counts (default %(default)s)",
     )
     p.add_argument(
+        "--gpu-experts-refresh",
+        dest="gpu_experts_refresh_s",
+        type=float,
+        default=D.gpu_experts_refresh_s,
+        metavar="SECONDS",
+        help="with --gpu-experts: every SECONDS, make each layer's most used experts of that "
+        "interval the GPU ones (counted on the GPU; 0: keep the first choice) "
+        "(default %(default)s)",
+    )
+    p.add_argument(
         "--expert-placement",
         metavar="FILE",
         help='JSON {"layer": [expert ids]} naming the experts to keep on the GPU per layer',
@@ -235,6 +245,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         weight_format=args.weight_format or D.weight_format,
         threads=args.threads,
         gpu_experts=args.gpu_experts,
+        gpu_experts_refresh_s=args.gpu_experts_refresh_s,
         expert_placement=args.expert_placement,
         max_model_len=args.max_model_len,
         kv_cache_tokens=args.kv_cache_tokens,

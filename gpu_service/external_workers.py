@@ -21,6 +21,7 @@ import grpc
 from expert_service.checkpoint_spec import ModelSpec
 from expert_service.protocol import expert_pb2 as pb
 from expert_service.protocol import expert_pb2_grpc as pb_grpc
+from gpu_service.moe_client import RECONNECT_OPTIONS
 from gpu_service.supervisor import WorkerStartError
 
 log = logging.getLogger("ktserve.workers")
@@ -110,7 +111,7 @@ class _Remote:
     def __init__(self, index: int, address: str) -> None:
         self.index = index
         self.address = address
-        self.grpc_channel = grpc.insecure_channel(address)
+        self.grpc_channel = grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
         self.stub = pb_grpc.ExpertServiceStub(self.grpc_channel)
         self.state = UNREACHABLE
         self.pid: int | None = None

@@ -34,6 +34,15 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
              grpc.StatusCode.DEADLINE_EXCEEDED)  # fmt: skip
 
 
+# A restarted worker is reconnected to within a second: gRPC's default backoff grows to minutes,
+# longer than requests wait for a worker (--worker-timeout).
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+
+
 class ExpertsUnavailable(RuntimeError):
     """No answer from an expert worker within the deadline (HTTP 503 upstream)."""
 
@@ -68,7 +77,7 @@ class _Worker:
 
     def __init__(self, address: str, channel: ktshm.Channel) -> None:
         self.address = address
-        self.grpc_channel = grpc.insecure_channel(address)
+        self.grpc_channel = grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
         self.stub = pb_grpc.ExpertServiceStub(self.grpc_channel)
         self.channel = channel
         self.info: pb.WorkerInfo | None = None

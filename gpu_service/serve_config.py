@@ -22,7 +22,8 @@ class ServeConfig:
     expert_workers: CPU worker processes; experts_per_worker: their expert id ranges ("0-63"), by
     default an even split; weight_format and threads apply to each worker. gpu_experts: hot
     routed experts per MoE layer kept on the GPU (chosen from the workers' activation counts, or
-    listed per layer in the JSON file expert_placement). restart_workers: restart a worker
+    listed per layer in the JSON file expert_placement), re-chosen from live routing every
+    gpu_experts_refresh_s seconds (0: never). restart_workers: restart a worker
     that exits; worker_timeout_s: how long requests wait for a dead worker before failing (503);
     worker_start_timeout_s: how long a worker may take to load. expert_addresses: gRPC addresses
     ("HOST:PORT") of workers that run on their own (`ktserve expert`); when set, none are
@@ -41,6 +42,7 @@ class ServeConfig:
     weight_format: str = "int8"
     threads: int | None = None
     gpu_experts: int = 0
+    gpu_experts_refresh_s: float = 300.0
     expert_placement: str | None = None
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
@@ -74,6 +76,10 @@ class ServeConfig:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.gpu_experts < 0:
             raise ValueError(f"--gpu-experts must be >= 0, got {self.gpu_experts}")
+        if self.gpu_experts_refresh_s < 0:
+            raise ValueError(
+                f"--gpu-experts-refresh must be >= 0, got {self.gpu_experts_refresh_s}"
+            )
         if self.expert_placement is not None and not Path(self.expert_placement).is_file():
             raise ValueError(f"--expert-placement {self.expert_placement!r} is not a file")
         if self.dtype not in DTYPES:
@@ -117,6 +123,7 @@ class ServeConfig:
             max_num_seqs=self.max_num_seqs,
             worker_timeout_s=self.worker_timeout_s,
             gpu_experts=self.gpu_experts,
+            gpu_experts_refresh_s=self.gpu_experts_refresh_s,
             expert_placement=self.expert_placement,
             cuda_graphs=self.cuda_graphs,
             cuda_graph_max_batch=self.cuda_graph_max_batch,
