@@ -13,6 +13,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# Children import the repo first, then whatever the parent could import (site dirs on the GPU host).
+CHILD_ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+}
 
 
 class WatchedProcess:
@@ -28,7 +33,7 @@ class WatchedProcess:
         self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in close_streams())
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
-            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
+            env={**CHILD_ENV, **(env or {})},
         )  # fmt: skip
         threading.Thread(target=self._pump, daemon=True).start()
 

@@ -17,7 +17,7 @@ import torch
 from checkpoints import load_reference_model, make_tiny_checkpoint, moe_block
 from expert_procs import FORMAT_PB, ExpertProcess, moe_call, shm_entries
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from watched_process import REPO
+from watched_process import CHILD_ENV, REPO
 
 import ktshm
 from expert_service import wire
@@ -253,7 +253,7 @@ def test_convert_then_load_gives_identical_replies(checkpoints, procs, channel, 
     result = subprocess.run(
         [sys.executable, "-m", "expert_service.cli", "convert", "--model", str(path),
          "--out", str(out), "--format", "int4", "--experts", "0-5", "--threads", "1"],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO, capture_output=True, text=True, env=CHILD_ENV,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "wrote" in result.stdout and "layers" in result.stderr  # progress bar on stderr
@@ -272,7 +272,7 @@ def test_convert_then_load_gives_identical_replies(checkpoints, procs, channel, 
     bad = subprocess.run(
         [sys.executable, "-m", "expert_service.cli", "expert", "--model", str(out),
          "--format", "int8", "--listen", "127.0.0.1:0"],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO, capture_output=True, text=True, env=CHILD_ENV,
         timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and "holds experts 0-5 in int4" in bad.stderr
@@ -386,13 +386,13 @@ def test_cli_reports_errors_clearly(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "expert_service.cli", "expert", "--model", str(tmp_path / "none"),
          "--listen", "127.0.0.1:0"],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO, capture_output=True, text=True, env=CHILD_ENV,
         timeout=120,
     )  # fmt: skip
     assert result.returncode == 2
     assert "error:" in result.stderr and "does not exist" in result.stderr
     result = subprocess.run(
         [sys.executable, "-m", "expert_service.cli", "expert", "--experts", "9-3"],
-        cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO, capture_output=True, text=True, env=CHILD_ENV,
     )  # fmt: skip
     assert result.returncode == 2 and "comes before" in result.stderr

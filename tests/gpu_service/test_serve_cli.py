@@ -16,7 +16,7 @@ import pytest
 from api_server import ServerProcess, make_served_checkpoint, pid_alive
 from checkpoints import make_tiny_checkpoint
 from expert_procs import ExpertProcess, shm_entries
-from watched_process import REPO
+from watched_process import CHILD_ENV, REPO
 
 from expert_service.checkpoint_spec import ModelSpec
 from gpu_service.cli import DEMO_MODEL_DIR, build_parser, serve_config
@@ -77,7 +77,7 @@ def ktserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env=CHILD_ENV,
     )
 
 
