@@ -160,6 +160,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="most requests decoded together; more wait (default %(default)s)",
     )
     p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=D.max_num_batched_tokens,
+        help="most tokens in one forward step; longer prompts are fed in chunks of what is left "
+        "(default %(default)s)",
+    )
+    p.add_argument(
         "--device",
         default=os.environ.get(DEVICE_ENV) or None,
         help="torch device of the GPU part, e.g. cuda:1 or cpu (default: the "
@@ -252,6 +259,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         dtype=args.dtype,
         wire_dtype=args.wire_dtype,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         device=args.device,
         worker_timeout_s=args.worker_timeout_s,
         restart_workers=args.restart_workers,

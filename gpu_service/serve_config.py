@@ -49,6 +49,7 @@ class ServeConfig:
     dtype: str = "bfloat16"
     wire_dtype: str = "bfloat16"
     max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
     device: str | None = None
     worker_timeout_s: float = 30.0
     restart_workers: bool = True
@@ -92,6 +93,10 @@ class ServeConfig:
             raise ValueError(f"--kv-cache-tokens must be >= 16, got {self.kv_cache_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if self.cuda_graph_max_batch < 1:
             raise ValueError(
                 f"--cuda-graph-max-batch must be >= 1, got {self.cuda_graph_max_batch}"
@@ -121,6 +126,7 @@ class ServeConfig:
             max_model_len=self.max_model_len,
             kv_cache_tokens=self.kv_cache_tokens,
             max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             worker_timeout_s=self.worker_timeout_s,
             gpu_experts=self.gpu_experts,
             gpu_experts_refresh_s=self.gpu_experts_refresh_s,

@@ -102,7 +102,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None) -
     experts = ShmExperts(
         ExpertClientConfig(
             workers=config.workers, wire_dtype=config.wire_dtype,
-            max_tokens=config.max_num_batched_tokens, worker_timeout_s=config.worker_timeout_s,
+            max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+            worker_timeout_s=config.worker_timeout_s,
         ),
         hidden_size=hf["hidden_size"], top_k=hf["num_experts_per_tok"], device=device,
     )  # fmt: skip

@@ -180,7 +180,7 @@ class Engine:
         now = time.monotonic()
         for s, token in zip(step.seqs, result.tokens):
             tracked = self._tracked.get(s.request.request_id)
-            if tracked is None or s.request.state != RequestState.RUNNING:
+            if token is None or tracked is None or s.request.state != RequestState.RUNNING:
                 continue
             self._append(tracked, token, now)
 

@@ -15,7 +15,7 @@ from gpu_service.models.model import CausalLM
 
 @dataclass(frozen=True)
 class StepResult:
-    tokens: tuple[SampledToken, ...]  # one per scheduled sequence, in order
+    tokens: tuple[SampledToken | None, ...]  # per scheduled sequence; None: a prompt chunk
     seconds: float
     graphed: bool = False  # the forward ran as CUDA graphs (DecodeGraphs)
 
@@ -33,6 +33,11 @@ class Runner:
         graphed = graphs is not None and graphs.supports(batch)
         model = graphs if graphed else self.model
         logits = model.forward(batch)  # [B, V] float32
-        requests = [s.request for s in step.seqs]
-        tokens = self.sampler(logits, [r.params for r in requests], [r.generator for r in requests])
+        rows = [i for i, s in enumerate(step.seqs) if s.samples]
+        requests = [step.seqs[i].request for i in rows]
+        sampled = self.sampler(logits[rows], [r.params for r in requests],
+                               [r.generator for r in requests]) if rows else []  # fmt: skip
+        tokens: list[SampledToken | None] = [None] * len(step.seqs)
+        for i, token in zip(rows, sampled):
+            tokens[i] = token
         return StepResult(tuple(tokens), time.perf_counter() - start, graphed)

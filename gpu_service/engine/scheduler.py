@@ -1,8 +1,10 @@
 """The scheduler decides; it never runs the model.
 
-Each step it picks what runs: every running request decodes one token, and waiting requests are
-admitted (first come, first served) while the KV cache has blocks for their prompt and the step
-stays within max_num_batched_tokens / max_num_seqs. A running request whose next token finds no
+Each step it picks what runs: every running request feeds the tokens not yet in its cache (one,
+when it decodes), and waiting requests are admitted (first come, first served) while the KV cache
+has blocks for their prompt and max_num_seqs allows. A step holds at most max_num_batched_tokens
+tokens: a prompt longer than what is left is fed in chunks over several steps (chunked prefill),
+and only the step that feeds its last token samples. A running request whose next tokens find no
 KV block preempts the youngest running request, which goes back to the front of the queue and
 is recomputed from its prompt and output later.
 """
@@ -32,6 +34,11 @@ class ScheduledSeq:
     request: Request
     token_ids: list[int]
     start_pos: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step feeds the request's last token (a chunk before it samples nothing)."""
+        return self.start_pos + len(self.token_ids) == self.request.num_tokens
 
 
 @dataclass(frozen=True)
@@ -73,11 +80,19 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
         budget = self.config.max_num_batched_tokens
-        # decode: one token each, growing the cache by one slot; preempt the youngest if full
-        for request in list(self.running):
+        # running: the tokens not in the cache yet, decodes (one each) before prompt chunks (what
+        # the budget leaves); preempt the youngest while the cache cannot grow
+        running = list(self.running)
+        decoding = [r for r in running if r.num_tokens - r.num_cached == 1]
+        for request in decoding + [r for r in running if r not in decoding]:
             if request.state != RequestState.RUNNING:
                 continue
-            while not self.kv_cache.can_extend(request.cache, request.num_tokens):
+            start = request.num_cached
+            todo = request.num_tokens - start
+            if todo > 1 and budget <= 0:
+                continue
+            n = 1 if todo == 1 else min(todo, budget)
+            while not self.kv_cache.can_extend(request.cache, start + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -85,21 +100,23 @@ class Scheduler:
                     break
             if request.state != RequestState.RUNNING:
                 continue
-            self.kv_cache.extend(request.cache, request.num_tokens)
-            seqs.append(ScheduledSeq(request, [request.all_ids[-1]], request.num_tokens - 1))
-            budget -= 1
-        # admit: the whole prompt (plus output after a preemption) in one prefill
-        while self.waiting and not preempted and len(self.running) < self.config.max_num_seqs:
+            self.kv_cache.extend(request.cache, start + n)
+            seqs.append(ScheduledSeq(request, request.all_ids[start : start + n], start))
+            budget -= n
+        # admit: the prompt (plus output after a preemption), its first chunk in this step
+        while (self.waiting and not preempted and budget > 0
+               and len(self.running) < self.config.max_num_seqs):  # fmt: skip
             request = self.waiting[0]
             ids = request.all_ids
-            if len(ids) > budget or not self.kv_cache.can_allocate(len(ids)):
+            if not self.kv_cache.can_allocate(len(ids)):
                 break
             self.waiting.popleft()
             request.cache = self.kv_cache.allocate(len(ids))
             request.state = RequestState.RUNNING
             self.running.append(request)
-            seqs.append(ScheduledSeq(request, ids, 0))
-            budget -= len(ids)
+            n = min(len(ids), budget)
+            seqs.append(ScheduledSeq(request, ids[:n], 0))
+            budget -= n
         return ScheduledStep(tuple(seqs), tuple(preempted))
 
     def _preempt(self, request: Request) -> None:

@@ -138,6 +138,40 @@ def test_segmented_decode_in_the_engine_matches_transformers(checkpoint, referen
     assert steps.labels(mode="eager")._value.get() >= 1  # the prefills
 
 
+def test_long_prompts_are_fed_in_chunks(checkpoint, reference, seed):
+    """Prompts longer than a step's token budget (7) go in over several steps next to running
+    decodes: every step stays within the budget, outputs equal transformers' greedy ones, and a
+    seeded sampled request gives the same tokens as in an engine that feeds it in one go."""
+    ps = prompts(seed + 5, lengths=(30, 11, 3, 19))
+    eng = make_engine(checkpoint, max_num_batched_tokens=7)
+    sizes: list[list[int]] = []
+    run = eng.runner.run
+
+    def recording_run(step):
+        sizes.append([len(s.token_ids) for s in step.seqs])
+        return run(step)
+
+    eng.runner.run = recording_run
+    seeded = SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=77, ignore_eos=True)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        results = run_together(eng, [(p, params) for p in ps])
+        chunked_sample = tokens_of(eng.generate(ps[0], seeded))
+    finally:
+        eng.stop()
+    for prompt, events in zip(ps, results):
+        assert tokens_of(events) == hf_greedy(reference, prompt, 12)
+    assert max(sum(step) for step in sizes) <= 7  # 4 requests: decodes (first) fit the budget
+    assert max(max(step) for step in sizes) <= 7
+    assert any(len(step) > 1 and 1 in step and max(step) > 1 for step in sizes)  # mixed steps
+    whole = make_engine(checkpoint)
+    try:
+        assert tokens_of(whole.generate(ps[0], seeded)) == chunked_sample
+    finally:
+        whole.stop()
+    assert eng.scheduler.kv_cache.num_free_blocks == eng.scheduler.kv_cache.config.num_blocks
+
+
 def test_preemption_when_the_cache_is_full_keeps_outputs_exact(checkpoint, reference, seed):
     ps = prompts(seed + 2, lengths=(9, 7, 12, 6))
     eng = make_engine(checkpoint, cache_tokens=48)  # 12 blocks of 4: not all four fit at once

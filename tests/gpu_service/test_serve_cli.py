@@ -119,6 +119,15 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
             "int4",
             "--threads",
             "2",
+            "--max-num-batched-tokens",
+            "96",
+            "--gpu-experts",
+            "2",
+            "--gpu-experts-refresh",
+            "30",
+            "--no-cuda-graphs",
+            "--cuda-graph-max-batch",
+            "4",
         ]
     )
     config = serve_config(args)
@@ -133,6 +142,9 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
     assert config.host == "127.0.0.1"
     gpu = config.gpu_service_config(("127.0.0.1:1", "127.0.0.1:2"))
     assert gpu.worker_timeout_s == 5 and gpu.max_num_seqs == 3 and gpu.wire_dtype == "float32"
+    assert gpu.max_num_batched_tokens == 96 and not gpu.cuda_graphs
+    assert gpu.gpu_experts == 2 and gpu.gpu_experts_refresh_s == 30
+    assert gpu.cuda_graph_max_batch == 4
     assert split_experts(12, 5) == ("0-2", "3-5", "6-7", "8-9", "10-11")
     with pytest.raises(ValueError, match="config.json"):
         serve_config(build_parser().parse_args(["serve", str(REPO / "tests")]))
