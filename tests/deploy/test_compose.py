@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import subprocess
 import sys
 import urllib.request
 
@@ -17,7 +18,7 @@ from api_server import ServerProcess
 from compose_file import Reset, environment, flag, host_path, load, mounts, replace_flags
 from expert_procs import shm_entries
 from prometheus_client.parser import text_string_to_metric_families
-from watched_process import REPO, WatchedProcess
+from watched_process import CHILD_ENV, REPO, WatchedProcess
 
 from expert_service.checkpoint import parse_expert_range
 from expert_service.checkpoint_spec import ModelSpec
@@ -171,6 +172,16 @@ def scrape(url: str) -> set[str]:
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def run_healthcheck(service: dict, address: str) -> subprocess.CompletedProcess:
+    """The service's healthcheck command, pointed at `address` instead of its listen address."""
+    kind, program, dash_c, code = service["healthcheck"]["test"]
+    assert (kind, program, dash_c) == ("CMD", "python3", "-c")
+    listen = f"127.0.0.1:{port_of(flag(service['command'], '--listen'))}"
+    assert listen in code, f"the healthcheck does not ask {listen}, the service's listen port"
+    return subprocess.run([sys.executable, "-c", code.replace(listen, address)], env=CHILD_ENV,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
 def test_every_dashboard_metric_is_exported(compose):
     """The compose commands themselves (container paths, addresses and ports made local), a chat
     completion, then every metric a panel queries must be in a scrape of the services."""
@@ -191,6 +202,15 @@ def test_every_dashboard_metric_is_exported(compose):
             local[name] = (listen, metrics)
         for proc in experts:
             proc.read_line("ktserve expert: serving", timeout=180)
+        bare = WatchedProcess([sys.executable, "-m", "gpu_service.cli", "expert", "--listen",
+                               f"127.0.0.1:{free_port()}"])  # fmt: skip
+        experts.append(bare)
+        loading = bare.read_line("listening on", timeout=60).split("listening on ")[1].split()[0]
+        for name, service in expert_services(compose).items():
+            healthy = run_healthcheck(service, local[name][0])
+            assert healthy.returncode == 0, healthy.stderr
+            assert run_healthcheck(service, loading).returncode != 0, "healthy without experts"
+            assert run_healthcheck(service, f"127.0.0.1:{free_port()}").returncode != 0
         argv = gpu["command"]
         argv = replace_flags(
             [str(host_path(REPO, gpu, argv[1])), *argv[2:]],
