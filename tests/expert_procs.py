@@ -8,6 +8,7 @@ import sys
 
 import grpc
 import numpy as np
+import pytest
 from watched_process import WatchedProcess
 
 import ktshm
@@ -63,3 +64,12 @@ def moe_call(channel: ktshm.Channel, layer: int, x: np.ndarray, ids: np.ndarray,
 
 def shm_entries() -> set[str]:
     return {e for e in os.listdir("/dev/shm") if "ktshm." in e}
+
+
+@pytest.fixture(autouse=True)
+def no_segments_left_behind():
+    """Each test of a module that imports this leaves no ktshm entry in /dev/shm."""
+    before = shm_entries()
+    yield
+    left = shm_entries() - before
+    assert not left, f"test left shared-memory entries behind: {sorted(left)}"

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 from checkpoints import load_reference_model, make_tiny_checkpoint
-from expert_procs import ExpertProcess, shm_entries
+from expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
 
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.gpu_experts import worker_activation_counts
@@ -28,20 +28,6 @@ BOUNDS = {
     ("float32", "int8"): 5e-2,
     ("float32", "int4"): 3e-1,
 }
-
-
-@pytest.fixture(scope="module")
-def seed():
-    value = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={value}")
-    return value
-
-
-@pytest.fixture(autouse=True)
-def no_segments_left_behind():
-    before = shm_entries()
-    yield
-    assert not shm_entries() - before
 
 
 @pytest.fixture(scope="module")

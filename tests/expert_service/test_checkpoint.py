@@ -4,8 +4,6 @@ are the oracle for every weight the reader returns."""
 from __future__ import annotations
 
 import json
-import os
-import random
 import re
 from pathlib import Path
 
@@ -53,13 +51,6 @@ from expert_service.checkpoint import (
 
 FAMILIES = available_families()
 GIB = 2**30
-
-
-@pytest.fixture
-def seed() -> int:
-    value = int(os.environ.get("KTSERVE_TEST_SEED", random.randrange(2**31)))
-    print(f"seed={value} (set KTSERVE_TEST_SEED to reproduce)")
-    return value
 
 
 def _rewrite_tensors(model_dir: Path, edit) -> None:

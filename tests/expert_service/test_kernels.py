@@ -20,9 +20,6 @@ Error bounds (normalized Frobenius error ||y - y_ref|| / ||y_ref||, y_ref = the 
 
 from __future__ import annotations
 
-import os
-import random
-
 import numpy as np
 import pytest
 import torch
@@ -44,13 +41,6 @@ BF16_OUT_ROUNDING = 2.0**-9  # relative error of round-to-nearest-even to bf16, 
 BOUNDS = {"bf16": 0.01, "int8": 0.05, "int4": 0.25}
 SMALL_T_BOUNDS = {"bf16": 0.01, "int8": 0.05, "int4": 0.36}
 ISAS = available_isas()
-
-
-@pytest.fixture(scope="module")
-def seed() -> int:
-    value = int(os.environ.get("KTSERVE_TEST_SEED", random.randrange(1 << 30)))
-    print(f"seed={value}")
-    return value
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -15,7 +14,13 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import load_reference_model, make_tiny_checkpoint, moe_block
-from expert_procs import FORMAT_PB, ExpertProcess, moe_call, shm_entries
+from expert_procs import (  # noqa: F401 - no_segments_left_behind is an autouse fixture
+    FORMAT_PB,
+    ExpertProcess,
+    moe_call,
+    no_segments_left_behind,
+    shm_entries,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from watched_process import CHILD_ENV, REPO
 
@@ -31,20 +36,6 @@ FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 # of max|w|/127 (~0.2% rms per weight); int4 a per-32-group step of max|w|/7 (~9% rms; with
 # a token or three, few experts average it out: the kernel's tests allow 36% there).
 TOLERANCE = {"bf16": 1e-5, "int8": 5e-2, "int4": 0.36}
-
-
-@pytest.fixture(autouse=True)
-def no_segments_left_behind():
-    before = shm_entries()
-    yield
-    assert not shm_entries() - before
-
-
-@pytest.fixture(scope="module")
-def seed():
-    value = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={value}")
-    return value
 
 
 @pytest.fixture(scope="module")

@@ -42,13 +42,6 @@ NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def seed():
-    value = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={value}")
-    return value
-
-
-@pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, seed):
     return make_served_checkpoint(tmp_path_factory.mktemp("api") / "tiny-ds", seed)
 

@@ -3,8 +3,6 @@ forward pass of the same checkpoint, which test_models checks against transforme
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from checkpoints import available_families, make_tiny_checkpoint
@@ -22,13 +20,6 @@ VARIANTS = {  # family, overrides: each family, a shared gate (Qwen2) and a slid
 NAMES = [v for v in VARIANTS if VARIANTS[v][0] in available_families()]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BLOCK = 4
-
-
-@pytest.fixture(scope="module")
-def seed() -> int:
-    value = int(os.environ.get("KTSERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"seed={value}")
-    return value
 
 
 @pytest.fixture(scope="module")

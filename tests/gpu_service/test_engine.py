@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
@@ -15,13 +14,6 @@ from gpu_service.engine import Engine, EngineError, FinishReason, SamplingParams
 from gpu_service.engine.detokenizer import Detokenizer
 from gpu_service.models import TorchExperts, load_model
 from gpu_service.models.decode_graphs import DecodeGraphConfig, DecodeGraphs
-
-
-@pytest.fixture(scope="module")
-def seed():
-    value = int(os.environ.get("KTSERVE_TEST_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"seed={value}")
-    return value
 
 
 @pytest.fixture(scope="module")

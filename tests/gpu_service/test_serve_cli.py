@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
@@ -56,13 +55,6 @@ SERVE_FLAGS = (
     "--worker-start-timeout",
     "--expert-address",
 )
-
-
-@pytest.fixture(scope="module")
-def seed():
-    value = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={value}")
-    return value
 
 
 @pytest.fixture(scope="module")

@@ -9,20 +9,9 @@ import time
 
 import numpy as np
 import pytest
+from expert_procs import no_segments_left_behind, shm_entries  # noqa: F401 - autouse
 
 CONSUMER = pathlib.Path(__file__).with_name("consumer_proc.py")
-
-
-def shm_entries() -> set[str]:
-    return {e for e in os.listdir("/dev/shm") if "ktshm." in e}
-
-
-@pytest.fixture(autouse=True)
-def no_segments_left_behind():
-    before = shm_entries()
-    yield
-    left = shm_entries() - before
-    assert not left, f"test left shared-memory entries behind: {sorted(left)}"
 
 
 @pytest.fixture
