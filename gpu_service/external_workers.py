@@ -127,7 +127,7 @@ class _Remote:
         self.state = STATES.get(info.state, "unknown")
         self.pid = info.pid
         if info.state == pb.WORKER_STATE_SERVING:
-            self.experts = f"{info.experts.start}-{info.experts.stop - 1}"
+            self.experts = WorkerShard.from_info(self.address, info).label
         return info
 
 

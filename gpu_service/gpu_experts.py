@@ -6,8 +6,8 @@
 
 Which experts are hot, per layer: a placement file ({"layer": [expert ids]}), else the
 activation counts the workers report (GetStats), else the lowest ids. HybridExperts counts every
-routed id it sees (GPU and CPU alike, on the device), and HotExpertRefresher re-chooses the hot
-experts from the counts of the last interval:
+routed id it sees (GPU and CPU alike, on the device) once HotExpertRefresher asks, which re-chooses
+the hot experts from the counts of the last interval:
 
     refresher thread: counts delta ──▶ top-N per layer ──▶ read the new experts (CPU) ──▶ staged
     engine thread:    submit(layer) installs a staged set first (upload, swap), then computes
@@ -95,13 +95,19 @@ class HybridExperts:
             gate, up, down = reader.read_experts(layer, ids, dtype)  # [n, I, H] x2, [n, H, I]
             ids_t = torch.tensor(ids, dtype=torch.int32)
             self.layers[layer] = self._upload(ids_t, gate, up, down)
-        num_experts = reader.spec.num_experts
-        self.counts = {  # routed ids seen per (layer, expert), GPU and CPU alike
-            layer: torch.zeros(num_experts, dtype=torch.int64, device=self.device)
-            for layer in reader.spec.moe_layers
-        }
+        self.counts: dict[int, torch.Tensor] = {}  # see count_routing
         self._staged: dict[int, _Staged] = {}
+        self._swap_lock = threading.Lock()  # stage (refresher) vs install (engine) of one layer
         self.swaps = 0
+
+    def count_routing(self) -> None:
+        """From now on count the routed ids each call sees, GPU and CPU alike, per layer:
+        counts[layer] [E] int64 on the device."""
+        num_experts = self.reader.spec.num_experts
+        self.counts = {
+            layer: torch.zeros(num_experts, dtype=torch.int64, device=self.device)
+            for layer in self.reader.spec.moe_layers
+        }
 
     def _upload(self, ids, gate, up, down) -> _HotLayer:
         dev = self.device
@@ -113,15 +119,19 @@ class HybridExperts:
 
     def stage(self, layer: int, ids: list[int]) -> None:
         """Make `ids` the hot set of `layer` from its next call on (reads the new experts now)."""
-        current = set(self.layers[layer].ids.tolist())
-        added = sorted(set(ids) - current)
-        weights = self.reader.read_experts(layer, added, self.dtype)
-        self._staged[layer] = _Staged(sorted(ids), added, weights)  # NOTE: one atomic store
+        with self._swap_lock:  # NOTE: `added` is relative to the installed set: none may land now
+            current = set(self.layers[layer].ids.tolist())
+            added = sorted(set(ids) - current)
+            weights = self.reader.read_experts(layer, added, self.dtype)
+            self._staged[layer] = _Staged(sorted(ids), added, weights)
 
     def _install(self, layer: int) -> None:
-        staged = self._staged.pop(layer, None)
-        if staged is None:
+        if layer not in self._staged:  # the usual case: no lock on the per-call path
             return
+        with self._swap_lock:
+            self._swap_in(layer, self._staged.pop(layer))
+
+    def _swap_in(self, layer: int, staged: _Staged) -> None:
         old = self.layers[layer]
         pool_ids = old.ids.tolist() + staged.added  # rows of [old tensors; added tensors]
         rows = torch.tensor([pool_ids.index(e) for e in staged.ids], device=self.device)
@@ -170,6 +180,7 @@ class HotExpertRefresher:
 
     def __init__(self, experts: HybridExperts, per_layer: int, interval_s: float) -> None:
         self.experts, self.per_layer, self.interval_s = experts, per_layer, interval_s
+        experts.count_routing()
         self._last = {layer: experts.counts[layer].to("cpu", copy=True) for layer in experts.layers}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hot-experts", daemon=True)

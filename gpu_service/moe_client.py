@@ -30,6 +30,7 @@ from expert_service.protocol import expert_pb2_grpc as pb_grpc
 log = logging.getLogger("ktserve.gpu")
 
 WIRE_DTYPES = ("float32", "bfloat16")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32}
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
              grpc.StatusCode.DEADLINE_EXCEEDED)  # fmt: skip
 
@@ -163,12 +164,11 @@ class ShmExperts:
             ((num_tokens, k), "int32"),
             ((num_tokens, k), "float32"),
         ]
-        x_wire = x.to(torch.float32 if wire_dtype == "float32" else torch.bfloat16)
         calls, first = [], None
         for worker in self.workers:
             msg = worker.channel.begin(wire.KIND_MOE, layer, specs, num_tokens)
             if first is None:
-                self._packed(msg, (x_wire, ids.to(torch.int32), weights.to(torch.float32)))
+                self._packed(msg, (x, ids, weights), [TORCH_DTYPES[dt] for _, dt in specs])
             else:
                 np.copyto(msg.payload, first)  # the same bytes: a host copy, not another transfer
             first = msg.payload
@@ -176,18 +176,19 @@ class ShmExperts:
         self.stats.transfer_s += time.perf_counter() - start
         return PendingShm(self, layer, calls, num_tokens, start)
 
-    def _packed(self, msg: ktshm.Message, tensors: tuple[torch.Tensor, ...]) -> None:
-        """Lay the arrays out on the device as they sit in the slot, then copy them in one go
-        (one device-to-host transfer and one synchronization instead of one per array)."""
+    def _packed(self, msg: ktshm.Message, tensors: tuple[torch.Tensor, ...],
+                dtypes: list[torch.dtype]) -> None:  # fmt: skip
+        """Lay the arrays out on the device as they sit in the slot, converted to the wire dtypes,
+        then copy them in one go (one device-to-host transfer and one synchronization instead of
+        one per array)."""
         payload = msg.payload
         size = payload.nbytes
         if self._staging is None or self._staging.numel() < size:
             self._staging = torch.empty(max(size, 1 << 16), dtype=torch.uint8, device=self.device)
         staging = self._staging[:size]
         base = payload.ctypes.data
-        for view, tensor in zip(msg.arrays, tensors):
+        for view, tensor, dtype in zip(msg.arrays, tensors, dtypes):
             offset = view.ctypes.data - base
-            dtype = tensor.dtype
             staging[offset : offset + view.nbytes].view(dtype).view(tensor.shape).copy_(tensor)
         torch.from_numpy(payload).copy_(staging)
 

@@ -82,9 +82,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # running: the tokens not in the cache yet, decodes (one each) before prompt chunks (what
         # the budget leaves); preempt the youngest while the cache cannot grow
-        running = list(self.running)
-        decoding = [r for r in running if r.num_tokens - r.num_cached == 1]
-        for request in decoding + [r for r in running if r not in decoding]:
+        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_cached > 1):
             if request.state != RequestState.RUNNING:
                 continue
             start = request.num_cached
