@@ -2,15 +2,25 @@
 
 Weights of `--layers` layers are rotated so that the packed bytes exceed the last-level cache
 several times over (by default >= 8x LLC per shape and format). In the same run it measures the
-DRAM read bandwidth (torch.sum over a large buffer at the same thread count) and a plain PyTorch
-bf16 loop over the selected experts at T=1 (the baseline). Prints one table.
+DRAM read bandwidth (torch.sum over a large buffer at the same thread count) at the start, after
+each shape and at the end, and gives % of DRAM against the median of those samples; and a plain
+PyTorch bf16 loop over the selected experts at T=1 (the baseline). Prints one table.
 
     python bench/bench_moe_kernel.py [--threads 15] [--shapes qwen3,dsv3] [--formats int8,int4]
+        [--repeats 3] [--peer kt-kernel]
+
+--repeats N times every (shape, impl, T) N times, interleaved: round-robin over the token counts
+and between ours and the peer, so that drift hits all alike (the PyTorch loop: N times in a row);
+the table gives the median and the min-max. --peer kt-kernel adds kt-kernel's AMX int8/int4 MoE
+(bench/peer_kt_kernel.py), built from the same bf16 weights by its own quantizer, on the same
+shapes, routings, inputs and thread count; "ours/kt" = our time / its time for the same shape,
+format and T. Where kt-kernel cannot be imported, one line says why and the run goes on without it.
 
 --x-dtypes bf16,f32 also times fp32 activations (with bf16 weights: the exact fp32 path; int8/int4
 quantize x per token whatever its dtype). --prefill-tokens 0 skips the prefill row.
 
-Effective GB/s = bytes of the distinct experts a call touches / time per call.
+Effective GB/s = bytes of the distinct experts a call touches (in each impl's own packed layout) /
+time per call.
 """
 
 from __future__ import annotations
@@ -18,11 +28,16 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from peer_kt_kernel import FORMATS as PEER_FORMATS
+from peer_kt_kernel import KtLayer, KtPeer, build_layers, load_kt_kernel, rel_err
+from peer_kt_kernel import expert_nbytes as peer_expert_nbytes
 
 from expert_service.kernels import MoEKernel, PackedExperts, default_isa, pack_experts
 
@@ -41,7 +56,10 @@ SHAPES = {
     "dsv3": Shape("DeepSeek-V3", 256, 8, 7168, 2048),
 }
 X_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
+PEERS = ("none", "kt-kernel")
 SEED_EXPERTS = 4  # really quantized experts; the rest of a layer repeats their packed bytes
+SETTLE_S = 0.1  # pause after each measurement: kt-kernel's pool threads spin 50 ms after a call
+PEER_MAX_DIFF = 0.7  # relative difference from our output above which the peer's rows are dropped
 
 
 @dataclass(frozen=True)
@@ -60,16 +78,26 @@ class BenchConfig:
     dram_gb: float
     pin: bool
     torch_baseline: bool
+    repeats: int
+    peer: str
 
     def __post_init__(self) -> None:
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
+        if self.repeats < 1:
+            raise ValueError("repeats must be >= 1")
         unknown = set(self.shapes) - set(SHAPES)
         if unknown:
             raise ValueError(f"unknown shapes {sorted(unknown)}; known: {sorted(SHAPES)}")
         bad = set(self.x_dtypes) - set(X_DTYPES)
         if bad:
             raise ValueError(f"unknown x dtypes {sorted(bad)}; known: {sorted(X_DTYPES)}")
+        if self.peer not in PEERS:
+            raise ValueError(f"unknown peer {self.peer!r}; known: {PEERS}")
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return (*self.decode_tokens, *((self.prefill_tokens,) if self.prefill_tokens else ()))
 
 
 def llc_bytes() -> int:
@@ -98,6 +126,12 @@ def dram_read_gbs(threads: int, gb: float) -> float:
     return best
 
 
+def dram_sample(cfg: BenchConfig, label: str, samples: list[tuple[str, float]]) -> None:
+    gbs = dram_read_gbs(cfg.threads, cfg.dram_gb)
+    samples.append((label, gbs))
+    print(f"DRAM read ({label}): {gbs:.1f} GB/s", flush=True)
+
+
 def routing(rng: torch.Generator, T: int, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
     scores = torch.rand(T, shape.num_experts, generator=rng)
     w, ids = scores.topk(shape.top_k, dim=1)
@@ -118,7 +152,7 @@ def replicate(seed: PackedExperts, num_experts: int) -> PackedExperts:
     )
 
 
-def time_calls(fn, min_seconds: float, min_calls: int = 8) -> float:
+def time_calls(fn: Callable[[int], object], min_seconds: float, min_calls: int = 8) -> float:
     """Mean seconds per call over at least min_calls calls and min_seconds (after 2 warm-ups)."""
     fn(0)
     fn(1)
@@ -129,8 +163,67 @@ def time_calls(fn, min_seconds: float, min_calls: int = 8) -> float:
     return (time.perf_counter() - t0) / calls
 
 
-def bench_torch_loop(cfg: BenchConfig, shape: Shape, rng: torch.Generator) -> tuple[float, float]:
-    """Plain PyTorch bf16 loop over the selected experts at T=1: (seconds, GB/s)."""
+@dataclass(frozen=True)
+class Series:
+    """One (impl, T) measurement: its call and the seconds per call of every repeat."""
+
+    impl: str
+    fmt: str  # "torch" for the PyTorch loop
+    tokens: int
+    x_dtype: str
+    peer: bool
+    bytes_per_call: float
+    flops_per_call: float
+    call: Callable[[int], object]
+    seconds: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Row:
+    shape: str
+    impl: str
+    fmt: str
+    tokens: int
+    x_dtype: str
+    peer: bool
+    us: float  # median over the repeats
+    us_min: float
+    us_max: float
+    gbs: float
+    tflops: float
+
+
+def row_of(shape: str, s: Series) -> Row:
+    sec = statistics.median(s.seconds)
+    lo, hi = min(s.seconds) * 1e6, max(s.seconds) * 1e6
+    gbs, tflops = s.bytes_per_call / sec / 1e9, s.flops_per_call / sec / 1e12
+    return Row(shape, s.impl, s.fmt, s.tokens, s.x_dtype, s.peer, sec * 1e6, lo, hi, gbs, tflops)
+
+
+def measure(cfg: BenchConfig, series: list[Series]) -> list[Series]:
+    """cfg.repeats rounds; in each, token counts in order and every series of a count in turn.
+
+    A series whose call raises is dropped (with the reason printed), never estimated.
+    """
+    alive = list(series)
+    for _ in range(cfg.repeats):
+        for T in cfg.tokens:
+            for s in [s for s in alive if s.tokens == T]:
+                try:
+                    s.seconds.append(time_calls(s.call, cfg.min_seconds))
+                except Exception as e:
+                    print(f"{s.impl} T={T}: omitted: {type(e).__name__}: {e}")
+                    alive.remove(s)
+                time.sleep(SETTLE_S)
+    return alive
+
+
+def moe_flops(shape: Shape, T: int) -> float:
+    return 2 * 3 * shape.hidden_size * shape.intermediate_size * T * shape.top_k
+
+
+def bench_torch_loop(cfg: BenchConfig, shape: Shape, rng: torch.Generator) -> Row:
+    """Plain PyTorch bf16 loop over the selected experts at T=1, cfg.repeats times."""
     torch.set_num_threads(cfg.threads)
     E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size  # noqa: E741
     layer_bytes = 3 * E * H * I * 2
@@ -144,7 +237,7 @@ def bench_torch_loop(cfg: BenchConfig, shape: Shape, rng: torch.Generator) -> tu
     routes = [routing(rng, 1, shape) for _ in range(64)]
     x = torch.randn(1, H, generator=rng).bfloat16()
 
-    def call(i: int) -> None:
+    def call(i: int) -> torch.Tensor:
         ids, w = routes[i % len(routes)]
         layer = weights[i % layers]
         y = torch.zeros(1, H, dtype=torch.bfloat16)
@@ -154,50 +247,193 @@ def bench_torch_loop(cfg: BenchConfig, shape: Shape, rng: torch.Generator) -> tu
             y += w[0, j] * (h @ gu[2])  # down stored transposed: [I, H]
         return y
 
-    sec = time_calls(call, cfg.min_seconds)
-    return sec, shape.top_k * 3 * H * I * 2 / sec / 1e9
+    nbytes = shape.top_k * 3 * H * I * 2
+    s = Series("torch bf16 loop", "torch", 1, "bf16", False, nbytes, moe_flops(shape, 1), call)
+    for _ in range(cfg.repeats):
+        s.seconds.append(time_calls(call, cfg.min_seconds))
+        time.sleep(SETTLE_S)
+    return row_of(shape.name, s)
 
 
-@dataclass(frozen=True)
-class Row:
-    shape: str
-    impl: str
-    tokens: int
-    us: float
-    gbs: float
-    tflops: float
+def peer_layers(
+    peer: KtPeer,
+    cfg: BenchConfig,
+    shape: Shape,
+    fmt: str,
+    seeds: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ours_layers: int,
+) -> list[KtLayer]:
+    """kt-kernel's layers for (shape, fmt), as many as ours where memory allows; [] on failure."""
+    E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size  # noqa: E741
+    what = f"kt-kernel {fmt} {shape.name}"
+    try:
+        layers, note = build_layers(peer, fmt, seeds, E, shape.top_k, ours_layers, max(cfg.tokens))
+    except Exception as e:
+        print(f"{what}: omitted: {type(e).__name__}: {e}")
+        return []
+    if not layers:
+        print(f"{what}: omitted: {note}")
+        return []
+    multiple = len(layers) * E * peer_expert_nbytes(fmt, H, I) / cfg.llc_bytes
+    short = f" instead of ours' {ours_layers}: {note}" if note else ""
+    print(f"{what}: {len(layers)} layer(s), {multiple:.1f}x LLC{short}", flush=True)
+    return layers
 
 
-def bench_format(cfg: BenchConfig, shape: Shape, fmt: str, rng: torch.Generator) -> list[Row]:
+def peer_agrees(
+    peer: KtPeer,
+    layer: KtLayer,
+    kern: MoEKernel,
+    packed: PackedExperts,
+    x: torch.Tensor,
+    route: tuple[torch.Tensor, torch.Tensor],
+    what: str,
+) -> bool:
+    """kt-kernel's output against ours on one call: a wrong call shows as a large difference."""
+    ids, w = route
+    inp = peer.inputs(x, ids, w)
+    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.bfloat16)
+    try:
+        peer.forward(layer, inp)
+        kern.forward(packed, inp.x, ids, w, out)
+    except Exception as e:
+        print(f"{what}: omitted: {type(e).__name__}: {e}")
+        return False
+    diff = rel_err(inp.out, out.float())
+    ok = bool(torch.isfinite(inp.out.float()).all()) and diff < PEER_MAX_DIFF
+    verdict = "" if ok else f": omitted (over {PEER_MAX_DIFF}: its output is wrong)"
+    print(f"{what}: output vs ours at T={x.shape[0]}: relative difference {diff:.4f}{verdict}")
+    return ok
+
+
+def bench_format(
+    cfg: BenchConfig, shape: Shape, fmt: str, rng: torch.Generator, peer: KtPeer | None
+) -> list[Row]:
     E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size  # noqa: E741
     g = torch.randn(SEED_EXPERTS, I, H, generator=rng) * 0.02
     u = torch.randn(SEED_EXPERTS, I, H, generator=rng) * 0.02
     d = torch.randn(SEED_EXPERTS, H, I, generator=rng) * 0.02
     seed_packed = pack_experts(g, u, d, fmt)
-    del g, u, d
     layer_bytes = seed_packed.expert_nbytes * E
     layers = cfg.layers or max(1, math.ceil(cfg.min_llc_multiple * cfg.llc_bytes / layer_bytes))
+    theirs: list[KtLayer] = []
+    if peer is not None and fmt in PEER_FORMATS:  # before ours: its build needs the most memory
+        theirs = peer_layers(peer, cfg, shape, fmt, (g, u, d), layers)
+    del g, u, d
     packed = [replicate(seed_packed, E) for _ in range(layers)]
-    rows = []
-    tokens = (*cfg.decode_tokens, *((cfg.prefill_tokens,) if cfg.prefill_tokens else ()))
+    inputs = {}
+    for xd in cfg.x_dtypes:
+        for T in cfg.tokens:
+            routes = [routing(rng, T, shape) for _ in range(16)]
+            inputs[xd, T] = (routes, torch.randn(T, H, generator=rng).to(X_DTYPES[xd]))
+    peer_xd = "bf16" if "bf16" in cfg.x_dtypes else cfg.x_dtypes[0]
     with MoEKernel(cfg.threads, pin=cfg.pin) as kern:
-        for xd in cfg.x_dtypes:
-            for T in tokens:
-                routes = [routing(rng, T, shape) for _ in range(16)]
-                x = torch.randn(T, H, generator=rng).to(X_DTYPES[xd])
-                out = torch.empty(T, H, dtype=torch.bfloat16)
-                touched = [len(torch.unique(r[0])) for r in routes]
+        if theirs:
+            routes, x = inputs[peer_xd, cfg.tokens[0]]
+            what = f"kt-kernel {fmt} {shape.name}"
+            if not peer_agrees(peer, theirs[0], kern, packed[0], x, routes[0], what):
+                theirs = []
+        series = []
+        for T in cfg.tokens:
+            for xd in cfg.x_dtypes:
+                routes, x = inputs[xd, T]
+                series.append(ours_series(kern, packed, seed_packed, xd, routes, x, shape))
+            if theirs:
+                routes, x = inputs[peer_xd, T]
+                series.append(peer_series(peer, theirs, fmt, routes, x, shape))
+        series = measure(cfg, series)
+    return [row_of(shape.name, s) for s in series]
 
-                def call(i: int, routes=routes, x=x, out=out) -> None:
-                    ids, w = routes[i % len(routes)]
-                    kern.forward(packed[i % layers], x, ids, w, out)
 
-                sec = time_calls(call, cfg.min_seconds)
-                gbs = np.mean(touched) * seed_packed.expert_nbytes / sec / 1e9
-                tflops = 2 * 3 * H * I * T * shape.top_k / sec / 1e12
-                impl = f"{fmt} x{layers}L" + ("" if xd == "bf16" else f" x={xd}")
-                rows.append(Row(shape.name, impl, T, sec * 1e6, gbs, tflops))
-    return rows
+def touched_experts(routes: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    return float(np.mean([len(torch.unique(ids)) for ids, _ in routes]))
+
+
+def ours_series(
+    kern: MoEKernel,
+    packed: list[PackedExperts],
+    seed: PackedExperts,
+    xd: str,
+    routes: list[tuple[torch.Tensor, torch.Tensor]],
+    x: torch.Tensor,
+    shape: Shape,
+) -> Series:
+    T = x.shape[0]
+    out = torch.empty(T, shape.hidden_size, dtype=torch.bfloat16)
+
+    def call(i: int) -> None:
+        ids, w = routes[i % len(routes)]
+        kern.forward(packed[i % len(packed)], x, ids, w, out)
+
+    impl = f"{seed.fmt} x{len(packed)}L" + ("" if xd == "bf16" else f" x={xd}")
+    nbytes = touched_experts(routes) * seed.expert_nbytes
+    return Series(impl, seed.fmt, T, xd, False, nbytes, moe_flops(shape, T), call)
+
+
+def peer_series(
+    peer: KtPeer,
+    layers: list[KtLayer],
+    fmt: str,
+    routes: list[tuple[torch.Tensor, torch.Tensor]],
+    x: torch.Tensor,
+    shape: Shape,
+) -> Series:
+    T = x.shape[0]
+    inputs = [peer.inputs(x, ids, w) for ids, w in routes]
+
+    def call(i: int) -> None:
+        peer.forward(layers[i % len(layers)], inputs[i % len(inputs)])
+
+    impl = f"kt-kernel {fmt} x{len(layers)}L"
+    H, I = shape.hidden_size, shape.intermediate_size  # noqa: E741
+    nbytes = touched_experts(routes) * peer_expert_nbytes(fmt, H, I)
+    return Series(impl, fmt, T, "bf16", True, nbytes, moe_flops(shape, T), call)
+
+
+def load_peer(cfg: BenchConfig) -> KtPeer | None:
+    if cfg.peer != "kt-kernel":
+        return None
+    kt, why = load_kt_kernel()
+    if kt is None:
+        print(f"peer kt-kernel: skipped: {why}")
+        return None
+    try:
+        peer = KtPeer(kt, cfg.threads)
+    except Exception as e:
+        print(f"peer kt-kernel: skipped: its thread pool failed: {type(e).__name__}: {e}")
+        return None
+    formats = [f for f in cfg.formats if f in PEER_FORMATS] or "none of the formats asked for"
+    print(
+        f"peer kt-kernel: {kt.how}; one subpool of {cfg.threads} threads (kt-kernel pins them to "
+        f"cores 0..{cfg.threads - 1}); formats {formats}"
+    )
+    return peer
+
+
+def print_table(rows: list[Row], dram: float) -> None:
+    with_peer = any(r.peer for r in rows)
+    head = (
+        f"{'shape':<14} {'impl':<22} {'T':>4} {'us/layer':>10} {'min-max us':>19} {'GB/s':>7} "
+        f"{'%DRAM':>6} {'TFLOPS':>7} {'vs torch':>8}" + (f" {'ours/kt':>8}" if with_peer else "")
+    )
+    print(head)
+    print("-" * len(head))
+    base_us = {r.shape: r.us for r in rows if r.fmt == "torch"}
+    ours = {(r.shape, r.fmt, r.tokens, r.x_dtype): r.us for r in rows if not r.peer}
+    for r in rows:
+        speedup = base_us.get(r.shape, 0) / r.us if r.tokens == 1 and r.shape in base_us else 0
+        mine = ours.get((r.shape, r.fmt, r.tokens, "bf16")) if r.peer else None
+        spread = f"{r.us_min:.1f}-{r.us_max:.1f}"
+        print(
+            f"{r.shape:<14} {r.impl:<22} {r.tokens:>4} {r.us:>10.1f} {spread:>19} {r.gbs:>7.1f} "
+            f"{100 * r.gbs / dram:>5.0f}% {r.tflops:>7.2f} "
+            + (f"{speedup:>7.2f}x" if speedup else f"{'':>8}")
+            + (f" {mine / r.us:>8.2f}" if mine else "")
+        )
+    if with_peer:
+        print(
+            "ours/kt = our median time / kt-kernel's, same shape, format and T (< 1: ours faster)"
+        )
 
 
 def main() -> None:
@@ -217,6 +453,8 @@ def main() -> None:
     p.add_argument("--dram-gb", type=float, default=4.0)
     p.add_argument("--pin", action="store_true")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch loop baseline")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved measurements per row")
+    p.add_argument("--peer", choices=PEERS, default="none", help="kt-kernel: time it alongside")
     a = p.parse_args()
     cfg = BenchConfig(
         threads=a.threads,
@@ -233,38 +471,34 @@ def main() -> None:
         dram_gb=a.dram_gb,
         pin=a.pin,
         torch_baseline=not a.no_torch,
+        repeats=a.repeats,
+        peer=a.peer,
     )
     rng = torch.Generator().manual_seed(cfg.seed)
-    dram = dram_read_gbs(cfg.threads, cfg.dram_gb)
     print(
         f"seed={cfg.seed} threads={cfg.threads} isa={default_isa()} cpus={cpus} "
-        f"LLC={cfg.llc_bytes / 2**20:.0f} MiB DRAM read={dram:.1f} GB/s "
-        f"(torch.sum over {cfg.dram_gb:g} GB, {cfg.threads} threads)"
+        f"LLC={cfg.llc_bytes / 2**20:.0f} MiB repeats={cfg.repeats}",
+        flush=True,
     )
+    dram: list[tuple[str, float]] = []
+    dram_sample(cfg, "start", dram)
+    peer = load_peer(cfg)
     rows: list[Row] = []
-    base_us: dict[str, float] = {}
     for key in cfg.shapes:
         shape = SHAPES[key]
         if cfg.torch_baseline:
-            sec, gbs = bench_torch_loop(cfg, shape, rng)
-            base_us[shape.name] = sec * 1e6
-            tflops = 2 * 3 * shape.hidden_size * shape.intermediate_size * shape.top_k / sec / 1e12
-            rows.append(Row(shape.name, "torch bf16 loop", 1, sec * 1e6, gbs, tflops))
+            rows.append(bench_torch_loop(cfg, shape, rng))
         for fmt in cfg.formats:
-            rows.extend(bench_format(cfg, shape, fmt, rng))
-    head = (
-        f"{'shape':<14} {'impl':<22} {'T':>4} {'us/layer':>10} {'GB/s':>7} {'%DRAM':>6} "
-        f"{'TFLOPS':>7} {'vs torch':>8}"
+            rows.extend(bench_format(cfg, shape, fmt, rng, peer))
+        dram_sample(cfg, f"after {shape.name}", dram)
+    dram_sample(cfg, "end", dram)
+    median = statistics.median(g for _, g in dram)
+    print(
+        f"DRAM read samples (torch.sum over {cfg.dram_gb:g} GB, {cfg.threads} threads): "
+        + ", ".join(f"{g:.1f}" for _, g in dram)
+        + f" GB/s; median {median:.1f} GB/s, which %DRAM is against"
     )
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        speedup = base_us.get(r.shape, 0) / r.us if r.tokens == 1 and r.shape in base_us else 0
-        print(
-            f"{r.shape:<14} {r.impl:<22} {r.tokens:>4} {r.us:>10.1f} {r.gbs:>7.1f} "
-            f"{100 * r.gbs / dram:>5.0f}% {r.tflops:>7.2f} "
-            + (f"{speedup:>7.2f}x" if speedup else f"{'':>8}")
-        )
+    print_table(rows, median)
 
 
 if __name__ == "__main__":
