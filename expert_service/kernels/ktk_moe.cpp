@@ -6,6 +6,7 @@
 //   bf16 weights, bf16 x: bf16 (dot_bf16: vdpbf16ps / AMX-BF16);
 //   bf16 weights, fp32 x: fp32, the exact mode (dot_bf16_f32: weights widened, fp32 FMA).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -69,6 +70,8 @@ struct Call {
   float* thread_tmp;
   size_t thread_tmp_floats;
   float* partials;  // [n][T][out_blocks * 16] per-thread down sums (few tokens), or null
+  // Many tokens: the next gate/up item and the next down output block nobody has taken yet.
+  std::atomic<int> gateup_cursor{0}, down_cursor{0};
 };
 
 inline float round_even(float v) {  // vectorizable round-half-even for |v| < 2^22
@@ -197,6 +200,10 @@ void down_dot(const Call& c, int g, int b, float* tmp) {
 
 constexpr int kPartialsMaxTokens = 16;  // up to here, phase 3 splits by expert (see forward_task)
 constexpr int kDownChunk = 64;  // output blocks per accumulation chunk (1024 rows)
+// Many tokens: threads take work from shared cursors (cores of one machine run at different speeds,
+// and an expert's cost is not linear in its tokens), in runs long enough to stream weights:
+constexpr int kRunsPerThread = 16;       // gate/up: (expert, block) items in ~16 runs per thread
+constexpr int kDownRangesPerThread = 6;  // down: output blocks in ~6 ranges per thread (>= 2 blocks)
 
 // Output blocks [b0, b1) (b1 - b0 <= kDownChunk): expert by expert, so that each expert's rows of
 // the range stream contiguously; weighted sum in acc [T][(b1 - b0) * 16], then written to out.
@@ -276,11 +283,18 @@ void forward_task(void* raw, int tid, int n) {
       memcpy(c.xg + size_t(T + s) * ldgx, c.xg + size_t(t) * ldgx, sizeof(int32_t) * ldgx);
   }
   ktk_pool_barrier(c.pool);
-  // Phase 1: gate/up, SiLU * up -> h.
+  // Phase 1: gate/up, SiLU * up -> h. Many tokens: runs of (expert, block) items from a shared
+  // cursor; few: each thread a contiguous share, split by cost (decode streams best that way).
   float* tmp = c.thread_tmp + c.thread_tmp_floats * tid;
-  size_t max_m = size_t(c.P > T ? c.P : T);
-  share(c, c.gate_blocks, tid, n, &lo, &hi);
-  for (int i = lo; i < hi; ++i) gateup_item(c, i, tmp, tmp + 16 * (max_m + 16));
+  float* tmp_up = tmp + 16 * (size_t(c.P > T ? c.P : T) + 16);
+  if (!c.partials) {
+    const int total = c.G * c.gate_blocks, run = std::max(1, total / (n * kRunsPerThread));
+    for (int i0; (i0 = c.gateup_cursor.fetch_add(run, std::memory_order_relaxed)) < total;)
+      for (int i = i0; i < std::min(total, i0 + run); ++i) gateup_item(c, i, tmp, tmp_up);
+  } else {
+    share(c, c.gate_blocks, tid, n, &lo, &hi);
+    for (int i = lo; i < hi; ++i) gateup_item(c, i, tmp, tmp_up);
+  }
   ktk_pool_barrier(c.pool);
   // Phase 2: prepare h for the down projection.
   split(c.P, tid, n, &lo, &hi);
@@ -289,10 +303,11 @@ void forward_task(void* raw, int tid, int n) {
              c.hs + s, c.hg + size_t(s) * ldgh);
   ktk_pool_barrier(c.pool);
   if (!c.partials) {
-    // Phase 3 (many tokens): down by blocks of 16 output rows, weighted sum straight into out.
-    split(c.out_blocks, tid, n, &lo, &hi);
-    for (int b = lo; b < hi; b += kDownChunk)
-      down_range(c, b, hi - b < kDownChunk ? hi : b + kDownChunk, tmp, tmp + 16 * (max_m + 16));
+    // Phase 3 (many tokens): ranges of output blocks (16 rows each) from a shared cursor; a range's
+    // weighted sums go straight into out.
+    const int R = std::min(kDownChunk, std::max(2, c.out_blocks / (n * kDownRangesPerThread)));
+    for (int b; (b = c.down_cursor.fetch_add(R, std::memory_order_relaxed)) < c.out_blocks;)
+      down_range(c, b, std::min(c.out_blocks, b + R), tmp, tmp_up);
     return;
   }
   // Phase 3 (few tokens): down by contiguous (expert, block) ranges into per-thread partial sums,
