@@ -174,10 +174,11 @@ def test_isas_agree(seed, packed, kernels, fmt, x_dtype):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("tokens_per_expert", [9, 16, 17, 30, 33])
+@pytest.mark.parametrize("tokens_per_expert", [9, 16, 17, 24, 30, 33])
 def test_isas_agree_on_prefill_tiles(seed, kernels, fmt, tokens_per_expert):
     """Every expert gets exactly `tokens_per_expert` tokens (the tile paths' chunk edges: one
-    partial chunk, one full, a second chunk of 1 and of 14 rows, a third pass), and the padded K
+    partial chunk, one full, a second chunk of 1 and of 14 rows, a third pass; int4 on AMX hands
+    up to 8 rows past the full chunks to AVX-512: 17, 24, 33), and the padded K
     sizes are odd multiples of 64 (192 and 64: windows of two int4 groups left over). All ISAs
     agree with each other and stay within the format's bound of the reference."""
     e_, h_, i_, k_ = 3, 130, 40, 3
