@@ -41,8 +41,8 @@ struct ktk_kernel {
   ktk_pool* pool = nullptr;
   const ktk_ops* ops = nullptr;
   int num_threads = 1;
-  Buffer counts, group_expert, group_off, slot_token, slot_weight;
-  Buffer xt, xa, xs, xg, h, ha, hs, hg, thread_tmp, partials;
+  Buffer counts, group_expert, group_off, slot_token, slot_weight, token_slot;
+  Buffer xt, xa, xs, xg, h, ha, hs, hg, thread_tmp, slot_out;
 };
 
 namespace {
@@ -58,6 +58,7 @@ struct Call {
   int act;                      // Act: how x and h are prepared
   size_t act_bytes;             // bytes per activation element: 4 (f32), 2 (bf16) or 1 (int8)
   const int32_t *group_expert, *group_off, *slot_token;
+  const int32_t* token_slot;  // [T][k]: the slot of (token, j), -1 where the id was -1
   const float* slot_weight;
   uint8_t* xt;  // [T][Hp] per-token prepared activations
   uint8_t* xa;  // [P][Hp] gathered by slot
@@ -69,10 +70,17 @@ struct Call {
   int32_t* hg;  // [P][Ip/32]
   float* thread_tmp;
   size_t thread_tmp_floats;
-  float* partials;  // [n][T][out_blocks * 16] per-thread down sums (few tokens), or null
-  // Many tokens: the next gate/up item and the next down output block nobody has taken yet.
+  float* slot_out;  // few tokens: [P][out_blocks * 16] weighted down output per slot; else null
+  // The next gate/up item and the next down item (few tokens) / output block nobody has taken.
   std::atomic<int> gateup_cursor{0}, down_cursor{0};
 };
+
+// Items [0, total) in runs of `run` taken from a shared cursor: body(i) for each item taken.
+template <typename F>
+void take_runs(std::atomic<int>& cursor, int total, int run, F body) {
+  for (int i0; (i0 = cursor.fetch_add(run, std::memory_order_relaxed)) < total;)
+    for (int i = i0; i < std::min(total, i0 + run); ++i) body(i);
+}
 
 inline float round_even(float v) {  // vectorizable round-half-even for |v| < 2^22
   return (v + 12582912.0f) - 12582912.0f;
@@ -198,12 +206,14 @@ void down_dot(const Call& c, int g, int b, float* tmp) {
   }
 }
 
-constexpr int kPartialsMaxTokens = 16;  // up to here, phase 3 splits by expert (see forward_task)
+constexpr int kFewTokens = 16;  // up to here, the down projection goes by slot (see forward_task)
 constexpr int kDownChunk = 64;  // output blocks per accumulation chunk (1024 rows)
-// Many tokens: threads take work from shared cursors (cores of one machine run at different speeds,
-// and an expert's cost is not linear in its tokens), in runs long enough to stream weights:
-constexpr int kRunsPerThread = 16;       // gate/up: (expert, block) items in ~16 runs per thread
-constexpr int kDownRangesPerThread = 6;  // down: output blocks in ~6 ranges per thread (>= 2 blocks)
+// Threads take their work from shared cursors, in runs long enough to stream weights: the cores of
+// one machine run at different speeds (GPU host: with fixed shares, the slowest thread took 139 ms
+// of a phase whose mean was 100), and an expert's cost is not linear in its tokens.
+constexpr int kRunsPerThread = 16;       // many tokens: gate/up items in ~16 runs per thread
+constexpr int kDownRangesPerThread = 6;  // many tokens: output blocks in ~6 ranges per thread
+constexpr int kFewRunsPerThread = 8;     // few tokens: gate/up and down items in ~8 runs per thread
 
 // Output blocks [b0, b1) (b1 - b0 <= kDownChunk): expert by expert, so that each expert's rows of
 // the range stream contiguously; weighted sum in acc [T][(b1 - b0) * 16], then written to out.
@@ -234,31 +244,6 @@ void down_range(Call& c, int b0, int b1, float* tmp, float* acc) {
   }
 }
 
-// The (group, block) items [begin, end) of thread tid, nb blocks per group: contiguous, so a thread
-// streams long runs of one expert's weights; split by cost (tokens of the item's expert + 2).
-void share(const Call& c, int nb, int tid, int n, int* begin, int* end) {
-  int64_t total = 0;
-  for (int g = 0; g < c.G; ++g) total += int64_t(c.group_off[g + 1] - c.group_off[g] + 2);
-  total *= nb;
-  int64_t lo = total * tid / n, hi = total * (tid + 1) / n, acc = 0;
-  *begin = *end = c.G * nb;
-  bool found_begin = false;
-  for (int g = 0; g < c.G; ++g) {
-    int64_t cost = c.group_off[g + 1] - c.group_off[g] + 2;
-    for (int b = 0; b < nb; ++b, acc += cost) {
-      int64_t mid = acc + cost / 2;  // an item belongs to the thread whose share holds its middle
-      if (!found_begin && mid >= lo) {
-        *begin = g * nb + b;
-        found_begin = true;
-      }
-      if (mid >= hi) {
-        *end = g * nb + b;
-        return;
-      }
-    }
-  }
-}
-
 void forward_task(void* raw, int tid, int n) {
   Call& c = *static_cast<Call*>(raw);
   const ktk_forward_args* a = c.a;
@@ -283,18 +268,13 @@ void forward_task(void* raw, int tid, int n) {
       memcpy(c.xg + size_t(T + s) * ldgx, c.xg + size_t(t) * ldgx, sizeof(int32_t) * ldgx);
   }
   ktk_pool_barrier(c.pool);
-  // Phase 1: gate/up, SiLU * up -> h. Many tokens: runs of (expert, block) items from a shared
-  // cursor; few: each thread a contiguous share, split by cost (decode streams best that way).
+  // Phase 1: gate/up, SiLU * up -> h, by runs of (expert, 16-row block) items.
   float* tmp = c.thread_tmp + c.thread_tmp_floats * tid;
   float* tmp_up = tmp + 16 * (size_t(c.P > T ? c.P : T) + 16);
-  if (!c.partials) {
-    const int total = c.G * c.gate_blocks, run = std::max(1, total / (n * kRunsPerThread));
-    for (int i0; (i0 = c.gateup_cursor.fetch_add(run, std::memory_order_relaxed)) < total;)
-      for (int i = i0; i < std::min(total, i0 + run); ++i) gateup_item(c, i, tmp, tmp_up);
-  } else {
-    share(c, c.gate_blocks, tid, n, &lo, &hi);
-    for (int i = lo; i < hi; ++i) gateup_item(c, i, tmp, tmp_up);
-  }
+  const int gate_items = c.G * c.gate_blocks;
+  const int runs = n * (c.slot_out ? kFewRunsPerThread : kRunsPerThread);
+  const int gate_run = std::max(1, gate_items / runs);
+  take_runs(c.gateup_cursor, gate_items, gate_run, [&](int i) { gateup_item(c, i, tmp, tmp_up); });
   ktk_pool_barrier(c.pool);
   // Phase 2: prepare h for the down projection.
   split(c.P, tid, n, &lo, &hi);
@@ -302,7 +282,7 @@ void forward_task(void* raw, int tid, int n) {
     prep_row(act, c.h + size_t(s) * Ip, KTK_DT_F32, a->I, Ip, c.ha + size_t(s) * Ip * c.act_bytes,
              c.hs + s, c.hg + size_t(s) * ldgh);
   ktk_pool_barrier(c.pool);
-  if (!c.partials) {
+  if (!c.slot_out) {
     // Phase 3 (many tokens): ranges of output blocks (16 rows each) from a shared cursor; a range's
     // weighted sums go straight into out.
     const int R = std::min(kDownChunk, std::max(2, c.out_blocks / (n * kDownRangesPerThread)));
@@ -310,30 +290,30 @@ void forward_task(void* raw, int tid, int n) {
       down_range(c, b, std::min(c.out_blocks, b + R), tmp, tmp_up);
     return;
   }
-  // Phase 3 (few tokens): down by contiguous (expert, block) ranges into per-thread partial sums,
-  // so every thread streams long runs of one expert's rows; then phase 4 reduces them.
+  // Phase 3 (few tokens): (expert, block) items, each slot's weighted output rows to slot_out;
+  // then phase 4: each thread sums its output columns over every token's slots, in slot order j
+  // (so the result does not depend on which thread did what).
   const int width = c.out_blocks * 16;
-  float* part = c.partials + size_t(tid) * T * width;
-  memset(part, 0, sizeof(float) * T * width);
-  share(c, c.out_blocks, tid, n, &lo, &hi);
-  for (int i = lo; i < hi; ++i) {
+  const int down_items = c.G * c.out_blocks, down_run = std::max(1, down_items / runs);
+  take_runs(c.down_cursor, down_items, down_run, [&](int i) {
     int g = i / c.out_blocks, b = i % c.out_blocks, off = c.group_off[g];
     down_dot(c, g, b, tmp);
     for (int m = 0; m < c.group_off[g + 1] - off; ++m) {
       float wt = c.slot_weight[off + m];
-      float* dst = part + size_t(c.slot_token[off + m]) * width + b * 16;
-      for (int r = 0; r < 16; ++r) dst[r] += wt * tmp[m * 16 + r];
+      float* dst = c.slot_out + size_t(off + m) * width + b * 16;
+      for (int r = 0; r < 16; ++r) dst[r] = wt * tmp[m * 16 + r];
     }
-  }
+  });
   ktk_pool_barrier(c.pool);
   split(c.out_blocks, tid, n, &lo, &hi);
-  for (int t = 0; t < T; ++t) {
-    float* acc = tmp;  // [16 * (hi - lo)]
-    int w0 = lo * 16, w1 = hi * 16 < a->H ? hi * 16 : a->H;
-    if (w1 <= w0) break;
-    memcpy(acc, c.partials + size_t(t) * width + w0, sizeof(float) * (w1 - w0));
-    for (int q = 1; q < n; ++q) {
-      const float* src = c.partials + (size_t(q) * T + t) * width + w0;
+  const int w0 = lo * 16, w1 = hi * 16 < a->H ? hi * 16 : a->H;
+  float* acc = tmp;  // [w1 - w0]
+  for (int t = 0; t < T && w0 < w1; ++t) {
+    memset(acc, 0, sizeof(float) * (w1 - w0));
+    for (int j = 0; j < a->k; ++j) {
+      int s = c.token_slot[t * a->k + j];
+      if (s < 0) continue;
+      const float* src = c.slot_out + size_t(s) * width + w0;
       for (int i = 0; i < w1 - w0; ++i) acc[i] += src[i];
     }
     if (a->out_dtype == KTK_DT_F32) {
@@ -404,6 +384,7 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
             k->group_off.reserve(sizeof(int32_t) * (E + 1)) &&
             k->slot_token.reserve(sizeof(int32_t) * (P + 1)) &&
             k->slot_weight.reserve(sizeof(float) * (P + 1)) &&
+            k->token_slot.reserve(sizeof(int32_t) * (T * K + 1)) &&
             k->xt.reserve(size_t(T + 1) * c.Hp * c.act_bytes) &&
             k->xa.reserve(size_t(P + 16) * c.Hp * c.act_bytes) &&
             k->xs.reserve(sizeof(float) * (T + P + 1)) &&
@@ -414,10 +395,10 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
             k->hg.reserve(sizeof(int32_t) * (P + 1) * (c.Ip / 32)) &&
             k->thread_tmp.reserve(sizeof(float) * c.thread_tmp_floats * n);
   if (!ok) return KTK_ERR_NOMEM;
-  c.partials = nullptr;
-  if (T <= kPartialsMaxTokens && n > 1) {
-    if (!k->partials.reserve(sizeof(float) * n * T * c.out_blocks * 16)) return KTK_ERR_NOMEM;
-    c.partials = k->partials.as<float>();
+  c.slot_out = nullptr;
+  if (T <= kFewTokens) {
+    if (!k->slot_out.reserve(sizeof(float) * (P + 1) * c.out_blocks * 16)) return KTK_ERR_NOMEM;
+    c.slot_out = k->slot_out.as<float>();
   }
   int32_t* gexp = k->group_expert.as<int32_t>();
   int32_t* goff = k->group_off.as<int32_t>();
@@ -433,18 +414,22 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
   goff[G] = P;
   int32_t* stok = k->slot_token.as<int32_t>();
   float* sw = k->slot_weight.as<float>();
+  int32_t* tslot = k->token_slot.as<int32_t>();
   for (int i = 0; i < T * K; ++i) {
     int e = a->ids[i];
+    tslot[i] = -1;
     if (e < 0) continue;
     int s = counts[e]++;
     stok[s] = i / K;
     sw[s] = a->weights[i];
+    tslot[i] = s;
   }
   c.G = G;
   c.group_expert = gexp;
   c.group_off = goff;
   c.slot_token = stok;
   c.slot_weight = sw;
+  c.token_slot = tslot;
   c.xt = k->xt.as<uint8_t>();
   c.xa = k->xa.as<uint8_t>();
   c.xs = k->xs.as<float>();
