@@ -7,6 +7,15 @@
 
 namespace {
 
+// Decode streams weights from DRAM: ask for them this far ahead (past a block's end, that is the
+// next block of the same run). Development machine, 2 threads, T=1, Qwen3 shapes, alternated with
+// the code without: int8 598-621 us vs 664-685, int4 388-403 vs 428-435.
+constexpr int kPrefetchBytes = 4096;
+
+inline void prefetch_ahead(const void* p) {
+  _mm_prefetch(static_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+}
+
 inline __m256 bf16x8_to_f32(const uint16_t* p) {
   __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
@@ -22,6 +31,7 @@ void dot_bf16_tile(const uint16_t* w, int K, const uint16_t* x, int ldx, float* 
   __m256 acc[MT][2], odd[MT][2];  // even and odd k in separate chains
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = odd[m][0] = odd[m][1] = _mm256_setzero_ps();
   for (int p = 0; p < K / 2; ++p) {
+    prefetch_ahead(w + p * 32);
     __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
     __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
     __m256 w0e = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
@@ -87,6 +97,7 @@ void dot_f32x_one(const uint16_t* w, int K, const float* x, float* out) {
   for (int p = 0; p < K / 2; p += 2) {
     for (int j = 0; j < 2; ++j) {
       const uint16_t* wp = w + (p + j) * 32;
+      prefetch_ahead(wp);
       __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
       __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16));
       __m256 xe = _mm256_broadcast_ss(x + 2 * (p + j)), xo = _mm256_broadcast_ss(x + 2 * (p + j) + 1);
@@ -119,6 +130,7 @@ void dot_int8_tile(const int8_t* w, const float* ws, int K, const int8_t* x, int
   __m256i acc[MT][2];
   for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
   for (int q = 0; q < K / 4; ++q) {
+    prefetch_ahead(w + q * 64);
     __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64));
     __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + q * 64 + 32));
     for (int m = 0; m < MT; ++m) {
@@ -159,6 +171,8 @@ void dot_int4_tile(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x,
     __m256i s16[MT][2];
     for (int m = 0; m < MT; ++m) s16[m][0] = s16[m][1] = _mm256_setzero_si256();
     const uint8_t* wg = w + g * 256;
+    for (int i = 0; i < 256; i += 64) prefetch_ahead(wg + i);
+    if (!(g & 1)) _mm_prefetch(reinterpret_cast<const char*>(gs + g * 16) + kPrefetchBytes / 8, _MM_HINT_T0);
     for (int c = 0; c < 4; ++c) {
       __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64));
       __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wg + c * 64 + 32));
