@@ -7,14 +7,17 @@ each shape and at the end, and gives % of DRAM against the median of those sampl
 PyTorch bf16 loop over the selected experts at T=1 (the baseline). Prints one table.
 
     python bench/bench_moe_kernel.py [--threads 15] [--shapes qwen3,dsv3] [--formats int8,int4]
-        [--repeats 3] [--peer kt-kernel]
+        [--repeats 3] [--peer kt-kernel] [--peer-formats int8,int4,int4g32]
 
 --repeats N times every (shape, impl, T) N times, interleaved: round-robin over the token counts
 and between ours and the peer, so that drift hits all alike (the PyTorch loop: N times in a row);
-the table gives the median and the min-max. --peer kt-kernel adds kt-kernel's AMX int8/int4 MoE
-(bench/peer_kt_kernel.py), built from the same bf16 weights by its own quantizer, on the same
-shapes, routings, inputs and thread count; "ours/kt" = our time / its time for the same shape,
-format and T. Where kt-kernel cannot be imported, one line says why and the run goes on without it.
+the table gives the median and the min-max. --peer kt-kernel adds kt-kernel's MoE
+(bench/peer_kt_kernel.py) on the same shapes, routings, inputs and thread count, in the formats
+--peer-formats names: int8 and int4 (AMX, one scale per row) from the same bf16 weights quantized
+by its own loader, int4g32 (its RAWINT4 kernel, one scale per group of 32 as ours) from the same
+bf16 weights quantized here into its layout; "ours/kt" = our time / its time for the same shape and
+T, against our int8 for its int8 and our int4 for its int4 and int4g32. Where kt-kernel cannot be
+imported, or lacks a format's class, one line says why and the run goes on without it.
 
 --x-dtypes bf16,f32 also times fp32 activations (with bf16 weights: the exact fp32 path; int8/int4
 quantize x per token whatever its dtype). --prefill-tokens 0 skips the prefill row.
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from peer_kt_kernel import FORMATS as PEER_FORMATS
+from peer_kt_kernel import OURS as PEER_OURS
 from peer_kt_kernel import KtLayer, KtPeer, build_layers, load_kt_kernel, rel_err
 from peer_kt_kernel import expert_nbytes as peer_expert_nbytes
 
@@ -84,6 +88,7 @@ class BenchConfig:
     torch_baseline: bool
     repeats: int
     peer: str
+    peer_formats: tuple[str, ...] = tuple(PEER_FORMATS)
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -98,6 +103,9 @@ class BenchConfig:
             raise ValueError(f"unknown x dtypes {sorted(bad)}; known: {sorted(X_DTYPES)}")
         if self.peer not in PEERS:
             raise ValueError(f"unknown peer {self.peer!r}; known: {PEERS}")
+        bad = set(self.peer_formats) - set(PEER_FORMATS)
+        if bad:
+            raise ValueError(f"unknown peer formats {sorted(bad)}; known: {list(PEER_FORMATS)}")
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -172,7 +180,7 @@ class Series:
     """One (impl, T) measurement: its call and the seconds per call of every repeat."""
 
     impl: str
-    fmt: str  # "torch" for the PyTorch loop
+    fmt: str  # "torch" for the PyTorch loop; for a peer, our format it is compared with
     tokens: int
     x_dtype: str
     peer: bool
@@ -259,6 +267,13 @@ def bench_torch_loop(cfg: BenchConfig, shape: Shape, rng: torch.Generator) -> Ro
     return row_of(shape.name, s)
 
 
+def peer_formats_for(cfg: BenchConfig, peer: KtPeer | None, fmt: str) -> list[str]:
+    """The peer formats run beside our format fmt."""
+    if peer is None:
+        return []
+    return [f for f in cfg.peer_formats if PEER_OURS[f] == fmt and f in peer.formats]
+
+
 def peer_layers(
     peer: KtPeer,
     cfg: BenchConfig,
@@ -320,9 +335,10 @@ def bench_format(
     seed_packed = pack_experts(g, u, d, fmt)
     layer_bytes = seed_packed.expert_nbytes * E
     layers = cfg.layers or max(1, math.ceil(cfg.min_llc_multiple * cfg.llc_bytes / layer_bytes))
-    theirs: list[KtLayer] = []
-    if peer is not None and fmt in PEER_FORMATS:  # before ours: its build needs the most memory
-        theirs = peer_layers(peer, cfg, shape, fmt, (g, u, d), layers)
+    theirs: dict[str, list[KtLayer]] = {}  # peer format -> its layers
+    for pf in peer_formats_for(cfg, peer, fmt):  # before ours: its build needs the most memory
+        assert peer is not None
+        theirs[pf] = peer_layers(peer, cfg, shape, pf, (g, u, d), layers)
     del g, u, d
     packed = [replicate(seed_packed, E) for _ in range(layers)]
     inputs = {}
@@ -332,19 +348,21 @@ def bench_format(
             inputs[xd, T] = (routes, torch.randn(T, H, generator=rng).to(X_DTYPES[xd]))
     peer_xd = "bf16" if "bf16" in cfg.x_dtypes else cfg.x_dtypes[0]
     with MoEKernel(cfg.threads, pin=cfg.pin) as kern:
-        if theirs:
+        for pf, their in list(theirs.items()):
+            assert peer is not None
             routes, x = inputs[peer_xd, cfg.tokens[0]]
-            what = f"kt-kernel {fmt} {shape.name}"
-            if not peer_agrees(peer, theirs[0], kern, packed[0], x, routes[0], what):
-                theirs = []
+            what = f"kt-kernel {pf} {shape.name}"
+            if not their or not peer_agrees(peer, their[0], kern, packed[0], x, routes[0], what):
+                del theirs[pf]
         series = []
         for T in cfg.tokens:
             for xd in cfg.x_dtypes:
                 routes, x = inputs[xd, T]
                 series.append(ours_series(kern, packed, seed_packed, xd, routes, x, shape))
-            if theirs:
+            for pf, their in theirs.items():
+                assert peer is not None
                 routes, x = inputs[peer_xd, T]
-                series.append(peer_series(peer, theirs, fmt, routes, x, shape))
+                series.append(peer_series(peer, their, pf, routes, x, shape))
         series = measure(cfg, series)
     return [row_of(shape.name, s) for s in series]
 
@@ -391,7 +409,7 @@ def peer_series(
     impl = f"kt-kernel {fmt} x{len(layers)}L"
     H, I = shape.hidden_size, shape.intermediate_size  # noqa: E741
     nbytes = touched_experts(routes) * peer_expert_nbytes(fmt, H, I)
-    return Series(impl, fmt, T, "bf16", True, nbytes, moe_flops(shape, T), call)
+    return Series(impl, PEER_OURS[fmt], T, "bf16", True, nbytes, moe_flops(shape, T), call)
 
 
 def load_peer(cfg: BenchConfig) -> KtPeer | None:
@@ -401,15 +419,18 @@ def load_peer(cfg: BenchConfig) -> KtPeer | None:
     if kt is None:
         print(f"peer kt-kernel: skipped: {why}")
         return None
+    for pf in cfg.peer_formats:
+        if kt.skip_line(pf):
+            print(kt.skip_line(pf))
     try:
         peer = KtPeer(kt, cfg.threads)
     except Exception as e:
         print(f"peer kt-kernel: skipped: its thread pool failed: {type(e).__name__}: {e}")
         return None
-    formats = [f for f in cfg.formats if f in PEER_FORMATS] or "none of the formats asked for"
+    formats = [pf for f in cfg.formats for pf in peer_formats_for(cfg, peer, f)]
     print(
         f"peer kt-kernel: {kt.how}; one subpool of {cfg.threads} threads (kt-kernel pins them to "
-        f"cores 0..{cfg.threads - 1}); formats {formats}"
+        f"cores 0..{cfg.threads - 1}); formats {formats or 'none of those asked for'}"
     )
     return peer
 
@@ -436,7 +457,8 @@ def print_table(rows: list[Row], dram: float) -> None:
         )
     if with_peer:
         print(
-            "ours/kt = our median time / kt-kernel's, same shape, format and T (< 1: ours faster)"
+            "ours/kt = our median time / kt-kernel's, same shape and T, against our int8 for its "
+            "int8, our int4 for its int4 and int4g32 (< 1: ours faster)"
         )
 
 
@@ -459,6 +481,11 @@ def main() -> None:
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch loop baseline")
     p.add_argument("--repeats", type=int, default=3, help="interleaved measurements per row")
     p.add_argument("--peer", choices=PEERS, default="none", help="kt-kernel: time it alongside")
+    p.add_argument(
+        "--peer-formats",
+        default=",".join(PEER_FORMATS),
+        help="the peer's formats: int8, int4 (per-row scales), int4g32 (per group of 32)",
+    )
     a = p.parse_args()
     cfg = BenchConfig(
         threads=a.threads,
@@ -477,6 +504,7 @@ def main() -> None:
         torch_baseline=not a.no_torch,
         repeats=a.repeats,
         peer=a.peer,
+        peer_formats=tuple(f for f in a.peer_formats.split(",") if f),
     )
     rng = torch.Generator().manual_seed(cfg.seed)
     print(
