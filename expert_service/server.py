@@ -137,6 +137,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         return pb.DetachResponse()
 
     def GetStats(self, request, context):
+        self.worker.wait_for_stats()
         m = self.worker.metrics
         return pb.WorkerStats(
             calls=m.num_calls,

@@ -69,6 +69,11 @@ class ExpertWorker:
         self._idle = threading.Condition()
         self._in_flight = 0
         self.calls_completed = 0
+        # Replies committed, and of those the ones already in the metrics (GetStats waits for the
+        # second to catch up with the first, so stats include every call a client has seen).
+        self._stats_cv = threading.Condition()
+        self._replied = 0
+        self._counted = 0
         self.drained = threading.Event()
         self.exit_requested = threading.Event()
 
@@ -229,7 +234,22 @@ class ExpertWorker:
         with self._kernel_lock:
             self.kernel.forward(packed, x, local, weights, out)
         channel.commit_reply(req)
-        self.metrics.observe_call(shard, req.layer, local, time.perf_counter() - start)
+        with self._stats_cv:
+            self._replied += 1
+        try:
+            self.metrics.observe_call(shard, req.layer, local, time.perf_counter() - start)
+        finally:
+            with self._stats_cv:
+                self._counted += 1
+                self._stats_cv.notify_all()
+
+    def wait_for_stats(self, timeout: float = 1.0) -> bool:
+        """Returns once every call replied so far is in the metrics (a client may ask for stats
+        right after its last reply, before the serving thread has counted that call); False if
+        that took longer than timeout."""
+        with self._stats_cv:
+            target = self._replied
+            return self._stats_cv.wait_for(lambda: self._counted >= target, timeout)
 
     # ------------------------------------------------------------------------------ drain
     def drain(self, timeout: float | None = None) -> int:
