@@ -70,6 +70,7 @@ struct Call {
   int32_t* hg;  // [P][Ip/32]
   float* thread_tmp;
   size_t thread_tmp_floats;
+  size_t thread_tmp_split;  // where a thread's second scratch part (up results / acc) starts
   float* slot_out;  // few tokens: [P][out_blocks * 16] weighted down output per slot; else null
   // The next gate/up item and the next down item (few tokens) / output block nobody has taken.
   std::atomic<int> gateup_cursor{0}, down_cursor{0};
@@ -270,7 +271,7 @@ void forward_task(void* raw, int tid, int n) {
   ktk_pool_barrier(c.pool);
   // Phase 1: gate/up, SiLU * up -> h, by runs of (expert, 16-row block) items.
   float* tmp = c.thread_tmp + c.thread_tmp_floats * tid;
-  float* tmp_up = tmp + 16 * (size_t(c.P > T ? c.P : T) + 16);
+  float* tmp_up = tmp + c.thread_tmp_split;
   const int gate_items = c.G * c.gate_blocks;
   const int runs = n * (c.slot_out ? kFewRunsPerThread : kRunsPerThread);
   const int gate_run = std::max(1, gate_items / runs);
@@ -378,7 +379,8 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
   const int n = k->num_threads;
   size_t max_m = size_t(P > T ? P : T);
   // [max_m + 16][16] gate and up results (tmp) + max([max_m + 16][16], [T][kDownChunk * 16]) (acc)
-  c.thread_tmp_floats = 16 * (max_m + 16) + std::max<size_t>(16 * (max_m + 16), 16 * kDownChunk * T);
+  c.thread_tmp_split = 16 * (max_m + 16);
+  c.thread_tmp_floats = c.thread_tmp_split + std::max<size_t>(16 * (max_m + 16), 16 * kDownChunk * T);
   c.thread_tmp_floats = std::max<size_t>(c.thread_tmp_floats, size_t(16) * c.out_blocks);
   bool ok = k->group_expert.reserve(sizeof(int32_t) * E) &&
             k->group_off.reserve(sizeof(int32_t) * (E + 1)) &&
