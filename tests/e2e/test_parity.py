@@ -24,8 +24,8 @@ DEVICE = os.environ.get("KTSERVE_TEST_DEVICE", "cpu")
 # (bf16 rounding of the GPU part and the wire ~2^-8 relative per operand; int8/int4 weights).
 BOUNDS = {
     ("float32", "bf16"): 1e-3,
-    ("bfloat16", "bf16"): 5e-2,
-    ("float32", "int8"): 5e-2,
+    ("bfloat16", "bf16"): 2e-2,
+    ("float32", "int8"): 2e-2,
     ("float32", "int4"): 3e-1,
 }
 
@@ -39,6 +39,59 @@ def checkpoints(tmp_path_factory, seed):
 def prompts(seed: int, vocab: int = 101, lengths=(6, 13, 3)) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+# DeepSeek-V3 routing is a discrete top-k: where a token's k-th and (k+1)-th expert (or group)
+# scores are within rounding of each other, bf16 or quantized weights may pick the other expert,
+# and the logits move by a routing change, not by rounding (transformers' own bf16 forward moves
+# 0.075 on such a prompt). The fast paths' bounds hold for prompts whose routing margin, in the
+# fp32 reference, is at least this (measured: transformers bf16 within 0.0085 on 150 of them).
+CLEAR_ROUTING_MARGIN = 1e-3
+
+
+def routing_margin(reference, prompt: list[int]) -> float:
+    """Smallest gap, over tokens and MoE layers, between a chosen and a passed-over score in the
+    reference's DeepSeek-V3 routing (group choice, then expert choice within chosen groups)."""
+    logits = []
+    routers = [m for m in reference.modules() if hasattr(m, "e_score_correction_bias")]
+    hooks = [r.register_forward_hook(lambda r, _, out: logits.append((r, out[0]))) for r in routers]
+    try:
+        with torch.no_grad():
+            reference(torch.tensor([prompt]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert logits, "no DeepSeek-V3 router found in the reference model"
+    margin = float("inf")
+    for router, router_logits in logits:
+        scores = router_logits.sigmoid() + router.e_score_correction_bias  # [T, E]
+        tokens, experts = scores.shape
+        per_group = experts // router.num_group
+        group_scores = scores.view(tokens, router.num_group, per_group).topk(2, dim=-1)[0].sum(-1)
+        ranked_groups = group_scores.sort(dim=-1, descending=True)[0]
+        margin = min(margin, float((ranked_groups[:, router.topk_group - 1]
+                                    - ranked_groups[:, router.topk_group]).min()))  # fmt: skip
+        chosen = group_scores.topk(router.topk_group, dim=-1)[1]
+        in_chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+        eligible = scores.masked_fill(~in_chosen.repeat_interleave(per_group, 1), float("-inf"))
+        ranked = eligible.sort(dim=-1, descending=True)[0]
+        margin = min(margin, float((ranked[:, router.top_k - 1] - ranked[:, router.top_k]).min()))
+    return margin
+
+
+def clear_routing_prompts(reference, seed: int, lengths=(6, 13, 3)) -> list[list[int]]:
+    """prompts(seed)-like prompts whose routing margin is at least CLEAR_ROUTING_MARGIN."""
+    g = torch.Generator().manual_seed(seed)
+    chosen = []
+    for n in lengths:
+        for _ in range(1000):
+            prompt = torch.randint(0, 101, (n,), generator=g).tolist()
+            if routing_margin(reference, prompt) >= CLEAR_ROUTING_MARGIN:
+                chosen.append(prompt)
+                break
+        else:
+            raise AssertionError(f"no {n}-token prompt with a clear routing in 1000 draws")
+    return chosen
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -132,7 +185,7 @@ def test_fast_paths_stay_within_stated_bounds(dtype, fmt, checkpoints, seed):
     service = None
     try:
         service = service_for(path, worker, dtype, dtype)
-        ps = prompts(seed + 1)
+        ps = clear_routing_prompts(reference, seed + 1)
         got = last_logits(service, ps).cpu()
         errors = []
         for i, prompt in enumerate(ps):
