@@ -7,6 +7,7 @@ by git and never committed.
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import numpy
@@ -94,6 +95,14 @@ KERNEL_ISA_FLAGS = {
                     "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
 }  # fmt: skip
 KERNEL_SOURCES = ["ktk_cpu.cpp", "ktk_pool.cpp", "ktk_pack.cpp", "ktk_moe.cpp", *KERNEL_ISA_FLAGS]
+# Tests only (tests/expert_service/test_amx_emulated.py): KTSERVE_KERNEL_AMX_EMULATE=1 builds the
+# AMX unit on software tiles (ktk_amx_emu.h), so its logic runs on any AVX-512 CPU.
+AMX_EMULATE_ENV = "KTSERVE_KERNEL_AMX_EMULATE"
+if os.environ.get(AMX_EMULATE_ENV) == "1":
+    KERNEL_ISA_FLAGS["ktk_amx.cpp"] = [
+        f for f in KERNEL_ISA_FLAGS["ktk_amx.cpp"] if not f.startswith("-mamx")
+    ] + ["-DKTK_AMX_EMULATE"]
+    KERNEL_ISA_FLAGS["ktk_cpu.cpp"] = ["-DKTK_AMX_EMULATE"]
 
 
 class BuildExtPerIsa(build_ext):

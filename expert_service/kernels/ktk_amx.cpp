@@ -9,6 +9,9 @@
 #include <immintrin.h>
 
 #include "ktk.h"
+#ifdef KTK_AMX_EMULATE
+#include "ktk_amx_emu.h"
+#endif
 
 namespace {
 
