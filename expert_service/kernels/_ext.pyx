@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Thin Cython layer over ktk.h: raw addresses in, status codes turned into exceptions here."""
 
-from libc.stdint cimport int32_t, uintptr_t
+from libc.stdint cimport int32_t, uint64_t, uintptr_t
 
 
 cdef extern from "ktk.h":
@@ -48,6 +48,7 @@ cdef extern from "ktk.h":
     ktk_kernel* ktk_kernel_create(int num_threads, int isa, int pin) nogil
     void ktk_kernel_destroy(ktk_kernel* kern) nogil
     int ktk_forward(ktk_kernel* kern, const ktk_forward_args* a) nogil
+    int ktk_stream_read(ktk_kernel* kern, const void* buf, size_t nbytes, uint64_t* xor_out) nogil
 
 
 cdef int _check(int status) except -1:
@@ -138,3 +139,13 @@ cdef class Kernel:
         with nogil:
             status = ktk_forward(self._k, &a)
         _check(status)
+
+    def stream_read(self, uintptr_t buf, size_t nbytes) -> int:
+        if self._k == NULL:
+            raise RuntimeError("kernel is closed")
+        cdef uint64_t result = 0
+        cdef int status
+        with nogil:
+            status = ktk_stream_read(self._k, <const void*>buf, nbytes, &result)
+        _check(status)
+        return result

@@ -91,3 +91,15 @@ class MoEKernel:
             w13, w2, s13, s2, r13, r2, T, k, rx.ptr, _ACT_DTYPES[rx.kind], rids.ptr, rw.ptr,
             rout.ptr, _ACT_DTYPES[rout.kind],
         )  # fmt: skip
+
+    def stream_read(self, buf: Any) -> int:
+        """Reads buf (a C-contiguous CPU array, size a multiple of 8 bytes) on the kernel's threads,
+        each a contiguous slice, as a forward call streams weights; returns the xor of its 64-bit
+        words. Timing it gives the read bandwidth these threads get (bench/bench_moe_kernel.py)."""
+        if self._k is None:
+            raise ValueError("MoEKernel is closed")
+        rb = raw(buf, "buf")
+        nbytes = int(rb.owner.nbytes)
+        if nbytes % 8:
+            raise ValueError(f"buf must hold a multiple of 8 bytes, got {nbytes}")
+        return self._k.stream_read(rb.ptr, nbytes)

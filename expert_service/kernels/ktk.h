@@ -41,7 +41,9 @@ enum { KTK_DT_F32 = 0, KTK_DT_BF16 = 1, KTK_DT_F16 = 2 };
  * dot_bf16_f32: fp32 activations (the exact mode): each bf16 weight widened to fp32 (exact), fp32
  * FMA, fp32 accumulation. AMX has no fp32 tile product: its table points to the AVX-512 code.
  * int8/int4: X holds int8 activations with per-row scale xs[m]; the result is dequantized.
- * int4: xg[m*ldg + g] = sum of X[m][32g .. 32g+31]. */
+ * int4: xg[m*ldg + g] = sum of X[m][32g .. 32g+31].
+ * read_xor: the xor of the 64-bit words of p[0, bytes) (bytes a multiple of 8), read with the
+ * ISA's widest loads: a plain streaming read, for measuring the read bandwidth the kernel gets. */
 typedef struct {
   void (*dot_bf16)(const uint16_t* w, int K, const uint16_t* x, int ldx, int M, float* out);
   void (*dot_bf16_f32)(const uint16_t* w, int K, const float* x, int ldx, int M, float* out);
@@ -49,6 +51,7 @@ typedef struct {
                    int ldx, const float* xs, int M, float* out);
   void (*dot_int4)(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
                    const float* xs, const int32_t* xg, int ldg, int M, float* out);
+  uint64_t (*read_xor)(const void* p, size_t bytes);
 } ktk_ops;
 
 const ktk_ops* ktk_ops_avx2(void);
@@ -86,6 +89,9 @@ typedef struct {
 ktk_kernel* ktk_kernel_create(int num_threads, int isa, int pin);
 void ktk_kernel_destroy(ktk_kernel* kern);
 int ktk_forward(ktk_kernel* kern, const ktk_forward_args* a);
+/* Every pool thread reads one contiguous slice of buf[0, bytes) (as a forward call streams its
+ * weights); *xor_out = the xor of all 64-bit words. bytes must be a multiple of 8. */
+int ktk_stream_read(ktk_kernel* kern, const void* buf, size_t bytes, uint64_t* xor_out);
 
 #ifdef __cplusplus
 }

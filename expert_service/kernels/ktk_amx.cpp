@@ -234,7 +234,9 @@ void dot_bf16_f32(const uint16_t* w, int K, const float* x, int ldx, int M, floa
   ktk_ops_avx512()->dot_bf16_f32(w, K, x, ldx, M, out);
 }
 
-const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4};
+uint64_t read_xor(const void* p, size_t bytes) { return ktk_ops_avx512()->read_xor(p, bytes); }
+
+const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4, read_xor};
 
 }  // namespace
 

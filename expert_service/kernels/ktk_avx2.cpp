@@ -3,6 +3,8 @@
 // no code from here can be picked by the linker for another ISA's translation unit (and vice versa).
 #include <immintrin.h>
 
+#include <cstring>
+
 #include "ktk.h"
 
 namespace {
@@ -214,7 +216,29 @@ void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int 
                      out + m * 16);
 }
 
-const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4};
+uint64_t read_xor(const void* p, size_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  const size_t body = bytes / 128 * 128;
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  for (size_t i = 0; i < body; i += 128) {
+    a0 = _mm256_xor_si256(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i + 0)));
+    a1 = _mm256_xor_si256(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i + 32)));
+    a2 = _mm256_xor_si256(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i + 64)));
+    a3 = _mm256_xor_si256(a3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i + 96)));
+  }
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3)));
+  uint64_t r = 0;
+  for (uint64_t v : lanes) r ^= v;
+  for (size_t i = body; i + 8 <= bytes; i += 8) {
+    uint64_t v;
+    memcpy(&v, c + i, 8);
+    r ^= v;
+  }
+  return r;
+}
+
+const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4, read_xor};
 
 }  // namespace
 

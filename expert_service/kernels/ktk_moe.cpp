@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "ktk.h"
 #include "ktk_common.h"
@@ -326,6 +327,20 @@ void forward_task(void* raw, int tid, int n) {
   }
 }
 
+struct StreamRead {
+  const ktk_ops* ops;
+  const char* buf;
+  size_t bytes;
+  uint64_t* xors;  // [threads]
+};
+
+void stream_read_task(void* raw, int tid, int n) {
+  StreamRead& s = *static_cast<StreamRead*>(raw);
+  const size_t lines = s.bytes / 64;
+  size_t begin = lines * tid / n * 64, end = tid == n - 1 ? s.bytes : lines * (tid + 1) / n * 64;
+  s.xors[tid] = s.ops->read_xor(s.buf + begin, end - begin);
+}
+
 }  // namespace
 
 extern "C" {
@@ -442,6 +457,17 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
   c.hg = k->hg.as<int32_t>();
   c.thread_tmp = k->thread_tmp.as<float>();
   ktk_pool_run(k->pool, forward_task, &c);
+  return KTK_OK;
+}
+
+int ktk_stream_read(ktk_kernel* k, const void* buf, size_t bytes, uint64_t* xor_out) {
+  if (bytes % 8) return KTK_ERR_BAD_ARG;
+  std::vector<uint64_t> xors(k->num_threads);
+  StreamRead s = {k->ops, static_cast<const char*>(buf), bytes, xors.data()};
+  ktk_pool_run(k->pool, stream_read_task, &s);
+  uint64_t r = 0;
+  for (uint64_t v : xors) r ^= v;
+  *xor_out = r;
   return KTK_OK;
 }
 

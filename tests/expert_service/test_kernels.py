@@ -332,3 +332,17 @@ def test_pack_reads_any_float_dtype(experts):
             np.testing.assert_array_equal(ref.tensors[name], other.tensors[name])
     with pytest.raises(ValueError):
         pack_experts(gate, up, down.transpose(1, 2), "bf16")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("words", [1, 8, 31, 32, 1000, (1 << 17) + 3])
+def test_stream_read_xors_every_word(seed, kernels, isa, words):
+    """The bandwidth probe reads every byte once: its xor is numpy's, for slices that do not
+    divide evenly between the threads or into the ISA's 4-vector steps."""
+    data = np.random.default_rng(seed + words).integers(0, 2**63, size=words, dtype=np.uint64)
+    assert kernels[isa].stream_read(data) == int(np.bitwise_xor.reduce(data))
+    assert kernels[isa].stream_read(torch.from_numpy(data.view(np.int64))) == int(
+        np.bitwise_xor.reduce(data)
+    )
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kernels[isa].stream_read(np.zeros(13, np.uint8))
