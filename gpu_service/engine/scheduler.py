@@ -86,10 +86,10 @@ class Scheduler:
             if request.state != RequestState.RUNNING:
                 continue
             start = request.num_cached
-            todo = request.num_tokens - start
-            if todo > 1 and budget <= 0:
+            unprocessed = request.num_tokens - start
+            if unprocessed > 1 and budget <= 0:
                 continue
-            n = 1 if todo == 1 else min(todo, budget)
+            n = 1 if unprocessed == 1 else min(unprocessed, budget)
             while not self.kv_cache.can_extend(request.cache, start + n):
                 victim = self.running[-1]
                 self._preempt(victim)
