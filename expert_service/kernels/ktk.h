@@ -42,8 +42,10 @@ enum { KTK_DT_F32 = 0, KTK_DT_BF16 = 1, KTK_DT_F16 = 2 };
  * FMA, fp32 accumulation. AMX has no fp32 tile product: its table points to the AVX-512 code.
  * int8/int4: X holds int8 activations with per-row scale xs[m]; the result is dequantized.
  * int4: xg[m*ldg + g] = sum of X[m][32g .. 32g+31].
- * read_xor: the xor of the 64-bit words of p[0, bytes) (bytes a multiple of 8), read with the
- * ISA's widest loads: a plain streaming read, for measuring the read bandwidth the kernel gets. */
+ * read_xor: the xor of the 64-bit words of p[0, bytes) (bytes a multiple of KTK_READ_STEP), read
+ * with the ISA's widest loads: a plain streaming read, for measuring the read bandwidth the kernel
+ * gets. */
+#define KTK_READ_STEP 256
 typedef struct {
   void (*dot_bf16)(const uint16_t* w, int K, const uint16_t* x, int ldx, int M, float* out);
   void (*dot_bf16_f32)(const uint16_t* w, int K, const float* x, int ldx, int M, float* out);

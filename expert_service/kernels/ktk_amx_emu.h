@@ -71,34 +71,32 @@ inline float bf16(const uint8_t* p) {
   return f;
 }
 
-inline void dpbssd(int c, int a, int b) {
+// c[m][n] += sum over k < colsb[a]/4 and the kPer elements of 4 bytes: product(a[m] + 4k + i *
+// 4/kPer, b[k] + 4n + i * 4/kPer), accumulated in Acc (int32 for tdpbssd, fp32 for tdpbf16ps).
+template <int kPer, typename Acc, typename Product>
+void dot_product(int c, int a, int b, Product product) {
   Tiles& t = tiles();
   const int K = t.colsb[a] / 4, N = t.colsb[c] / 4;
   check(t.rows[b] == K && t.rows[a] == t.rows[c] && t.colsb[b] == t.colsb[c]);
   for (int m = 0; m < t.rows[c]; ++m)
     for (int n = 0; n < N; ++n) {
-      int32_t acc;
+      Acc acc;
       memcpy(&acc, t.data[c][m] + 4 * n, 4);
       for (int k = 0; k < K; ++k)
-        for (int i = 0; i < 4; ++i)
-          acc += int32_t(int8_t(t.data[a][m][4 * k + i])) * int32_t(int8_t(t.data[b][k][4 * n + i]));
+        for (int i = 0; i < kPer; ++i)
+          acc += product(t.data[a][m] + 4 * k + i * (4 / kPer), t.data[b][k] + 4 * n + i * (4 / kPer));
       memcpy(t.data[c][m] + 4 * n, &acc, 4);
     }
 }
 
+inline void dpbssd(int c, int a, int b) {
+  dot_product<4, int32_t>(c, a, b, [](const uint8_t* x, const uint8_t* y) {
+    return int32_t(int8_t(*x)) * int32_t(int8_t(*y));
+  });
+}
+
 inline void dpbf16ps(int c, int a, int b) {
-  Tiles& t = tiles();
-  const int K = t.colsb[a] / 4, N = t.colsb[c] / 4;
-  check(t.rows[b] == K && t.rows[a] == t.rows[c] && t.colsb[b] == t.colsb[c]);
-  for (int m = 0; m < t.rows[c]; ++m)
-    for (int n = 0; n < N; ++n) {
-      float acc;
-      memcpy(&acc, t.data[c][m] + 4 * n, 4);
-      for (int k = 0; k < K; ++k)
-        for (int i = 0; i < 2; ++i)
-          acc += bf16(t.data[a][m] + 4 * k + 2 * i) * bf16(t.data[b][k] + 4 * n + 2 * i);
-      memcpy(t.data[c][m] + 4 * n, &acc, 4);
-    }
+  dot_product<2, float>(c, a, b, [](const uint8_t* x, const uint8_t* y) { return bf16(x) * bf16(y); });
 }
 
 }  // namespace ktk_amx_emu

@@ -3,8 +3,6 @@
 // no code from here can be picked by the linker for another ISA's translation unit (and vice versa).
 #include <immintrin.h>
 
-#include <cstring>
-
 #include "ktk.h"
 
 namespace {
@@ -218,9 +216,8 @@ void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int 
 
 uint64_t read_xor(const void* p, size_t bytes) {
   const char* c = static_cast<const char*>(p);
-  const size_t body = bytes / 128 * 128;
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-  for (size_t i = 0; i < body; i += 128) {
+  for (size_t i = 0; i < bytes; i += 128) {
     a0 = _mm256_xor_si256(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i + 0)));
     a1 = _mm256_xor_si256(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i + 32)));
     a2 = _mm256_xor_si256(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i + 64)));
@@ -230,11 +227,6 @@ uint64_t read_xor(const void* p, size_t bytes) {
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3)));
   uint64_t r = 0;
   for (uint64_t v : lanes) r ^= v;
-  for (size_t i = body; i + 8 <= bytes; i += 8) {
-    uint64_t v;
-    memcpy(&v, c + i, 8);
-    r ^= v;
-  }
   return r;
 }
 

@@ -3,8 +3,6 @@
 // ktk_avx2.cpp for why).
 #include <immintrin.h>
 
-#include <cstring>
-
 #include "ktk.h"
 
 #ifndef KTK_INT4_PREFETCH
@@ -262,9 +260,8 @@ void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int 
 
 uint64_t read_xor(const void* p, size_t bytes) {
   const char* c = static_cast<const char*>(p);
-  const size_t body = bytes / 256 * 256;
   __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-  for (size_t i = 0; i < body; i += 256) {
+  for (size_t i = 0; i < bytes; i += 256) {
     a0 = _mm512_xor_si512(a0, _mm512_loadu_si512(c + i + 0));
     a1 = _mm512_xor_si512(a1, _mm512_loadu_si512(c + i + 64));
     a2 = _mm512_xor_si512(a2, _mm512_loadu_si512(c + i + 128));
@@ -274,11 +271,6 @@ uint64_t read_xor(const void* p, size_t bytes) {
   _mm512_store_si512(lanes, _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
   uint64_t r = 0;
   for (uint64_t v : lanes) r ^= v;
-  for (size_t i = body; i + 8 <= bytes; i += 8) {
-    uint64_t v;
-    memcpy(&v, c + i, 8);
-    r ^= v;
-  }
   return r;
 }
 

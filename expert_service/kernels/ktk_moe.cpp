@@ -336,8 +336,8 @@ struct StreamRead {
 
 void stream_read_task(void* raw, int tid, int n) {
   StreamRead& s = *static_cast<StreamRead*>(raw);
-  const size_t lines = s.bytes / 64;
-  size_t begin = lines * tid / n * 64, end = tid == n - 1 ? s.bytes : lines * (tid + 1) / n * 64;
+  const size_t steps = s.bytes / KTK_READ_STEP;
+  size_t begin = steps * tid / n * KTK_READ_STEP, end = steps * (tid + 1) / n * KTK_READ_STEP;
   s.xors[tid] = s.ops->read_xor(s.buf + begin, end - begin);
 }
 
@@ -467,6 +467,11 @@ int ktk_stream_read(ktk_kernel* k, const void* buf, size_t bytes, uint64_t* xor_
   ktk_pool_run(k->pool, stream_read_task, &s);
   uint64_t r = 0;
   for (uint64_t v : xors) r ^= v;
+  for (size_t i = bytes / KTK_READ_STEP * KTK_READ_STEP; i < bytes; i += 8) {  // the short tail
+    uint64_t v;
+    memcpy(&v, s.buf + i, 8);
+    r ^= v;
+  }
   *xor_out = r;
   return KTK_OK;
 }
