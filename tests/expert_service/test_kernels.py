@@ -37,6 +37,7 @@ from expert_service.kernels import (
 E, H, I = 6, 200, 72  # noqa: E741  (H and I not multiples of 64)
 K_TOP = 4
 FORMATS = [f.value for f in WeightFormat]
+ISA_ORDER_BOUND = 1e-5  # per token: fp32 summation order across ISAs
 EXACT_BOUND = 1e-5  # bf16 weights with fp32 x: fp32 summation order only (see the docstring)
 BF16_OUT_ROUNDING = 2.0**-8  # round-to-nearest-even to bf16: relative error <= half an ulp
 BOUNDS = {"bf16": 0.01, "int8": 0.05, "int4": 0.25}
@@ -158,20 +159,44 @@ def test_exact_mode_fp32_activations(seed, experts, packed, kernels, isa, T, out
     assert rel_err(out16, ref) > 10 * EXACT_BOUND
 
 
+def assert_isas_agree(outs: dict, rounds_h: bool) -> None:
+    """Each ISA's [T, H] output against avx2's, token by token: within the fp32-order bound, or,
+    where the kernel rounds h, at most 5% of the tokens past it by one rounding step of an h each
+    (2^-6 allows two; test_isas_agree says why)."""
+    ref = np.asarray(outs["avx2"], np.float32)
+    norms = np.linalg.norm(ref, axis=1).clip(1e-30)
+    for isa, out in outs.items():
+        token_err = np.linalg.norm(np.asarray(out, np.float32) - ref, axis=1) / norms
+        moved = token_err > ISA_ORDER_BOUND
+        if not rounds_h:
+            assert not moved.any(), (isa, token_err.max())
+        else:
+            assert moved.sum() <= max(1, 0.05 * len(ref)), (isa, int(moved.sum()))
+            assert token_err.max() <= 2.0**-6, (isa, token_err.max())
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("x_dtype", [np.float32, "bf16"])
 def test_isas_agree(seed, packed, kernels, fmt, x_dtype):
     """Every ISA does the same arithmetic (per format and x dtype): only the fp32 summation order
-    differs."""
-    x, ids, w = make_inputs(seed, 300)
+    differs, which moves a result by ~1e-7 relative (see assert_isas_agree).
+
+    Where the kernel rounds h (to bf16 with bf16 x, to int8 for int8/int4 weights), an h whose fp32
+    value sits within that ~1e-7 of a rounding midpoint can round to neighbouring values on two
+    ISAs: one step of one h (bf16: 2^-8..2^-7 of |h|; int8: 1/127 of the row's largest |h|). That
+    is rare (bf16: P ~ 1e-7 / 2^-8 ~ 3e-5 per h, 86,400 h per run here) and moves its token by at
+    most about one step. Over 200 seeds, avx512 against avx2: bf16 x with bf16 weights moved at
+    most 7 of 300 tokens by more than 1e-5, by at most 2.2e-3; fp32 x by 1.4e-6; int8 and int4
+    not at all. So: the exact mode (bf16 weights, fp32 x) keeps every token within the fp32-order
+    bound; elsewhere at most 5% of the tokens may move past it, each by at most two steps, 2^-6."""
+    T = 300
+    x, ids, w = make_inputs(seed, T)
     xin = x.numpy() if x_dtype is np.float32 else x.bfloat16().view(torch.uint16).numpy()
     outs = {}
     for isa in ISAS:
-        outs[isa] = np.empty((300, H), np.float32)
+        outs[isa] = np.empty((T, H), np.float32)
         kernels[isa].forward(packed[fmt], xin, ids.numpy(), w.numpy(), outs[isa])
-    for isa in ISAS:
-        err = np.linalg.norm(outs[isa] - outs["avx2"]) / np.linalg.norm(outs["avx2"])
-        assert err < 1e-4, (isa, err)
+    assert_isas_agree(outs, rounds_h=not (fmt == "bf16" and x_dtype is np.float32))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -207,8 +232,7 @@ def test_isas_agree_on_prefill_tiles(seed, kernels, fmt, tokens_per_expert):
         outs[isa] = torch.empty(T, h_)
         kernels[isa].forward(packed_small, x, ids, wt, outs[isa])
         assert rel_err(outs[isa], ref) < BOUNDS[fmt], (isa, rel_err(outs[isa], ref))
-    for isa in ISAS:
-        assert rel_err(outs[isa], outs["avx2"]) < 1e-4, isa
+    assert_isas_agree({isa: out.numpy() for isa, out in outs.items()}, rounds_h=fmt != "bf16")
 
 
 def test_numpy_bf16_as_uint16_and_threads(seed, packed):
