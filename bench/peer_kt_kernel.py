@@ -291,14 +291,6 @@ def check_rawint4_packer() -> list[str]:
     return bad
 
 
-def mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def tiled_bf16(seed: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[num_experts, ...] bf16 whose experts repeat the seed experts (in distinct memory)."""
     out = torch.empty((num_experts, *seed.shape[1:]), dtype=torch.bfloat16)
@@ -453,6 +445,8 @@ def build_layers(
     seed experts are quantized once here, and its loader copies all experts' RAWINT4 bytes into a
     staging buffer before its own. Fewer layers are built when memory runs out.
     """
+    from expert_service.checkpoint_shard import available_memory_bytes  # bench_moe_kernel's path
+
     g, u, d = (s.to(torch.bfloat16).contiguous() for s in seeds)
     _, I, H = g.shape  # noqa: E741
     raw: RawInt4Experts | None = None
@@ -463,16 +457,17 @@ def build_layers(
     else:
         src_bytes = transient = 3 * num_experts * I * H * 2
     per_layer = transient + num_experts * expert_nbytes(fmt, H, I) + MEM_MARGIN
-    avail = mem_available()
+    avail, source = available_memory_bytes()
     if avail < src_bytes + per_layer:
         need = (src_bytes + per_layer) / 1e9
-        return [], f"needs {need:.1f} GB to build one layer, MemAvailable {avail / 1e9:.1f} GB"
+        return [], f"needs {need:.1f} GB to build one layer, {source}: {avail / 1e9:.1f} GB"
     src = () if raw is not None else tuple(tiled_bf16(s, num_experts) for s in (g, u, d))
     layers: list[KtLayer] = []
     note = ""
     for i in range(want):
-        if i and mem_available() < per_layer:
-            note = f"memory for {i} of {want} layers (MemAvailable {mem_available() / 1e9:.1f} GB)"
+        avail, source = available_memory_bytes()
+        if i and avail < per_layer:
+            note = f"memory for {i} of {want} layers ({source}: {avail / 1e9:.1f} GB)"
             break
         if raw is not None:
             layers.append(peer.build_rawint4_layer(fmt, raw, num_experts, top_k, i, max_tokens))
