@@ -77,11 +77,19 @@ struct Call {
   std::atomic<int> gateup_cursor{0}, down_cursor{0};
 };
 
-// Items [0, total) in runs of `run` taken from a shared cursor: body(i) for each item taken.
+// Items [0, total) in runs of `run` taken from a shared cursor: body(i0, i1) for each run taken.
+template <typename F>
+void take_ranges(std::atomic<int>& cursor, int total, int run, F body) {
+  for (int i0; (i0 = cursor.fetch_add(run, std::memory_order_relaxed)) < total;)
+    body(i0, std::min(total, i0 + run));
+}
+
+// The same, body(i) for each item taken.
 template <typename F>
 void take_runs(std::atomic<int>& cursor, int total, int run, F body) {
-  for (int i0; (i0 = cursor.fetch_add(run, std::memory_order_relaxed)) < total;)
-    for (int i = i0; i < std::min(total, i0 + run); ++i) body(i);
+  take_ranges(cursor, total, run, [&](int i0, int i1) {
+    for (int i = i0; i < i1; ++i) body(i);
+  });
 }
 
 inline float round_even(float v) {  // vectorizable round-half-even for |v| < 2^22
@@ -288,8 +296,7 @@ void forward_task(void* raw, int tid, int n) {
     // Phase 3 (many tokens): ranges of output blocks (16 rows each) from a shared cursor; a range's
     // weighted sums go straight into out.
     const int R = std::min(kDownChunk, std::max(2, c.out_blocks / (n * kDownRangesPerThread)));
-    for (int b; (b = c.down_cursor.fetch_add(R, std::memory_order_relaxed)) < c.out_blocks;)
-      down_range(c, b, std::min(c.out_blocks, b + R), tmp, tmp_up);
+    take_ranges(c.down_cursor, c.out_blocks, R, [&](int b0, int b1) { down_range(c, b0, b1, tmp, tmp_up); });
     return;
   }
   // Phase 3 (few tokens): (expert, block) items, each slot's weighted output rows to slot_out;
