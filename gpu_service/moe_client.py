@@ -29,8 +29,8 @@ from expert_service.protocol import expert_pb2_grpc as pb_grpc
 
 log = logging.getLogger("ktserve.gpu")
 
-WIRE_DTYPES = ("float32", "bfloat16")
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32}
+WIRE_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # x's dtype on the wire
+WIRE_DTYPES = tuple(WIRE_TORCH_DTYPES)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
              grpc.StatusCode.DEADLINE_EXCEEDED)  # fmt: skip
 
@@ -114,7 +114,9 @@ class ShmExperts:
         self.hidden_size = hidden_size
         self.top_k = top_k
         self.device = torch.device(device)
-        itemsize = 4 if config.wire_dtype == "float32" else 2
+        # x [T, H] in the wire dtype, ids [T, k] int32, weights [T, k] float32
+        self._arg_dtypes = (WIRE_TORCH_DTYPES[config.wire_dtype], torch.int32, torch.float32)
+        itemsize = self._arg_dtypes[0].itemsize
         region = config.max_tokens * (hidden_size * 4 + top_k * 8) + 3 * 64
         region = max(region, config.max_tokens * hidden_size * itemsize + 4096)
         channel_config = ktshm.ChannelConfig(
@@ -168,7 +170,7 @@ class ShmExperts:
         for worker in self.workers:
             msg = worker.channel.begin(wire.KIND_MOE, layer, specs, num_tokens)
             if first is None:
-                self._packed(msg, (x, ids, weights), [TORCH_DTYPES[dt] for _, dt in specs])
+                self._packed(msg, (x, ids, weights), self._arg_dtypes)
             else:
                 np.copyto(msg.payload, first)  # the same bytes: a host copy, not another transfer
             first = msg.payload
@@ -177,7 +179,7 @@ class ShmExperts:
         return PendingShm(self, layer, calls, num_tokens, start)
 
     def _packed(self, msg: ktshm.Message, tensors: tuple[torch.Tensor, ...],
-                dtypes: list[torch.dtype]) -> None:  # fmt: skip
+                dtypes: tuple[torch.dtype, ...]) -> None:  # fmt: skip
         """Lay the arrays out on the device as they sit in the slot, converted to the wire dtypes,
         then copy them in one go (one device-to-host transfer and one synchronization instead of
         one per array)."""
