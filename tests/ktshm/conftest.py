@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import pathlib
 import select
 import subprocess
@@ -15,9 +14,7 @@ CONSUMER = pathlib.Path(__file__).with_name("consumer_proc.py")
 
 
 @pytest.fixture
-def rng(request):
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed={seed} ({request.node.name})")
+def rng(seed):
     return np.random.default_rng(seed)
 
 
