@@ -1,6 +1,6 @@
 """Build steps pyproject.toml cannot express: the Cython/C++ extensions and the gRPC stubs.
 
-Generated protobuf/gRPC modules are written next to the sources (expert_service/protocol/) before
+Generated protobuf/gRPC modules are written next to the sources (ktserve/protocol/) before
 the packages are collected, so editable and regular installs see the same tree; they are ignored
 by git and never committed.
 """
@@ -19,9 +19,9 @@ from setuptools.command.egg_info import egg_info
 
 ROOT = pathlib.Path(__file__).resolve().parent
 PROTO_ROOT = ROOT / "proto" / "ktserve" / "v1"
-# NOTE: protoc's virtual path maps proto/ktserve/v1/x.proto onto expert_service/protocol/x.proto,
-# so the generated modules import each other as `expert_service.protocol.x_pb2`.
-PROTO_PACKAGE_DIR = "expert_service/protocol"
+# NOTE: protoc's virtual path maps proto/ktserve/v1/x.proto onto ktserve/protocol/x.proto,
+# so the generated modules import each other as `ktserve.protocol.x_pb2`.
+PROTO_PACKAGE_DIR = "ktserve/protocol"
 
 
 def generate_protos() -> None:

@@ -445,7 +445,7 @@ def build_layers(
     seed experts are quantized once here, and its loader copies all experts' RAWINT4 bytes into a
     staging buffer before its own. Fewer layers are built when memory runs out.
     """
-    from expert_service.checkpoint_shard import available_memory_bytes  # bench_moe_kernel's path
+    from ktserve.checkpoint.sharding import available_memory_bytes  # bench_moe_kernel's path
 
     g, u, d = (s.to(torch.bfloat16).contiguous() for s in seeds)
     _, I, H = g.shape  # noqa: E741

@@ -9,7 +9,8 @@ import sys
 import threading
 from pathlib import Path
 
-from expert_service.config import FORMATS, WorkerConfig, default_num_threads
+from expert_service.config import WorkerConfig, default_num_threads
+from ktserve.names import WEIGHT_FORMATS
 
 log = logging.getLogger("ktserve.expert")
 
@@ -33,7 +34,7 @@ def add_expert_parser(sub: argparse._SubParsersAction) -> None:
                    "(default %(default)s)")  # fmt: skip
     p.add_argument("--experts", help="expert ids this worker holds, inclusive, e.g. 0-63 "
                    "(default: all)")  # fmt: skip
-    p.add_argument("--format", dest="weight_format", choices=FORMATS,
+    p.add_argument("--format", dest="weight_format", choices=WEIGHT_FORMATS,
                    default=WorkerConfig.weight_format,
                    help="weight format in RAM: bf16 (exact), int8 (per-row scales), int4 "
                    "(group-32 scales) (default %(default)s)")  # fmt: skip
@@ -84,7 +85,7 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--format",
         dest="weight_format",
-        choices=FORMATS,
+        choices=WEIGHT_FORMATS,
         default="int8",
         help="weight format (default %(default)s)",
     )
@@ -143,8 +144,8 @@ def run_convert(args: argparse.Namespace) -> int:
     import json
 
     from expert_service import packed_store
-    from expert_service.checkpoint import parse_expert_range
     from expert_service.shard import ProgressPrinter, load_shard
+    from ktserve.checkpoint import parse_expert_range
 
     experts = parse_expert_range(args.experts) if args.experts else None
     shard = load_shard(args.model, experts, args.weight_format, pack_threads=args.threads,
@@ -172,7 +173,7 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None = None) 
     """Parse argv and run the chosen subcommand; a user's mistake is one line and exit code 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = parser.parse_args(argv)
-    from expert_service.checkpoint import CheckpointError
+    from ktserve.checkpoint import CheckpointError
 
     try:
         return args.run(args)

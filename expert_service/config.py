@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from expert_service.checkpoint import parse_expert_range
-
-FORMATS = ("bf16", "int8", "int4")
+from ktserve.checkpoint import parse_expert_range
+from ktserve.names import check_weight_format
 
 
 def default_num_threads() -> int:
@@ -39,8 +38,7 @@ class WorkerConfig:
     isa: str | None = None
 
     def __post_init__(self) -> None:
-        if self.weight_format not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS}, got {self.weight_format!r}")
+        check_weight_format(self.weight_format)
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.experts is not None:

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from expert_service.checkpoint import CheckpointError, ModelSpec, validate_shard
 from expert_service.kernels import PackedExperts
+from ktserve.checkpoint import CheckpointError, ModelSpec, validate_shard
 
 if TYPE_CHECKING:
     from expert_service.shard import ExpertShard, LoadProgress

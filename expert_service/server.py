@@ -11,18 +11,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import ktshm
-from expert_service import checkpoint
-from expert_service.protocol import expert_pb2 as pb
-from expert_service.protocol import expert_pb2_grpc as pb_grpc
 from expert_service.worker import ExpertWorker, WorkerStateError
+from ktserve import checkpoint
+from ktserve.names import weight_format_from_pb, weight_format_to_pb
+from ktserve.protocol import expert_pb2 as pb
+from ktserve.protocol import expert_pb2_grpc as pb_grpc
 
 log = logging.getLogger("ktserve.expert")
 
 VERSION = "0.1.0"
 SERVICE_NAME = "ktserve.v1.ExpertService"
-FORMAT_TO_PB = {"bf16": pb.WEIGHT_FORMAT_BF16, "int8": pb.WEIGHT_FORMAT_INT8,
-                "int4": pb.WEIGHT_FORMAT_INT4}  # fmt: skip
-PB_TO_FORMAT = {v: k for k, v in FORMAT_TO_PB.items()}
 
 # Most specific first: the first matching class decides the status code.
 STATUS_BY_EXCEPTION: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -104,7 +102,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
         experts = None
         if request.HasField("experts"):
             experts = range(request.experts.start, request.experts.stop)
-        fmt = PB_TO_FORMAT.get(request.format, self.worker.config.weight_format)
+        fmt = weight_format_from_pb(request.format) or self.worker.config.weight_format
         updates: queue.Queue = queue.Queue()
 
         def load() -> None:
@@ -172,7 +170,7 @@ def set_serving(health_servicer: health.HealthServicer, serving: bool) -> None:
 
 
 def worker_info(worker: ExpertWorker) -> pb.WorkerInfo:
-    from expert_service.checkpoint import available_memory_bytes
+    from ktserve.checkpoint import available_memory_bytes
 
     info = pb.WorkerInfo(
         version=VERSION,
@@ -188,7 +186,7 @@ def worker_info(worker: ExpertWorker) -> pb.WorkerInfo:
     if shard is not None:
         info.model_dir = shard.source_dir
         info.model_family = shard.spec.family
-        info.format = FORMAT_TO_PB[shard.weight_format]
+        info.format = weight_format_to_pb(shard.weight_format)
         info.experts.start, info.experts.stop = shard.experts.start, shard.experts.stop
         info.num_experts = shard.spec.num_experts
         info.hidden_size = shard.spec.hidden_size

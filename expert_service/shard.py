@@ -14,14 +14,14 @@ from pathlib import Path
 import numpy as np
 
 from expert_service import packed_store
-from expert_service.checkpoint import (
+from expert_service.kernels import PackedExperts, pack_experts
+from ktserve.checkpoint import (
     CheckpointReader,
     ModelSpec,
     check_memory_available,
     estimate_shard_bytes,
     validate_shard,
 )
-from expert_service.kernels import PackedExperts, pack_experts
 
 # Packed bytes per weight, scales included (int8: a scale per row; int4: per group of 32).
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0 + 4 / 2048, "int4": 0.5 + 2 / 32}

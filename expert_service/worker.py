@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 
 import ktshm
-from expert_service import wire
 from expert_service.config import WorkerConfig
 from expert_service.kernels import MoEKernel
 from expert_service.metrics import WorkerMetrics
 from expert_service.shard import ExpertShard, LoadProgress, load_shard
+from ktserve import wire
 
 log = logging.getLogger("ktserve.expert")
 
@@ -229,7 +229,7 @@ class ExpertWorker:
                 f"[{ids.min()}, {ids.max()}]",
             )
         local = shard.localize(ids)
-        out_dtype = "float32" if req.kind == wire.KIND_MOE else "bfloat16"
+        out_dtype = wire.OUT_DTYPES[req.kind]
         (out,) = channel.begin_reply(req, [(x.shape, out_dtype)])
         with self._kernel_lock:
             self.kernel.forward(packed, x, local, weights, out)
@@ -294,18 +294,18 @@ def _check_arrays(req: ktshm.Message, hidden: int) -> tuple[np.ndarray, np.ndarr
         )
     x, ids, weights = req.arrays
     x_dtype, ids_dtype, w_dtype = req.dtypes
-    if x_dtype not in ("float32", "bfloat16") or x.ndim != 2 or x.shape[1] != hidden:
+    if x_dtype not in wire.X_DTYPES or x.ndim != 2 or x.shape[1] != hidden:
         raise BadCall(
             wire.STATUS_BAD_REQUEST,
             f"x must be [T, {hidden}] float32 or bfloat16, got {list(x.shape)} {x_dtype}",
         )
     num_tokens = x.shape[0]
-    if ids_dtype != "int32" or ids.ndim != 2 or ids.shape[0] != num_tokens:
+    if ids_dtype != wire.IDS_DTYPE or ids.ndim != 2 or ids.shape[0] != num_tokens:
         raise BadCall(
             wire.STATUS_BAD_REQUEST,
             f"ids must be [{num_tokens}, k] int32, got {list(ids.shape)} {ids_dtype}",
         )
-    if w_dtype != "float32" or weights.shape != ids.shape:
+    if w_dtype != wire.WEIGHTS_DTYPE or weights.shape != ids.shape:
         raise BadCall(
             wire.STATUS_BAD_REQUEST,
             f"weights must be {list(ids.shape)} float32, got {list(weights.shape)} {w_dtype}",

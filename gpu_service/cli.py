@@ -18,8 +18,9 @@ import sys
 from pathlib import Path
 
 from expert_service.cli import add_convert_parser, add_expert_parser, run_command
-from expert_service.config import FORMATS
 from gpu_service.serve_config import API_KEY_ENV, DEVICE_ENV, ServeConfig
+from gpu_service.service import MODEL_DTYPES
+from ktserve.names import WEIGHT_FORMATS
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 D = ServeConfig  # defaults
@@ -99,7 +100,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--format",
         dest="weight_format",
-        choices=FORMATS,
+        choices=WEIGHT_FORMATS,
         help="routed experts' format in RAM: bf16 (exact), int8 (per-row scales), "
         f"int4 (group-32 scales) (default {D.weight_format})",
     )
@@ -143,8 +144,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         default=D.dtype,
-        choices=("bfloat16", "float16", "float32"),
-        help="dtype of the model's GPU part (default %(default)s)",
+        choices=MODEL_DTYPES,
+        help="dtype of the model's GPU part (default %(default)s: bfloat16 on CUDA, float32 on "
+        "the CPU)",
     )
     p.add_argument(
         "--wire-dtype",

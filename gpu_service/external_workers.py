@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from expert_service.checkpoint_spec import ModelSpec
-from expert_service.protocol import expert_pb2 as pb
-from expert_service.protocol import expert_pb2_grpc as pb_grpc
 from gpu_service.moe_client import RECONNECT_OPTIONS
 from gpu_service.supervisor import WorkerStartError
+from ktserve.checkpoint.spec import ModelSpec
+from ktserve.protocol import expert_pb2 as pb
+from ktserve.protocol import expert_pb2_grpc as pb_grpc
 
 log = logging.getLogger("ktserve.workers")
 

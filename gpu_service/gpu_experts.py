@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from expert_service.checkpoint import CheckpointReader
-from expert_service.protocol import expert_pb2 as pb
 from gpu_service.moe_client import ShmExperts
+from ktserve.checkpoint import CheckpointReader
+from ktserve.protocol import expert_pb2 as pb
 
 log = logging.getLogger("ktserve.gpu")
 

@@ -1,6 +1,6 @@
 """Routed experts on CPU expert workers, reached through one ktshm channel per worker.
 
-Per MoE layer and step (protocol of expert_service/wire.py):
+Per MoE layer and step (protocol of ktserve/wire.py):
 
     submit: x [T, H] (device) ──copy──▶ each worker's request slot (x, ids, weights); commit
             (the model computes its shared expert on the GPU meanwhile)
@@ -23,14 +23,13 @@ import numpy as np
 import torch
 
 import ktshm
-from expert_service import wire
-from expert_service.protocol import expert_pb2 as pb
-from expert_service.protocol import expert_pb2_grpc as pb_grpc
+from ktserve import wire
+from ktserve.names import float_dtype
+from ktserve.protocol import expert_pb2 as pb
+from ktserve.protocol import expert_pb2_grpc as pb_grpc
 
 log = logging.getLogger("ktserve.gpu")
 
-WIRE_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # x's dtype on the wire
-WIRE_DTYPES = tuple(WIRE_TORCH_DTYPES)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
              grpc.StatusCode.DEADLINE_EXCEEDED)  # fmt: skip
 
@@ -67,8 +66,8 @@ class ExpertClientConfig:
     def __post_init__(self) -> None:
         if not self.workers:
             raise ValueError("at least one expert worker address is needed")
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        if self.wire_dtype not in wire.X_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {wire.X_DTYPES}, got {self.wire_dtype!r}")
         if self.max_tokens < 1 or self.worker_timeout_s <= 0:
             raise ValueError("max_tokens must be >= 1 and worker_timeout_s > 0")
 
@@ -115,7 +114,7 @@ class ShmExperts:
         self.top_k = top_k
         self.device = torch.device(device)
         # x [T, H] in the wire dtype, ids [T, k] int32, weights [T, k] float32
-        self._arg_dtypes = (WIRE_TORCH_DTYPES[config.wire_dtype], torch.int32, torch.float32)
+        self._arg_dtypes = (float_dtype(config.wire_dtype).torch(), torch.int32, torch.float32)
         itemsize = self._arg_dtypes[0].itemsize
         region = config.max_tokens * (hidden_size * 4 + top_k * 8) + 3 * 64
         region = max(region, config.max_tokens * hidden_size * itemsize + 4096)
@@ -163,8 +162,8 @@ class ShmExperts:
         k = ids.shape[1]
         specs = [
             ((num_tokens, self.hidden_size), wire_dtype),
-            ((num_tokens, k), "int32"),
-            ((num_tokens, k), "float32"),
+            ((num_tokens, k), wire.IDS_DTYPE),
+            ((num_tokens, k), wire.WEIGHTS_DTYPE),
         ]
         calls, first = [], None
         for worker in self.workers:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from expert_service.checkpoint import parse_expert_range
-from expert_service.config import FORMATS
-from gpu_service.moe_client import WIRE_DTYPES
-from gpu_service.service import DTYPES, GPUServiceConfig
+from gpu_service.service import MODEL_DTYPES, GPUServiceConfig
+from ktserve.checkpoint import parse_expert_range
+from ktserve.names import WEIGHT_FORMATS
+from ktserve.wire import X_DTYPES as WIRE_DTYPES
 
 API_KEY_ENV = "KTSERVE_API_KEY"
 DEVICE_ENV = "KTSERVE_DEVICE"
@@ -46,7 +46,7 @@ class ServeConfig:
     expert_placement: str | None = None
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     wire_dtype: str = "bfloat16"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -71,8 +71,10 @@ class ServeConfig:
                 )
             for text in self.experts_per_worker:
                 parse_expert_range(text)
-        if self.weight_format not in FORMATS:
-            raise ValueError(f"--format must be one of {FORMATS}, got {self.weight_format!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"--format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.gpu_experts < 0:
@@ -83,8 +85,8 @@ class ServeConfig:
             )
         if self.expert_placement is not None and not Path(self.expert_placement).is_file():
             raise ValueError(f"--expert-placement {self.expert_placement!r} is not a file")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"--dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"--wire-dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

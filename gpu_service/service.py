@@ -3,14 +3,11 @@ sized to the memory left, and the engine."""
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
-from expert_service.checkpoint import CheckpointReader
 from gpu_service.engine import Engine, EngineMetrics, SchedulerConfig
 from gpu_service.gpu_experts import (
     HotExpertRefresher,
@@ -22,11 +19,21 @@ from gpu_service.models import KVCache, load_model
 from gpu_service.models.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.models.registry import default_device
 from gpu_service.moe_client import ExpertClientConfig, ShmExperts
+from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec
+from ktserve.names import FLOAT_DTYPE_NAMES, float_dtype
 
 log = logging.getLogger("ktserve.gpu")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_DEFAULT_CACHE_TOKENS = 32768
+MODEL_DTYPES = ("auto", *FLOAT_DTYPE_NAMES)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """ "auto": bfloat16 on CUDA, float32 elsewhere (bfloat16 matmuls on CPUs without native
+    support made prefill 7x slower than float32)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return float_dtype(name).torch()
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class GPUServiceConfig:
     model_dir: str
     workers: tuple[str, ...]
     device: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     wire_dtype: str = "bfloat16"
     max_model_len: int | None = None
     kv_cache_tokens: int | None = None
@@ -61,8 +68,8 @@ class GPUServiceConfig:
     def __post_init__(self) -> None:
         if self.gpu_experts < 0:
             raise ValueError(f"gpu_experts must be >= 0, got {self.gpu_experts}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError("gpu_memory_fraction must be in (0, 1]")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 16:
@@ -89,30 +96,28 @@ class GPUService:
         self.experts.close()
 
 
-def model_max_len(model_dir: str) -> int:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or 4096)
-
-
-def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None) -> GPUService:
+def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
+                      hf: HFConfig | None = None) -> GPUService:  # fmt: skip
+    """hf: the checkpoint's config.json when the caller has read it already."""
+    hf = hf or HFConfig.from_dir(config.model_dir)
+    spec = ModelSpec.from_hf(hf)
     device = torch.device(config.device) if config.device else default_device()
-    dtype = DTYPES[config.dtype]
-    hf = json.loads((Path(config.model_dir) / "config.json").read_text())
-    max_model_len = config.max_model_len or min(model_max_len(config.model_dir), 8192)
+    dtype = resolve_dtype(config.dtype, device)
+    max_model_len = config.max_model_len or min(hf.int("max_position_embeddings", 4096), 8192)
     experts = ShmExperts(
         ExpertClientConfig(
             workers=config.workers, wire_dtype=config.wire_dtype,
             max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
             worker_timeout_s=config.worker_timeout_s,
         ),
-        hidden_size=hf["hidden_size"], top_k=hf["num_experts_per_tok"], device=device,
+        hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, device=device,
     )  # fmt: skip
     try:
         backend = experts
         if config.gpu_experts or config.expert_placement:
-            backend = _hybrid(config, experts, device, dtype)
+            backend = _hybrid(config, spec, experts, device, dtype)
         model = load_model(config.model_dir, device, dtype, experts=backend,
-                           max_num_tokens_in_cache=16)  # fmt: skip
+                           max_num_tokens_in_cache=16, hf=hf)  # fmt: skip
         tokens = config.kv_cache_tokens or _cache_tokens(model.kv_cache, dtype, device, config)
         model.kv_cache = KVCache(
             replace(model.kv_cache.config, max_num_tokens=tokens), dtype, device
@@ -145,10 +150,9 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None) -
     return GPUService(config, engine, experts, metrics, max_model_len, refresher)
 
 
-def _hybrid(config: GPUServiceConfig, experts: ShmExperts, device: torch.device,
-            dtype: torch.dtype) -> HybridExperts:  # fmt: skip
-    reader = CheckpointReader(config.model_dir)
-    spec = reader.spec
+def _hybrid(config: GPUServiceConfig, spec: ModelSpec, experts: ShmExperts,
+            device: torch.device, dtype: torch.dtype) -> HybridExperts:  # fmt: skip
+    reader = CheckpointReader(config.model_dir, spec=spec)
     hot = choose_hot_experts(
         spec.moe_layers, spec.num_experts, config.gpu_experts or 1,
         counts=worker_activation_counts(experts), placement_file=config.expert_placement,

@@ -21,7 +21,6 @@ from collections.abc import Callable
 
 import uvicorn
 
-from expert_service.checkpoint_spec import ModelSpec
 from gpu_service.api.app import create_app
 from gpu_service.api.context import ApiContext
 from gpu_service.api.tokenizer import load_tokenizer
@@ -30,6 +29,7 @@ from gpu_service.external_workers import ExternalWorkers
 from gpu_service.serve_config import ServeConfig
 from gpu_service.service import GPUService, build_gpu_service
 from gpu_service.supervisor import Supervisor, worker_specs
+from ktserve.checkpoint.spec import ModelSpec
 
 log = logging.getLogger("ktserve.serve")
 

@@ -24,10 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from expert_service.checkpoint import InvalidConfig, ModelSpec
 from gpu_service.models.attention import attend
 from gpu_service.models.batch import StepContext
-from gpu_service.models.config import BaseConfig, HFConfig
+from gpu_service.models.config import BaseConfig
 from gpu_service.models.experts import RoutedExperts
 from gpu_service.models.kv_cache import KVCache, KVCacheConfig
 from gpu_service.models.layers import DenseMLP, Linear, RMSNorm
@@ -35,6 +34,7 @@ from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM, DecoderLayer
 from gpu_service.models.moe import GroupedSigmoidRouter, MoE, SoftmaxRouter
 from gpu_service.models.rope import RopeConfig, Rotary, apply_rotary
+from ktserve.checkpoint import HFConfig, InvalidConfig, ModelSpec
 
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from expert_service.checkpoint import CheckpointReader, LayerHasNoExperts, ShardOutOfRange
+from ktserve.checkpoint import CheckpointReader, LayerHasNoExperts, ShardOutOfRange
 
 
 class PendingExperts(Protocol):

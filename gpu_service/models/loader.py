@@ -13,14 +13,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from expert_service.checkpoint import (
+from ktserve.checkpoint import (
     DEFAULT_FP8_BLOCK,
     CheckpointError,
     InvalidConfig,
     TensorShapeMismatch,
     index_tensors,
 )
-from expert_service.checkpoint_fp8 import dequantize_fp8_blocks
+from ktserve.checkpoint.fp8 import dequantize_fp8_blocks
 
 
 class MissingTensor(CheckpointError):

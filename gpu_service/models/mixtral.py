@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from expert_service.checkpoint import ModelSpec
-from gpu_service.models.config import BaseConfig, HFConfig
+from gpu_service.models.config import BaseConfig
 from gpu_service.models.experts import RoutedExperts
 from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM, DecoderLayer
 from gpu_service.models.moe import MoE, SoftmaxRouter
 from gpu_service.models.qwen_moe import gqa_cache, load_gqa
 from gpu_service.models.rope import RopeConfig, Rotary
+from ktserve.checkpoint import HFConfig, ModelSpec
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from expert_service.checkpoint import ModelSpec
 from gpu_service.models.attention import GQAAttention
-from gpu_service.models.config import BaseConfig, HFConfig
+from gpu_service.models.config import BaseConfig
 from gpu_service.models.experts import RoutedExperts
 from gpu_service.models.kv_cache import KVCache, KVCacheConfig
 from gpu_service.models.layers import DenseMLP, Linear, RMSNorm
@@ -25,6 +24,7 @@ from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM, DecoderLayer
 from gpu_service.models.moe import MoE, SoftmaxRouter
 from gpu_service.models.rope import RopeConfig, Rotary
+from ktserve.checkpoint import HFConfig, ModelSpec
 
 
 @dataclass(frozen=True)

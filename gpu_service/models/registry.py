@@ -7,12 +7,11 @@ from pathlib import Path
 
 import torch
 
-from expert_service.checkpoint import ModelSpec, UnsupportedArchitecture
 from gpu_service.models import deepseek, mixtral, qwen_moe
-from gpu_service.models.config import HFConfig
 from gpu_service.models.experts import RoutedExperts
 from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM
+from ktserve.checkpoint import HFConfig, ModelSpec, UnsupportedArchitecture
 
 Builder = Callable[[HFConfig, ModelSpec, WeightLoader, RoutedExperts, int, int], CausalLM]
 
@@ -24,6 +23,8 @@ MODEL_BUILDERS: dict[str, Builder] = {
     "mixtral": mixtral.build,
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_BUILDERS)
+# NOTE: ModelSpec refuses a model_type outside ktserve's one table of families; every family there
+# has a builder here (tests/gpu_service/test_models.py checks both lists agree).
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -39,15 +40,17 @@ def load_model(
     experts: RoutedExperts,
     max_num_tokens_in_cache: int,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    hf: HFConfig | None = None,
 ) -> CausalLM:
     """The model's non-expert part on `device` (default: cuda when available) as `dtype`, with a
-    paged KV cache of `max_num_tokens_in_cache` token slots; routed experts go to `experts`."""
+    paged KV cache of `max_num_tokens_in_cache` token slots; routed experts go to `experts`.
+    hf: the checkpoint's config.json when the caller has read it already."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"model dtype {dtype} is not supported; use float32, bfloat16 or float16")
-    hf = HFConfig.from_dir(model_dir)
+    hf = hf or HFConfig.from_dir(model_dir)
     if hf.model_type not in MODEL_BUILDERS:
         raise UnsupportedArchitecture(hf.source, hf.model_type, SUPPORTED_MODEL_TYPES)
-    spec = ModelSpec.from_config(hf.data, source=hf.source)
+    spec = ModelSpec.from_hf(hf)
     loader = WeightLoader(
         model_dir, device or default_device(), dtype, fp8_block=spec.weight_block_size
     )

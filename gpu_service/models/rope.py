@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from expert_service.checkpoint import InvalidConfig
-from gpu_service.models.config import HFConfig
+from ktserve.checkpoint import HFConfig, InvalidConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 

@@ -20,12 +20,12 @@ from expert_procs import shm_entries
 from prometheus_client.parser import text_string_to_metric_families
 from watched_process import CHILD_ENV, REPO, WatchedProcess
 
-from expert_service.checkpoint import parse_expert_range
-from expert_service.checkpoint_spec import ModelSpec
 from gpu_service.api.app import ROUTES
 from gpu_service.cli import build_parser, serve_config
 from gpu_service.external_workers import WorkerShard, check_coverage
 from gpu_service.serve_config import API_KEY_ENV, DEVICE_ENV
+from ktserve.checkpoint import parse_expert_range
+from ktserve.checkpoint.spec import ModelSpec
 
 DEPLOY = REPO / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "ktserve.json"

@@ -24,7 +24,7 @@ from checkpoints import (
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from expert_service.checkpoint import (
+from ktserve.checkpoint import (
     SUPPORTED_FAMILIES,
     CheckpointDirNotFound,
     CheckpointError,

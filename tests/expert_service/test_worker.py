@@ -24,9 +24,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from watched_process import CHILD_ENV, REPO
 
 import ktshm
-from expert_service import wire
-from expert_service.checkpoint import ModelSpec
-from expert_service.protocol import expert_pb2 as pb
+from ktserve import wire
+from ktserve.checkpoint import ModelSpec
+from ktserve.protocol import expert_pb2 as pb
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 # Normalized error ||y - ref|| / ||ref|| against transformers' fp32 experts (the kernel's own

@@ -8,12 +8,12 @@ import pytest
 import torch
 from checkpoints import load_reference_model, make_tiny_checkpoint
 
-from expert_service.checkpoint import CheckpointReader
 from gpu_service.cli import DEMO_MODEL_DIR as DEMO_MODEL
 from gpu_service.engine import Engine, EngineError, FinishReason, SamplingParams, SchedulerConfig
 from gpu_service.engine.detokenizer import Detokenizer
 from gpu_service.models import TorchExperts, load_model
 from gpu_service.models.decode_graphs import DecodeGraphConfig, DecodeGraphs
+from ktserve.checkpoint import CheckpointReader
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,6 @@ from checkpoints import (
 )
 from safetensors.torch import load_file, save_file
 
-from expert_service.checkpoint import (
-    CheckpointReader,
-    TensorShapeMismatch,
-    UnsupportedArchitecture,
-)
 from gpu_service.models import (
     SUPPORTED_MODEL_TYPES,
     Batch,
@@ -38,6 +33,12 @@ from gpu_service.models import (
     load_model,
 )
 from gpu_service.models.kv_cache import InvalidSequenceCache
+from ktserve.checkpoint import (
+    SUPPORTED_FAMILIES,
+    CheckpointReader,
+    TensorShapeMismatch,
+    UnsupportedArchitecture,
+)
 
 FP32_REL_TOL = 1e-3
 # bf16 model dtype (weights, activations, KV cache; experts still float32) vs the fp32 oracle:
@@ -390,6 +391,9 @@ def test_load_errors(cases: dict[str, Case], tmp_path: Path) -> None:
     with pytest.raises(UnsupportedArchitecture, match="supported model types: deepseek_v3") as exc:
         load_model(llama, "cpu", torch.float32, experts=None, max_num_tokens_in_cache=8)
     assert all(t in str(exc.value) for t in SUPPORTED_MODEL_TYPES)
+    # NOTE: ktserve's table of families (config reading, expert naming) and the GPU side's
+    # builders name the same model types.
+    assert set(SUPPORTED_MODEL_TYPES) == set(SUPPORTED_FAMILIES)
     missing = _rewrite(
         path, tmp_path / "missing", edit_tensors=lambda t: t.pop("model.norm.weight")
     )

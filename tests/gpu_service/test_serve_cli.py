@@ -17,10 +17,10 @@ from checkpoints import make_tiny_checkpoint
 from expert_procs import ExpertProcess, shm_entries
 from watched_process import CHILD_ENV, REPO
 
-from expert_service.checkpoint_spec import ModelSpec
 from gpu_service.cli import DEMO_MODEL_DIR, build_parser, serve_config
 from gpu_service.external_workers import ExpertCoverageError, WorkerShard, check_coverage
 from gpu_service.serve_config import split_experts
+from ktserve.checkpoint.spec import ModelSpec
 
 GPU_FLAGS = (
     "--device",

@@ -6,8 +6,8 @@ import math
 import os
 from pathlib import Path
 
-from expert_service.checkpoint_errors import InsufficientMemory, InvalidExpertRange, ShardOutOfRange
-from expert_service.checkpoint_spec import ModelSpec
+from ktserve.checkpoint.errors import InsufficientMemory, InvalidExpertRange, ShardOutOfRange
+from ktserve.checkpoint.spec import ModelSpec
 
 MEMORY_LIMIT_ENV = "KTSERVE_MEMORY_LIMIT_BYTES"
 MEMINFO_PATH = Path("/proc/meminfo")

@@ -16,6 +16,11 @@ KIND_MOE = 1
 KIND_MOE_BF16_OUT = 2
 KIND_PING = 3
 
+# dtype names (ktserve.names) x may travel in; ids are int32 and weights float32 always.
+X_DTYPES = ("float32", "bfloat16")
+IDS_DTYPE, WEIGHTS_DTYPE = "int32", "float32"
+OUT_DTYPES = {KIND_MOE: "float32", KIND_MOE_BF16_OUT: "bfloat16"}
+
 STATUS_BAD_REQUEST = 100  # shapes/dtypes that do not match the loaded model
 STATUS_NO_MODEL = 101  # nothing loaded yet
 STATUS_BAD_LAYER = 102  # the layer has no routed experts

@@ -1,8 +1,5 @@
 """Read routed-expert weights from a Hugging Face MoE checkpoint directory (safetensors, mmap).
 
-The public face of checkpoint reading: ModelSpec, the errors and the shard helpers live in
-checkpoint_spec / checkpoint_errors / checkpoint_shard / checkpoint_fp8 and are re-exported here.
-
 Two layouts of a layer's experts are understood (see ModelSpec):
   per-expert  ...experts.E.{gate,up,down}_proj.weight (Mixtral: ...experts.E.{w1,w3,w2}.weight)
   fused       ...mlp.experts.gate_up_proj [E, 2I, H] and ...mlp.experts.down_proj [E, H, I]
@@ -20,64 +17,19 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from expert_service.checkpoint_errors import (
-    CheckpointDirNotFound,
-    CheckpointError,
-    ConfigNotFound,
-    InsufficientMemory,
+from ktserve.checkpoint.errors import (
     InvalidConfig,
-    InvalidExpertRange,
-    LayerHasNoExperts,
     MissingExpertTensor,
-    NotAnMoEModel,
     SafetensorsNotFound,
-    ShardOutOfRange,
     TensorShapeMismatch,
-    UnsupportedArchitecture,
     UnsupportedTensorDtype,
 )
-from expert_service.checkpoint_fp8 import dequantize_fp8_blocks, fp8_scale_shape
-from expert_service.checkpoint_shard import (
-    available_memory_bytes,
-    check_memory_available,
-    estimate_shard_bytes,
-    parse_expert_range,
-    validate_shard,
-)
-from expert_service.checkpoint_spec import DEFAULT_FP8_BLOCK, SUPPORTED_FAMILIES, ModelSpec
-
-__all__ = [
-    "CheckpointDirNotFound",
-    "CheckpointError",
-    "CheckpointReader",
-    "ConfigNotFound",
-    "InsufficientMemory",
-    "InvalidConfig",
-    "InvalidExpertRange",
-    "LayerHasNoExperts",
-    "MissingExpertTensor",
-    "ModelSpec",
-    "NotAnMoEModel",
-    "ProgressCallback",
-    "SUPPORTED_FAMILIES",
-    "SafetensorsNotFound",
-    "ShardOutOfRange",
-    "TensorShapeMismatch",
-    "UnsupportedArchitecture",
-    "UnsupportedTensorDtype",
-    "available_memory_bytes",
-    "check_memory_available",
-    "estimate_shard_bytes",
-    "index_tensors",
-    "parse_expert_range",
-    "validate_shard",
-]
+from ktserve.checkpoint.fp8 import dequantize_fp8_blocks, fp8_scale_shape
+from ktserve.checkpoint.spec import DEFAULT_FP8_BLOCK, ModelSpec
+from ktserve.names import FLOAT_DTYPES, FP8_SAFETENSORS
 
 INDEX_FILE = "model.safetensors.index.json"
-FP8_DTYPE = "F8_E4M3"
-# safetensors dtype tag -> torch dtype for the formats we read as they are.
-_PLAIN_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-_SUPPORTED_DTYPES = (*_PLAIN_DTYPES, FP8_DTYPE)
+_SUPPORTED_DTYPES = (*(d.safetensors for d in FLOAT_DTYPES), FP8_SAFETENSORS)
 
 # progress(done, total) after each expert read.
 ProgressCallback = Callable[[int, int], None]
@@ -87,9 +39,10 @@ ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class CheckpointReader:
     """Index of a checkpoint's tensors; reads one expert (or a batch of experts) on demand."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, spec: ModelSpec | None = None) -> None:
+        """spec: the checkpoint's ModelSpec when the caller has read config.json already."""
         self.model_dir = Path(model_dir)
-        self.spec = ModelSpec.from_config_dir(self.model_dir)
+        self.spec = spec or ModelSpec.from_config_dir(self.model_dir)
         self._tensor_files = index_tensors(self.model_dir)
         self._handles: dict[Path, Any] = {}
         self._layouts: dict[int, str] = {}
@@ -183,7 +136,7 @@ class CheckpointReader:
         if stored not in _SUPPORTED_DTYPES:
             raise UnsupportedTensorDtype(self.model_dir, name, stored, _SUPPORTED_DTYPES)
         weight = tensor_slice[:] if expert is None else tensor_slice[expert : expert + 1][0]
-        if stored != FP8_DTYPE:
+        if stored != FP8_SAFETENSORS:
             return weight
         return self._dequantize(name, weight, expert, halves)
 

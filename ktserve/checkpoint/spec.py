@@ -1,15 +1,13 @@
-"""ModelSpec: what the expert worker needs to know about an MoE model, read from config.json."""
+"""ModelSpec: the routed-expert geometry of an MoE checkpoint, and the one table of families."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from expert_service.checkpoint_errors import (
-    CheckpointDirNotFound,
-    ConfigNotFound,
+from ktserve.checkpoint.config_json import HFConfig
+from ktserve.checkpoint.errors import (
     InvalidConfig,
     LayerHasNoExperts,
     NotAnMoEModel,
@@ -17,9 +15,35 @@ from expert_service.checkpoint_errors import (
     UnsupportedArchitecture,
 )
 
-SUPPORTED_FAMILIES = ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral")
-DEEPSEEK_FAMILIES = ("deepseek_v3", "deepseek_v2")
-QWEN_FAMILIES = ("qwen3_moe", "qwen2_moe")
+
+@dataclass(frozen=True)
+class Family:
+    """How one config.json model_type names and places its routed experts.
+
+    moe_layers: "all" (every layer), "deepseek" (first_k_dense_replace, moe_layer_freq) or
+    "qwen" (decoder_sparse_step, mlp_only_layers). expert_names: the (gate, up, down) suffixes
+    under `{moe_module}.experts.E`.
+    """
+
+    model_type: str
+    moe_layers: str
+    intermediate_key: str = "moe_intermediate_size"
+    moe_module: str = "mlp"
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("deepseek_v3", moe_layers="deepseek"),
+        Family("deepseek_v2", moe_layers="deepseek"),
+        Family("qwen3_moe", moe_layers="qwen"),
+        Family("qwen2_moe", moe_layers="qwen"),
+        Family("mixtral", moe_layers="all", intermediate_key="intermediate_size",
+               moe_module="block_sparse_moe", expert_names=("w1", "w3", "w2")),
+    )
+}  # fmt: skip
+SUPPORTED_FAMILIES = tuple(FAMILIES)
 
 # Keys that hold the number of routed experts, across Hugging Face MoE configs.
 _EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
@@ -79,15 +103,10 @@ class ModelSpec:
 
     def expert_tensor_names(self, layer: int, expert: int) -> tuple[str, str, str]:
         """(gate, up, down) tensor names of one expert in the family's per-expert naming."""
-        if self.family == "mixtral":
-            prefix = f"model.layers.{layer}.block_sparse_moe.experts.{expert}"
-            return f"{prefix}.w1.weight", f"{prefix}.w3.weight", f"{prefix}.w2.weight"
-        prefix = f"model.layers.{layer}.mlp.experts.{expert}"
-        return (
-            f"{prefix}.gate_proj.weight",
-            f"{prefix}.up_proj.weight",
-            f"{prefix}.down_proj.weight",
-        )
+        family = FAMILIES[self.family]
+        prefix = f"model.layers.{layer}.{family.moe_module}.experts.{expert}"
+        gate, up, down = (f"{prefix}.{name}.weight" for name in family.expert_names)
+        return gate, up, down
 
     def fused_tensor_names(self, layer: int) -> tuple[str, str]:
         """(gate_up, down) tensor names of a layer's experts in transformers 5's fused naming."""
@@ -96,53 +115,55 @@ class ModelSpec:
 
     @classmethod
     def from_config_dir(cls, path: str | Path) -> ModelSpec:
-        config, source = read_config_json(path)
-        return cls.from_config(config, source=source)
+        return cls.from_hf(HFConfig.from_dir(path))
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str = "<config>") -> ModelSpec:
-        model_type = str(config.get("model_type", "<missing>"))
-        if model_type not in SUPPORTED_FAMILIES:
-            if not any(config.get(k) for k in _EXPERT_COUNT_KEYS):
+        return cls.from_hf(HFConfig(config, source))
+
+    @classmethod
+    def from_hf(cls, hf: HFConfig) -> ModelSpec:
+        model_type, source = hf.model_type, hf.source
+        family = FAMILIES.get(model_type)
+        if family is None:
+            if not any(hf.data.get(k) for k in _EXPERT_COUNT_KEYS):
                 keys = "/".join(_EXPERT_COUNT_KEYS)
                 raise NotAnMoEModel(source, model_type, f"it sets none of {keys}")
             raise UnsupportedArchitecture(source, model_type, SUPPORTED_FAMILIES)
-        reader = _ConfigReader(config, source)
-        num_layers = reader.get_int("num_hidden_layers")
+        num_layers = hf.int("num_hidden_layers")
         # NOTE: Hub configs and transformers 5 disagree on the key (Qwen3-MoE: num_experts on the
         # Hub, num_local_experts from transformers 5), so every family accepts any of them.
-        count_key = next((k for k in _EXPERT_COUNT_KEYS if k in config), _EXPERT_COUNT_KEYS[0])
-        num_experts = reader.get_int(count_key, allow_zero=True, allow_none=True)
+        count_key = next((k for k in _EXPERT_COUNT_KEYS if k in hf.data), _EXPERT_COUNT_KEYS[0])
+        num_experts = hf.int(count_key, 0, minimum=0)
         if not num_experts:
             raise NotAnMoEModel(source, model_type, f"it has {num_experts} routed experts")
-        moe_layers = _moe_layers(model_type, num_layers, reader)
+        moe_layers = _moe_layers(family, num_layers, hf)
         if not moe_layers:
             raise NotAnMoEModel(source, model_type, "none of its layers has routed experts")
-        inter_key = "intermediate_size" if model_type == "mixtral" else "moe_intermediate_size"
         try:
             return cls(
                 family=model_type,
                 num_layers=num_layers,
-                hidden_size=reader.get_int("hidden_size"),
-                moe_intermediate_size=reader.get_int(inter_key),
+                hidden_size=hf.int("hidden_size"),
+                moe_intermediate_size=hf.int(family.intermediate_key),
                 num_experts=num_experts,
-                num_experts_per_tok=reader.get_int("num_experts_per_tok"),
+                num_experts_per_tok=hf.int("num_experts_per_tok"),
                 moe_layers=moe_layers,
-                weight_block_size=_weight_block_size(config.get("quantization_config"), source),
+                weight_block_size=_weight_block_size(hf.data.get("quantization_config"), source),
             )
         except InvalidConfig as exc:
             raise InvalidConfig(source, exc.reason) from None
 
 
-def _moe_layers(model_type: str, num_layers: int, reader: _ConfigReader) -> tuple[int, ...]:
-    if model_type == "mixtral":
+def _moe_layers(family: Family, num_layers: int, hf: HFConfig) -> tuple[int, ...]:
+    if family.moe_layers == "all":
         return tuple(range(num_layers))
-    if model_type in DEEPSEEK_FAMILIES:
-        first_dense = reader.get_int("first_k_dense_replace", default=0, allow_zero=True)
-        freq = reader.get_int("moe_layer_freq", default=1)
+    if family.moe_layers == "deepseek":
+        first_dense = hf.int("first_k_dense_replace", 0, minimum=0)
+        freq = hf.int("moe_layer_freq", 1)
         return tuple(i for i in range(num_layers) if i >= first_dense and i % freq == 0)
-    step = reader.get_int("decoder_sparse_step", default=1)
-    mlp_only = set(reader.config.get("mlp_only_layers") or ())
+    step = hf.int("decoder_sparse_step", 1)
+    mlp_only = set(hf.int_list("mlp_only_layers"))
     return tuple(i for i in range(num_layers) if i not in mlp_only and (i + 1) % step == 0)
 
 
@@ -164,45 +185,3 @@ def _weight_block_size(quant: Any, source: str) -> tuple[int, int] | None:
     ):
         raise InvalidConfig(source, f"weight_block_size {block!r} is not two positive integers")
     return int(block[0]), int(block[1])
-
-
-@dataclass(frozen=True)
-class _ConfigReader:
-    config: dict[str, Any]
-    source: str
-
-    def get_int(
-        self,
-        key: str,
-        *,
-        default: int | None = None,
-        allow_zero: bool = False,
-        allow_none: bool = False,
-    ) -> int:
-        value = self.config.get(key, default)
-        if value is None and allow_none:
-            return 0
-        if value is None:
-            raise InvalidConfig(self.source, f"{key} is missing")
-        minimum = 0 if allow_zero else 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            kind = "a non-negative" if allow_zero else "a positive"
-            raise InvalidConfig(self.source, f"{key}={value!r} is not {kind} integer")
-        return value
-
-
-def read_config_json(model_dir: str | Path) -> tuple[dict, str]:
-    """(config.json of a checkpoint directory as a dict, its path), with clear errors."""
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise CheckpointDirNotFound(path)
-    config_path = path / "config.json"
-    if not config_path.is_file():
-        raise ConfigNotFound(path)
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidConfig(config_path, f"not readable JSON ({exc})") from exc
-    if not isinstance(config, dict):
-        raise InvalidConfig(config_path, "the top level is not a JSON object")
-    return config, str(config_path)
