@@ -11,12 +11,25 @@ SOURCES := pyproject.toml setup.py $(wildcard proto/ktserve/v1/*.proto ktshm/*.p
 
 install: $(STAMP)
 
+# torch goes in first, on its own, so that nothing installed after it can swap it for another build.
+#   TORCH=cpu   (default) torch 2.13.0. Where the default package index serves CUDA builds (pip's
+#               default on Linux), add TORCH_INDEX_URL=<a CPU-only wheel index> for the small build.
+#   TORCH=cuda  any torch >= 2.4, < 2.14 the index has (CUDA builds on Linux from pip's default).
+TORCH ?= cpu
+TORCH_INDEX_URL ?=
+TORCH_SPEC_cpu := torch==2.13.0
+TORCH_SPEC_cuda := torch>=2.4,<2.14
+TORCH_SPEC = $(or $(TORCH_SPEC_$(TORCH)),$(error TORCH must be cpu or cuda, got '$(TORCH)'))
+
 $(STAMP): $(SOURCES)
+	@echo "ktserve: setting up $(VENV)/ (first run, or after a source change; a few minutes)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# NOTE: torch first, pinned to the CPU build, so nothing below can pull a CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	@echo "ktserve: installing torch ($(TORCH): $(TORCH_SPEC))"
+	$(PY) -m pip install --progress-bar on '$(TORCH_SPEC)' \
+		$(if $(TORCH_INDEX_URL),--index-url '$(TORCH_INDEX_URL)')
+	@echo "ktserve: building ktserve (C++ kernels, Cython, gRPC stubs) and installing its packages"
+	$(PY) -m pip install --progress-bar on -e '.[test]'
 	touch $@
 
 # The OpenAI-compatible server on the embedded demo model (MODEL=dir to serve another; ARGS for
