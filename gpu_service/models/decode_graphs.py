@@ -77,7 +77,7 @@ class _Bucket:
     """Static inputs, and (once captured) the graphs and their outputs, of one (B_pad, K_pad)."""
 
     def __init__(self, batch: int, kv_pad: int, block_size: int, device: torch.device) -> None:
-        self.batch, self.kv_pad = batch, kv_pad
+        self.batch, self.kv_pad, self.block_size = batch, kv_pad, block_size
         num_blocks = kv_pad // block_size
         self.sizes = (batch, batch, batch, batch, batch * num_blocks)
         pinned = device.type == "cuda"
@@ -114,6 +114,15 @@ class _Bucket:
             slots[i] = blocks[s.start_pos // bs] * bs + s.start_pos % bs
             table[i, : len(blocks)] = blocks
 
+    def metadata(self) -> AttentionMetadata:
+        """The step's metadata, computed from the static inputs (kv_slots from the block table)."""
+        kv_slots = self.block_table[:, self.block_of] * self.block_size  # [B_pad, K_pad]
+        return AttentionMetadata(
+            positions=self.positions, slot_mapping=self.slot_mapping, q_index=self.q_index,
+            q_valid=self.q_valid, q_pos=self.positions[:, None], kv_slots=kv_slots + self.offset,
+            kv_len=self.kv_len, last_index=self.rows,
+        )  # fmt: skip
+
     def upload(self) -> None:
         self.inputs.copy_(self.host, non_blocking=True)
         if self.inputs.is_cuda:
@@ -130,6 +139,7 @@ class DecodeGraphs:
         self.model, self.config = model, config
         layers = model.layers
         self.moe_layers = tuple(i for i, layer in enumerate(layers) if isinstance(layer.mlp, MoE))
+        self.moes: tuple[MoE, ...] = tuple(layers[i].mlp for i in self.moe_layers)
         self.windows = {getattr(layer.attn, "window", None) for layer in model.layers}
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
@@ -170,8 +180,7 @@ class DecodeGraphs:
             return self._run_eager(bucket, b)
         graphs = iter(bucket.graphs)
         next(graphs).replay()
-        for j, index in enumerate(self.moe_layers):
-            moe = self.model.layers[index].mlp
+        for j, moe in enumerate(self.moes):
             x, ids, weights = bucket.segments[j].moe_in
             pending = moe.experts.submit(moe.layer, x[:b], ids[:b], weights[:b])
             if bucket.shared[j] is not None:
@@ -189,7 +198,7 @@ class DecodeGraphs:
             moe = self.model.layers[index].mlp
             x, ids, weights = out.moe_in
             pending = moe.experts.submit(moe.layer, x[:b], ids[:b], weights[:b])
-            shared = self._shared(j, x)
+            shared = moe.shared_out(x)
             routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             routed[:b] = pending.wait()
             out = self._segment(bucket, j + 1, out, routed, shared)
@@ -201,43 +210,26 @@ class DecodeGraphs:
         """Segment j: a _SegmentOut, or for the last one the logits [B_pad, V] float32."""
         model, layers = self.model, self.model.layers
         if prev is None:
-            h = model.embed[bucket.tokens]  # [B_pad, H]
-            cos, sin = model.rotary(bucket.positions)
-            kv_slots = bucket.block_table[:, bucket.block_of] * model.kv_cache.block_size
-            meta = AttentionMetadata(
-                positions=bucket.positions, slot_mapping=bucket.slot_mapping,
-                q_index=bucket.q_index, q_valid=bucket.q_valid, q_pos=bucket.positions[:, None],
-                kv_slots=kv_slots + bucket.offset, kv_len=bucket.kv_len, last_index=bucket.rows,
-            )  # fmt: skip
-            ctx = StepContext(meta=meta, cos=cos, sin=sin, kv_cache=model.kv_cache)
+            h = model.embed_tokens(bucket.tokens)  # [B_pad, H]
+            ctx = model.context(bucket.metadata())
             for window in self.windows:  # NOTE: every mask is computed here, in segment 0's graph
                 ctx.mask(window)
             first = 0
         else:
             assert routed is not None
-            mlp_out = routed.to(prev.h.dtype)
-            if shared is not None:
-                mlp_out = mlp_out + shared
+            x = prev.moe_in[0]
+            mlp_out = self.moes[j - 1].combine(routed, shared, x.dtype)
             h, ctx, first = prev.h + mlp_out, prev.ctx, self.moe_layers[j - 1] + 1
         last = self.moe_layers[j] if j < len(self.moe_layers) else len(layers)
         for layer in layers[first:last]:
             h = layer(h, ctx)
         if j == len(self.moe_layers):
-            return model.lm_head(model.norm(h)).float()
+            return model.logits(h)
         layer = layers[last]
-        h = h + layer.attn(layer.input_norm(h), ctx)
-        x = layer.post_norm(h)
-        ids, weights = layer.mlp.router(x)
+        h = layer.attend(h, ctx)
+        x = layer.mlp_input(h)
+        ids, weights = layer.mlp.route(x)
         return _SegmentOut(h, ctx, (x, ids, weights))
-
-    def _shared(self, j: int, x: torch.Tensor) -> torch.Tensor | None:
-        moe = self.model.layers[self.moe_layers[j]].mlp
-        if moe.shared is None:
-            return None
-        shared = moe.shared(x)
-        if moe.shared_gate is not None:
-            shared = torch.sigmoid(moe.shared_gate(x)) * shared
-        return shared
 
     # ------------------------------------------------------------------ capture
     def _bucket(self, batch: int, kv_len: int) -> _Bucket:
@@ -263,10 +255,10 @@ class DecodeGraphs:
         bucket.routed = torch.zeros((bucket.batch, hidden), dtype=torch.float32, device=device)
         routed = bucket.routed
         out = self._record(bucket, lambda: self._segment(bucket, 0, None, None, None))
-        for j in range(len(self.moe_layers)):
+        for j, moe in enumerate(self.moes):
             prev, shared = out, None
-            if self.model.layers[self.moe_layers[j]].mlp.shared is not None:
-                shared = self._record(bucket, lambda j=j, x=prev.moe_in[0]: self._shared(j, x))
+            if moe.shared is not None:
+                shared = self._record(bucket, lambda m=moe, x=prev.moe_in[0]: m.shared_out(x))
             bucket.segments.append(prev)
             bucket.shared.append(shared)
             out = self._record(
