@@ -5,7 +5,9 @@
     logits = lm_head(norm(h))                              # [B, V] (last tokens) or [T, V]
 
 Families (deepseek.py, qwen_moe.py, mixtral.py) build the attention and MLP modules per layer and
-hand them to `CausalLM` with the KV cache they need. Usage:
+hand them to `CausalLM` with the KV cache they need. The step is written as methods that split it
+at each MoE layer's expert call (embed_tokens, attend, mlp_input, the MoE's route / shared_out /
+combine, logits): the engine's decode graphs run the same methods segment by segment. Usage:
 
     cache = model.kv_cache.allocate(len(prompt))
     logits = model.forward(Batch((SeqInput(prompt, cache, 0),)))        # prefill, [1, V]

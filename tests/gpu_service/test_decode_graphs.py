@@ -7,8 +7,8 @@ import pytest
 import torch
 from checkpoints import available_families, make_tiny_checkpoint
 
+from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.models import Batch, CausalLM, SeqInput, TorchExperts, load_model
-from gpu_service.models.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from ktserve.checkpoint import CheckpointReader
 
 VARIANTS = {  # family, overrides: each family, a shared gate (Qwen2) and a sliding window

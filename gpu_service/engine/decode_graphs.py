@@ -1,21 +1,24 @@
 """Decode steps replayed as CUDA graphs: the GPU segments between the MoE layers' expert calls.
 
-A decode step (every sequence adds one token) splits at each MoE layer m_j's call to the experts:
+A decode step (every sequence adds one token) splits at each MoE layer m_j's call to the experts,
+each part one of the methods CausalLM.forward runs too (the layers are split there, not here):
 
-    segment 0    embed; layers before m_0; m_0's attention, post-norm and router -> x, ids, weights
+    segment 0    embed_tokens; layers before m_0; m_0.attend, .mlp_input, .mlp.route
+                 -> x, ids, weights
     host         pending = experts.submit(x, ids, weights)   (copies into the expert channels)
-    shared 0     m_0's shared expert on x                    (a graph of its own: the GPU runs it
+    shared 0     m_0.mlp.shared_out(x)                       (a graph of its own: the GPU runs it
                                                               while the CPU computes the experts)
     host         routed <- pending.wait()                   (into a static buffer)
-    segment 1    h += routed + shared; the layers up to m_1's router ...
-    segment n    h += routed + shared; the layers left; final norm; lm_head -> logits [B_pad, V]
+    segment 1    h += m_0.mlp.combine(routed, shared); the layers up to m_1's route ...
+    segment n    h += combine(...); the layers left; logits -> [B_pad, V] float32
 
 The graphs of a bucket (B_pad sequences, K_pad cached positions at most) are captured on its first
 use, into one memory pool shared by every bucket. They read static inputs that each step fills
 with one host-to-device copy: tokens, positions, slot_mapping and kv_len [B_pad], and the block
 table [B_pad, K_pad / block_size] (kv_slots are computed from it on the GPU). Padding sequences
 write their K/V to the cache's scratch slot and attend to position 0 alone; their rows are
-dropped. With capture off (no CUDA) the same segments run eagerly on the same inputs.
+dropped. With capture off (no CUDA) the same segments run eagerly on the same inputs. The
+engine's Runner builds one from a DecodeGraphConfig and sends it the decode steps that fit.
 """
 
 from __future__ import annotations
