@@ -77,9 +77,11 @@ class _SegmentOut:
 
 
 class _Bucket:
-    """Static inputs, and (once captured) the graphs and their outputs, of one (B_pad, K_pad)."""
+    """Static inputs, the experts' reply buffer, and (once captured) the graphs and their
+    outputs, of one (B_pad, K_pad)."""
 
-    def __init__(self, batch: int, kv_pad: int, block_size: int, device: torch.device) -> None:
+    def __init__(self, batch: int, kv_pad: int, block_size: int, hidden: int,
+                 device: torch.device) -> None:  # fmt: skip
         self.batch, self.kv_pad, self.block_size = batch, kv_pad, block_size
         num_blocks = kv_pad // block_size
         self.sizes = (batch, batch, batch, batch, batch * num_blocks)
@@ -95,12 +97,10 @@ class _Bucket:
         rows = torch.arange(batch, device=device)
         self.rows, self.q_index = rows, rows[:, None]
         self.q_valid = torch.ones((batch, 1), dtype=torch.bool, device=device)
+        self.routed = torch.zeros((batch, hidden), dtype=torch.float32, device=device)
         self.copied: torch.cuda.Event | None = None
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.segments: list[_SegmentOut] = []
-        self.shared: list[torch.Tensor | None] = []
-        self.routed: torch.Tensor | None = None
-        self.logits: torch.Tensor | None = None
+        self.outputs: list = []  # what each graph's stage returned when it was recorded
 
     def fill(self, batch: Batch | None, scratch_slot: int) -> None:
         """Host values of this step's sequences; every other row (all of them for None) is
@@ -131,6 +131,18 @@ class _Bucket:
         if self.inputs.is_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record()
+
+    def replayer(self) -> Callable:
+        """One step's stage runner: each call replays the next graph (recorded from the stage it
+        is given, in the order _capture recorded them) and returns that graph's outputs."""
+        recorded = iter(zip(self.graphs, self.outputs))
+
+        def replay(stage: Callable, *args):
+            graph, out = next(recorded)
+            graph.replay()
+            return out
+
+        return replay
 
 
 class DecodeGraphs:
@@ -179,38 +191,24 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ execution
     def _run(self, bucket: _Bucket, b: int) -> torch.Tensor:
-        if not self.config.capture:
-            return self._run_eager(bucket, b)
-        graphs = iter(bucket.graphs)
-        next(graphs).replay()
+        """The stages in the order _capture records them: with capture on each replays its graph,
+        with capture off it computes."""
+        run = bucket.replayer() if self.config.capture else _compute
+        out = run(self._segment, bucket, 0, None, None)
         for j, moe in enumerate(self.moes):
-            x, ids, weights = bucket.segments[j].moe_in
-            pending = moe.experts.submit(moe.layer, x[:b], ids[:b], weights[:b])
-            if bucket.shared[j] is not None:
-                next(graphs).replay()
-            assert bucket.routed is not None
-            bucket.routed[:b].copy_(pending.wait())
-            next(graphs).replay()
-        assert bucket.logits is not None
-        return bucket.logits
-
-    def _run_eager(self, bucket: _Bucket, b: int) -> torch.Tensor:
-        out = self._segment(bucket, 0, None, None, None)
-        for j, index in enumerate(self.moe_layers):
-            assert isinstance(out, _SegmentOut)
-            moe = self.model.layers[index].mlp
             x, ids, weights = out.moe_in
+            # NOTE: submit before the shared expert and wait after it: the GPU computes it while
+            # the CPU computes the routed experts
             pending = moe.experts.submit(moe.layer, x[:b], ids[:b], weights[:b])
-            shared = moe.shared_out(x)
-            routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            routed[:b] = pending.wait()
-            out = self._segment(bucket, j + 1, out, routed, shared)
-        assert isinstance(out, torch.Tensor)
+            shared = run(moe.shared_out, x) if moe.shared is not None else None
+            bucket.routed[:b].copy_(pending.wait())
+            out = run(self._segment, bucket, j + 1, out, shared)
         return out
 
     def _segment(self, bucket: _Bucket, j: int, prev: _SegmentOut | None,
-                 routed: torch.Tensor | None, shared: torch.Tensor | None):  # fmt: skip
-        """Segment j: a _SegmentOut, or for the last one the logits [B_pad, V] float32."""
+                 shared: torch.Tensor | None):  # fmt: skip
+        """Segment j (its MoE reply in bucket.routed): a _SegmentOut, or for the last one the
+        logits [B_pad, V] float32."""
         model, layers = self.model, self.model.layers
         if prev is None:
             h = model.embed_tokens(bucket.tokens)  # [B_pad, H]
@@ -219,9 +217,8 @@ class DecodeGraphs:
                 ctx.mask(window)
             first = 0
         else:
-            assert routed is not None
             x = prev.moe_in[0]
-            mlp_out = self.moes[j - 1].combine(routed, shared, x.dtype)
+            mlp_out = self.moes[j - 1].combine(bucket.routed, shared, x.dtype)
             h, ctx, first = prev.h + mlp_out, prev.ctx, self.moe_layers[j - 1] + 1
         last = self.moe_layers[j] if j < len(self.moe_layers) else len(layers)
         for layer in layers[first:last]:
@@ -241,7 +238,8 @@ class DecodeGraphs:
         k_pad = cfg.kv_bucket(kv_len, cache.block_size)
         bucket = self._buckets.get((b_pad, k_pad))
         if bucket is None:
-            bucket = _Bucket(b_pad, k_pad, cache.block_size, self.model.device)
+            hidden = self.model.config.hidden_size
+            bucket = _Bucket(b_pad, k_pad, cache.block_size, hidden, self.model.device)
             if cfg.capture:
                 self._capture(bucket)
             self._buckets[(b_pad, k_pad)] = bucket
@@ -251,40 +249,36 @@ class DecodeGraphs:
         """Graphs in replay order: segment 0, then per MoE layer [shared], next segment.
         Inputs are all padding meanwhile, so warm-up and capture write only the scratch slot."""
         start = time.perf_counter()
-        hidden = self.model.config.hidden_size
-        device = self.model.device
         bucket.fill(None, self.model.kv_cache.scratch_slot)
         bucket.upload()
-        bucket.routed = torch.zeros((bucket.batch, hidden), dtype=torch.float32, device=device)
-        routed = bucket.routed
-        out = self._record(bucket, lambda: self._segment(bucket, 0, None, None, None))
+        out = self._record(bucket, self._segment, bucket, 0, None, None)
         for j, moe in enumerate(self.moes):
-            prev, shared = out, None
+            shared = None
             if moe.shared is not None:
-                shared = self._record(bucket, lambda m=moe, x=prev.moe_in[0]: m.shared_out(x))
-            bucket.segments.append(prev)
-            bucket.shared.append(shared)
-            out = self._record(
-                bucket, lambda j=j, p=prev, s=shared: self._segment(bucket, j + 1, p, routed, s)
-            )
-        bucket.logits = out
-        torch.cuda.synchronize(device)
+                shared = self._record(bucket, moe.shared_out, out.moe_in[0])
+            out = self._record(bucket, self._segment, bucket, j + 1, out, shared)
+        torch.cuda.synchronize(self.model.device)
         self.num_graphs += len(bucket.graphs)
         log.info(
             "captured %d CUDA graphs for decode batches of %d (context up to %d) in %.2f s",
             len(bucket.graphs), bucket.batch, bucket.kv_pad, time.perf_counter() - start,
         )  # fmt: skip
 
-    def _record(self, bucket: _Bucket, segment: Callable):
+    def _record(self, bucket: _Bucket, stage: Callable, *args):
         """Warm up on a side stream, capture, replay once (so the outputs hold real values)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            segment()
+            stage(*args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = segment()
+            out = stage(*args)
         graph.replay()
         bucket.graphs.append(graph)
+        bucket.outputs.append(out)
         return out
+
+
+def _compute(stage: Callable, *args):
+    return stage(*args)
