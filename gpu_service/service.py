@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gpu_service.engine import Engine, EngineMetrics, SchedulerConfig
+from gpu_service.engine import DecodeGraphConfig, Engine, EngineMetrics, SchedulerConfig
 from gpu_service.gpu_experts import (
     HotExpertRefresher,
     HybridExperts,
@@ -16,7 +16,6 @@ from gpu_service.gpu_experts import (
     worker_activation_counts,
 )
 from gpu_service.models import KVCache, load_model
-from gpu_service.models.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.models.registry import default_device
 from gpu_service.moe_client import ExpertClientConfig, ShmExperts
 from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec
@@ -127,8 +126,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         graphs = None
         if device.type == "cuda" and config.cuda_graphs:
             max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
-            graphs = DecodeGraphs(model, DecodeGraphConfig(max_batch=max_batch))
-            graphs.warm_up()
+            graphs = DecodeGraphConfig(max_batch=max_batch)
         metrics = EngineMetrics()
         experts.on_round_trip = metrics.moe_round_trip.observe
         scheduler = SchedulerConfig(
@@ -138,7 +136,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         )
         engine = Engine(model, scheduler, eos_token_ids=eos_token_ids, decode=decode,
                         metrics=metrics, experts_stats=experts.stats,
-                        decode_graphs=graphs).start()  # fmt: skip
+                        graph_config=graphs).start()  # fmt: skip
         refresher = None
         refresh = config.gpu_experts_refresh_s > 0 and not config.expert_placement
         if isinstance(backend, HybridExperts) and refresh:

@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from gpu_service.engine.decode_graphs import DecodeGraphConfig
 from gpu_service.engine.detokenizer import Decode, Detokenizer
 from gpu_service.engine.metrics import EngineMetrics
 from gpu_service.engine.request import FinishReason, Request, RequestState, TokenEvent
 from gpu_service.engine.runner import Runner
 from gpu_service.engine.sampling import SamplingParams
 from gpu_service.engine.scheduler import Scheduler, SchedulerConfig
-from gpu_service.models.decode_graphs import DecodeGraphs
 from gpu_service.models.model import CausalLM
 
 log = logging.getLogger("ktserve.engine")
@@ -50,10 +50,11 @@ class Engine:
     def __init__(self, model: CausalLM, scheduler_config: SchedulerConfig, *,
                  eos_token_ids: Sequence[int] = (), decode: Decode | None = None,
                  metrics: EngineMetrics | None = None, experts_stats=None,
-                 decode_graphs: DecodeGraphs | None = None) -> None:  # fmt: skip
+                 graph_config: DecodeGraphConfig | None = None) -> None:  # fmt: skip
+        """graph_config: decode steps as CUDA graphs (Runner); None: every step eagerly."""
         self.model = model
         self.scheduler = Scheduler(scheduler_config, model.kv_cache)
-        self.runner = Runner(model, decode_graphs)
+        self.runner = Runner(model, graph_config)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.decode = decode
         self.metrics = metrics or EngineMetrics()

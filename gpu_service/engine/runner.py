@@ -1,15 +1,16 @@
-"""The runner executes what the scheduler decided: one forward step, then sampling. Decode steps
-go through DecodeGraphs (CUDA graphs) when it is given one and the batch fits."""
+"""The runner executes what the scheduler decided: one forward step, then sampling. Given a
+DecodeGraphConfig it builds DecodeGraphs (capturing batch 1's graphs now, the others on first
+use), and decode steps that fit go through them; everything else runs the model's forward."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
+from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.engine.sampling import SampledToken, Sampler
 from gpu_service.engine.scheduler import ScheduledStep
 from gpu_service.models.batch import Batch, SeqInput
-from gpu_service.models.decode_graphs import DecodeGraphs
 from gpu_service.models.model import CausalLM
 
 
@@ -21,9 +22,14 @@ class StepResult:
 
 
 class Runner:
-    def __init__(self, model: CausalLM, decode_graphs: DecodeGraphs | None = None) -> None:
+    def __init__(self, model: CausalLM, graph_config: DecodeGraphConfig | None = None) -> None:
+        """graph_config: None runs every step through model.forward. The model's KV cache must
+        be the one it serves with: the graphs capture its tensors."""
         self.model = model
-        self.decode_graphs = decode_graphs
+        self.decode_graphs: DecodeGraphs | None = None
+        if graph_config is not None:
+            self.decode_graphs = DecodeGraphs(model, graph_config)
+            self.decode_graphs.warm_up()
         self.sampler = Sampler()
 
     def run(self, step: ScheduledStep) -> StepResult:

@@ -5,7 +5,9 @@
     logits = lm_head(norm(h))                              # [B, V] (last tokens) or [T, V]
 
 Families (deepseek.py, qwen_moe.py, mixtral.py) build the attention and MLP modules per layer and
-hand them to `CausalLM` with the KV cache they need. Usage:
+hand them to `CausalLM` with the KV cache they need. The step is written as methods that split it
+at each MoE layer's expert call (embed_tokens, attend, mlp_input, the MoE's route / shared_out /
+combine, logits): the engine's decode graphs run the same methods segment by segment. Usage:
 
     cache = model.kv_cache.allocate(len(prompt))
     logits = model.forward(Batch((SeqInput(prompt, cache, 0),)))        # prefill, [1, V]
@@ -43,9 +45,17 @@ class DecoderLayer(nn.Module):
             RMSNorm.load(loader, f"{p}.post_attention_layernorm", hidden, eps),
         )
 
+    def attend(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The residual [T, H] after the layer's attention."""
+        return h + self.attn(self.input_norm(h), ctx)
+
+    def mlp_input(self, h: torch.Tensor) -> torch.Tensor:
+        """What the layer's MLP (dense or MoE) runs on: the post-attention norm of h [T, H]."""
+        return self.post_norm(h)
+
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        h = h + self.attn(self.input_norm(h), ctx)
-        return h + self.mlp(self.post_norm(h))
+        h = self.attend(h, ctx)
+        return h + self.mlp(self.mlp_input(h))
 
 
 class CausalLM(nn.Module):
@@ -85,22 +95,33 @@ class CausalLM(nn.Module):
                     f"sequence {s.cache.seq_id}: token ids must be in [0, {self.config.vocab_size})"
                 )
 
+    def context(self, meta: AttentionMetadata) -> StepContext:
+        """What every layer of a step shares: the metadata, its rotary angles and the cache."""
+        cos, sin = self.rotary(meta.positions)  # [T, rope_dim/2]
+        return StepContext(meta=meta, cos=cos, sin=sin, kv_cache=self.kv_cache)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed[tokens]  # [T, H]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, V] of hidden states h [N, H] after the last layer."""
+        return self.lm_head(self.norm(h)).float()
+
     @torch.inference_mode()
     def forward(self, batch: Batch, all_positions: bool = False) -> torch.Tensor:
         """float32 logits: [B, V] at each sequence's last new token, or [T, V] for every new token
         (flat, sequence after sequence; batch.cu_seqlens splits them) with all_positions=True."""
         self.check_batch(batch)
         meta = AttentionMetadata.build(batch, self.device)
-        cos, sin = self.rotary(meta.positions)  # [T, rope_dim/2]
-        ctx = StepContext(meta=meta, cos=cos, sin=sin, kv_cache=self.kv_cache)
+        ctx = self.context(meta)
         tokens = torch.tensor(
             [t for s in batch.seqs for t in s.token_ids], dtype=torch.int64, device=self.device
         )
-        h = self.embed[tokens]  # [T, H]
+        h = self.embed_tokens(tokens)  # [T, H]
         for layer in self.layers:
             h = layer(h, ctx)
         for s in batch.seqs:
             s.cache.num_tokens = s.end_pos
         if not all_positions:
             h = h[meta.last_index]  # [B, H]
-        return self.lm_head(self.norm(h)).float()
+        return self.logits(h)

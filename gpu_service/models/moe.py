@@ -109,13 +109,28 @@ class MoE(nn.Module):
         self.layer, self.router, self.shared, self.shared_gate = layer, router, shared, shared_gate
         self.experts = experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.router(x)  # [T, k] int32, [T, k] float32
-        pending = self.experts.submit(self.layer, x, ids, weights)
-        shared = None
-        if self.shared is not None:
-            shared = self.shared(x)  # [T, H]
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(x)) * shared
-        routed = pending.wait().to(x.dtype)  # [T, H]
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts each token goes to: ids [T, k] int32, weights [T, k] float32."""
+        return self.router(x)
+
+    def shared_out(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's output [T, H] (gated where the family gates it), or None."""
+        if self.shared is None:
+            return None
+        shared = self.shared(x)  # [T, H]
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(self.shared_gate(x)) * shared
+        return shared
+
+    def combine(self, routed: torch.Tensor, shared: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        """The layer's output [T, H] in `dtype` (x's) from the experts' reply and shared_out."""
+        routed = routed.to(dtype)
         return routed if shared is None else routed + shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        pending = self.experts.submit(self.layer, x, ids, weights)
+        # NOTE: the shared expert runs between submit and wait, while the experts compute
+        shared = self.shared_out(x)
+        return self.combine(pending.wait(), shared, x.dtype)

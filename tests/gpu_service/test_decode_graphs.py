@@ -3,12 +3,14 @@ forward pass of the same checkpoint, which test_models checks against transforme
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from checkpoints import available_families, make_tiny_checkpoint
 
+from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.models import Batch, CausalLM, SeqInput, TorchExperts, load_model
-from gpu_service.models.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from ktserve.checkpoint import CheckpointReader
 
 VARIANTS = {  # family, overrides: each family, a shared gate (Qwen2) and a sliding window
@@ -117,6 +119,104 @@ def test_segmented_decode_matches_eager(checkpoints, seed, name: str, device: st
             assert _rel_err(b[:scratch], a[:scratch]) < 1e-4
     if config.capture:
         assert pair.graphs.num_graphs > 0
+
+
+class _StandInGraph:
+    """A CUDA graph's stand-in on the CPU: replay recomputes the recorded stage from the same
+    arguments (static buffers, as a graph reads them) into the outputs recorded with it."""
+
+    def __init__(self, events: list[str], stage, args: tuple, out) -> None:
+        self.events, self.stage, self.args, self.out = events, stage, args, out
+
+    def replay(self) -> None:
+        self.events.append(self.stage.__name__)
+        for dst, src in zip(_tensors(self.out), _tensors(self.stage(*self.args)), strict=True):
+            dst.copy_(src)
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """What a stage hands on: logits, or the residual, the MoE input and the step context."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    meta = [getattr(out.ctx.meta, f.name) for f in dataclasses.fields(out.ctx.meta)]
+    return [out.h, *out.moe_in, out.ctx.cos, out.ctx.sin, *meta, *out.ctx._masks.values()]
+
+
+def _greedy_decode(graphs: DecodeGraphs, prompts: list[list[int]], joiner: list[int],
+                   steps: int = 12, join_at: int = 4, leave_at: int = 8) -> list:  # fmt: skip
+    """Each decode step's logits; `joiner` is prefilled at join_at and freed at leave_at."""
+    model, out = graphs.model, []
+    caches = [model.kv_cache.allocate(len(p)) for p in prompts]
+    logits = model.forward(Batch(tuple(SeqInput(p, c, 0) for p, c in zip(prompts, caches))))
+    pos, tokens = [len(p) for p in prompts], logits.argmax(-1).tolist()
+    for step in range(steps):
+        if step == join_at:
+            caches.append(model.kv_cache.allocate(len(joiner)))
+            logits = model.forward(Batch((SeqInput(joiner, caches[-1], 0),)))
+            pos.append(len(joiner))
+            tokens.append(int(logits[0].argmax()))
+        if step == leave_at:
+            model.kv_cache.free(caches.pop())
+            pos.pop()
+            tokens.pop()
+        for cache, p in zip(caches, pos):
+            model.kv_cache.extend(cache, p + 1)
+        batch = Batch(tuple(SeqInput([t], c, p) for t, c, p in zip(tokens, caches, pos)))
+        out.append(graphs.forward(batch).clone())
+        pos, tokens = [p + 1 for p in pos], out[-1].argmax(-1).tolist()
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_replay_follows_the_capture_order(checkpoints, monkeypatch, seed, name: str) -> None:
+    """The capture path's bookkeeping without CUDA: _record hands out stand-in graphs, and the
+    rest (_capture, the static buffers, _run replaying) runs as written. Over two K buckets and
+    a batch that grows and shrinks in its bucket (stale padding rows), the logits equal those of
+    capture off bit for bit, and per MoE layer a step submits, replays the shared expert's graph
+    while the experts compute, then waits."""
+    events: list[str] = []
+
+    def record(self, bucket, stage, *args):
+        out = stage(*args)
+        bucket.graphs.append(_StandInGraph(events, stage, args, out))
+        bucket.outputs.append(out)
+        return out
+
+    class Logged:
+        def __init__(self, pending) -> None:
+            self.pending = pending
+
+        def wait(self) -> torch.Tensor:
+            events.append("wait")
+            return self.pending.wait()
+
+    submit = TorchExperts.submit
+
+    def logged_submit(self, layer, x, ids, weights):
+        events.append("submit")
+        return Logged(submit(self, layer, x, ids, weights))
+
+    monkeypatch.setattr(DecodeGraphs, "_record", record)
+    monkeypatch.setattr(TorchExperts, "submit", logged_submit)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (5, 13, 2, 9)]
+    config = DecodeGraphConfig(max_batch=4, min_kv_bucket=8, capture=False)
+    eager = DecodeGraphs(_load(checkpoints[name], "cpu"), config)
+    replayed = DecodeGraphs(_load(checkpoints[name], "cpu"), config)
+    replayed.config = dataclasses.replace(config, capture=True)  # NOTE: __init__ refuses the CPU
+    want = _greedy_decode(eager, prompts[:3], prompts[3])
+    events.clear()
+    got = _greedy_decode(replayed, prompts[:3], prompts[3])
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step}"
+    last_step = ["_segment"]
+    for moe in replayed.moes:
+        last_step += ["submit", *(["shared_out"] if moe.shared is not None else []), "wait"]
+        last_step += ["_segment"]
+    assert events[-len(last_step) :] == last_step
+    per_bucket = last_step.count("_segment") + last_step.count("shared_out")
+    assert replayed.num_graphs == 2 * per_bucket  # buckets (4, 16) and (4, 32)
 
 
 def test_graphs_refuse_what_they_cannot_run(checkpoints) -> None:

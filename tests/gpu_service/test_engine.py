@@ -10,9 +10,9 @@ from checkpoints import load_reference_model, make_tiny_checkpoint
 
 from gpu_service.cli import DEMO_MODEL_DIR as DEMO_MODEL
 from gpu_service.engine import Engine, EngineError, FinishReason, SamplingParams, SchedulerConfig
+from gpu_service.engine.decode_graphs import DecodeGraphConfig
 from gpu_service.engine.detokenizer import Detokenizer
 from gpu_service.models import TorchExperts, load_model
-from gpu_service.models.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from ktserve.checkpoint import CheckpointReader
 
 
@@ -32,8 +32,7 @@ def make_engine(checkpoint, cache_tokens=4096, graphs: DecodeGraphConfig | None 
     model = load_model(checkpoint, "cpu", torch.float32, experts=experts,
                        max_num_tokens_in_cache=cache_tokens, block_size=4)  # fmt: skip
     config = SchedulerConfig(**{"max_model_len": 128, **scheduler})
-    decode_graphs = DecodeGraphs(model, graphs) if graphs is not None else None
-    return Engine(model, config, decode_graphs=decode_graphs).start()
+    return Engine(model, config, graph_config=graphs).start()
 
 
 @pytest.fixture(scope="module")

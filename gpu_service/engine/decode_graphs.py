@@ -1,21 +1,24 @@
 """Decode steps replayed as CUDA graphs: the GPU segments between the MoE layers' expert calls.
 
-A decode step (every sequence adds one token) splits at each MoE layer m_j's call to the experts:
+A decode step (every sequence adds one token) splits at each MoE layer m_j's call to the experts,
+each part one of the methods CausalLM.forward runs too (the layers are split there, not here):
 
-    segment 0    embed; layers before m_0; m_0's attention, post-norm and router -> x, ids, weights
+    segment 0    embed_tokens; layers before m_0; m_0.attend, .mlp_input, .mlp.route
+                 -> x, ids, weights
     host         pending = experts.submit(x, ids, weights)   (copies into the expert channels)
-    shared 0     m_0's shared expert on x                    (a graph of its own: the GPU runs it
+    shared 0     m_0.mlp.shared_out(x)                       (a graph of its own: the GPU runs it
                                                               while the CPU computes the experts)
     host         routed <- pending.wait()                   (into a static buffer)
-    segment 1    h += routed + shared; the layers up to m_1's router ...
-    segment n    h += routed + shared; the layers left; final norm; lm_head -> logits [B_pad, V]
+    segment 1    h += m_0.mlp.combine(routed, shared); the layers up to m_1's route ...
+    segment n    h += combine(...); the layers left; logits -> [B_pad, V] float32
 
 The graphs of a bucket (B_pad sequences, K_pad cached positions at most) are captured on its first
 use, into one memory pool shared by every bucket. They read static inputs that each step fills
 with one host-to-device copy: tokens, positions, slot_mapping and kv_len [B_pad], and the block
 table [B_pad, K_pad / block_size] (kv_slots are computed from it on the GPU). Padding sequences
 write their K/V to the cache's scratch slot and attend to position 0 alone; their rows are
-dropped. With capture off (no CUDA) the same segments run eagerly on the same inputs.
+dropped. With capture off (no CUDA) the same segments run eagerly on the same inputs. The
+engine's Runner builds one from a DecodeGraphConfig and sends it the decode steps that fit.
 """
 
 from __future__ import annotations
@@ -74,10 +77,12 @@ class _SegmentOut:
 
 
 class _Bucket:
-    """Static inputs, and (once captured) the graphs and their outputs, of one (B_pad, K_pad)."""
+    """Static inputs, the experts' reply buffer, and (once captured) the graphs and their
+    outputs, of one (B_pad, K_pad)."""
 
-    def __init__(self, batch: int, kv_pad: int, block_size: int, device: torch.device) -> None:
-        self.batch, self.kv_pad = batch, kv_pad
+    def __init__(self, batch: int, kv_pad: int, block_size: int, hidden: int,
+                 device: torch.device) -> None:  # fmt: skip
+        self.batch, self.kv_pad, self.block_size = batch, kv_pad, block_size
         num_blocks = kv_pad // block_size
         self.sizes = (batch, batch, batch, batch, batch * num_blocks)
         pinned = device.type == "cuda"
@@ -92,12 +97,10 @@ class _Bucket:
         rows = torch.arange(batch, device=device)
         self.rows, self.q_index = rows, rows[:, None]
         self.q_valid = torch.ones((batch, 1), dtype=torch.bool, device=device)
+        self.routed = torch.zeros((batch, hidden), dtype=torch.float32, device=device)
         self.copied: torch.cuda.Event | None = None
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.segments: list[_SegmentOut] = []
-        self.shared: list[torch.Tensor | None] = []
-        self.routed: torch.Tensor | None = None
-        self.logits: torch.Tensor | None = None
+        self.outputs: list = []  # what each graph's stage returned when it was recorded
 
     def fill(self, batch: Batch | None, scratch_slot: int) -> None:
         """Host values of this step's sequences; every other row (all of them for None) is
@@ -114,11 +117,32 @@ class _Bucket:
             slots[i] = blocks[s.start_pos // bs] * bs + s.start_pos % bs
             table[i, : len(blocks)] = blocks
 
+    def metadata(self) -> AttentionMetadata:
+        """The step's metadata, computed from the static inputs (kv_slots from the block table)."""
+        kv_slots = self.block_table[:, self.block_of] * self.block_size  # [B_pad, K_pad]
+        return AttentionMetadata(
+            positions=self.positions, slot_mapping=self.slot_mapping, q_index=self.q_index,
+            q_valid=self.q_valid, q_pos=self.positions[:, None], kv_slots=kv_slots + self.offset,
+            kv_len=self.kv_len, last_index=self.rows,
+        )  # fmt: skip
+
     def upload(self) -> None:
         self.inputs.copy_(self.host, non_blocking=True)
         if self.inputs.is_cuda:
             self.copied = torch.cuda.Event()
             self.copied.record()
+
+    def replayer(self) -> Callable:
+        """One step's stage runner: each call replays the next graph (recorded from the stage it
+        is given, in the order _capture recorded them) and returns that graph's outputs."""
+        recorded = iter(zip(self.graphs, self.outputs))
+
+        def replay(stage: Callable, *args):
+            graph, out = next(recorded)
+            graph.replay()
+            return out
+
+        return replay
 
 
 class DecodeGraphs:
@@ -130,6 +154,7 @@ class DecodeGraphs:
         self.model, self.config = model, config
         layers = model.layers
         self.moe_layers = tuple(i for i, layer in enumerate(layers) if isinstance(layer.mlp, MoE))
+        self.moes: tuple[MoE, ...] = tuple(layers[i].mlp for i in self.moe_layers)
         self.windows = {getattr(layer.attn, "window", None) for layer in model.layers}
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
@@ -166,78 +191,45 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ execution
     def _run(self, bucket: _Bucket, b: int) -> torch.Tensor:
-        if not self.config.capture:
-            return self._run_eager(bucket, b)
-        graphs = iter(bucket.graphs)
-        next(graphs).replay()
-        for j, index in enumerate(self.moe_layers):
-            moe = self.model.layers[index].mlp
-            x, ids, weights = bucket.segments[j].moe_in
-            pending = moe.experts.submit(moe.layer, x[:b], ids[:b], weights[:b])
-            if bucket.shared[j] is not None:
-                next(graphs).replay()
-            assert bucket.routed is not None
-            bucket.routed[:b].copy_(pending.wait())
-            next(graphs).replay()
-        assert bucket.logits is not None
-        return bucket.logits
-
-    def _run_eager(self, bucket: _Bucket, b: int) -> torch.Tensor:
-        out = self._segment(bucket, 0, None, None, None)
-        for j, index in enumerate(self.moe_layers):
-            assert isinstance(out, _SegmentOut)
-            moe = self.model.layers[index].mlp
+        """The stages in the order _capture records them: with capture on each replays its graph,
+        with capture off it computes."""
+        run = bucket.replayer() if self.config.capture else _compute
+        out = run(self._segment, bucket, 0, None, None)
+        for j, moe in enumerate(self.moes):
             x, ids, weights = out.moe_in
+            # NOTE: submit before the shared expert and wait after it: the GPU computes it while
+            # the CPU computes the routed experts
             pending = moe.experts.submit(moe.layer, x[:b], ids[:b], weights[:b])
-            shared = self._shared(j, x)
-            routed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-            routed[:b] = pending.wait()
-            out = self._segment(bucket, j + 1, out, routed, shared)
-        assert isinstance(out, torch.Tensor)
+            shared = run(moe.shared_out, x) if moe.shared is not None else None
+            bucket.routed[:b].copy_(pending.wait())
+            out = run(self._segment, bucket, j + 1, out, shared)
         return out
 
     def _segment(self, bucket: _Bucket, j: int, prev: _SegmentOut | None,
-                 routed: torch.Tensor | None, shared: torch.Tensor | None):  # fmt: skip
-        """Segment j: a _SegmentOut, or for the last one the logits [B_pad, V] float32."""
+                 shared: torch.Tensor | None):  # fmt: skip
+        """Segment j (its MoE reply in bucket.routed): a _SegmentOut, or for the last one the
+        logits [B_pad, V] float32."""
         model, layers = self.model, self.model.layers
         if prev is None:
-            h = model.embed[bucket.tokens]  # [B_pad, H]
-            cos, sin = model.rotary(bucket.positions)
-            kv_slots = bucket.block_table[:, bucket.block_of] * model.kv_cache.block_size
-            meta = AttentionMetadata(
-                positions=bucket.positions, slot_mapping=bucket.slot_mapping,
-                q_index=bucket.q_index, q_valid=bucket.q_valid, q_pos=bucket.positions[:, None],
-                kv_slots=kv_slots + bucket.offset, kv_len=bucket.kv_len, last_index=bucket.rows,
-            )  # fmt: skip
-            ctx = StepContext(meta=meta, cos=cos, sin=sin, kv_cache=model.kv_cache)
+            h = model.embed_tokens(bucket.tokens)  # [B_pad, H]
+            ctx = model.context(bucket.metadata())
             for window in self.windows:  # NOTE: every mask is computed here, in segment 0's graph
                 ctx.mask(window)
             first = 0
         else:
-            assert routed is not None
-            mlp_out = routed.to(prev.h.dtype)
-            if shared is not None:
-                mlp_out = mlp_out + shared
+            x = prev.moe_in[0]
+            mlp_out = self.moes[j - 1].combine(bucket.routed, shared, x.dtype)
             h, ctx, first = prev.h + mlp_out, prev.ctx, self.moe_layers[j - 1] + 1
         last = self.moe_layers[j] if j < len(self.moe_layers) else len(layers)
         for layer in layers[first:last]:
             h = layer(h, ctx)
         if j == len(self.moe_layers):
-            return model.lm_head(model.norm(h)).float()
+            return model.logits(h)
         layer = layers[last]
-        h = h + layer.attn(layer.input_norm(h), ctx)
-        x = layer.post_norm(h)
-        ids, weights = layer.mlp.router(x)
+        h = layer.attend(h, ctx)
+        x = layer.mlp_input(h)
+        ids, weights = layer.mlp.route(x)
         return _SegmentOut(h, ctx, (x, ids, weights))
-
-    def _shared(self, j: int, x: torch.Tensor) -> torch.Tensor | None:
-        moe = self.model.layers[self.moe_layers[j]].mlp
-        if moe.shared is None:
-            return None
-        shared = moe.shared(x)
-        if moe.shared_gate is not None:
-            shared = torch.sigmoid(moe.shared_gate(x)) * shared
-        return shared
 
     # ------------------------------------------------------------------ capture
     def _bucket(self, batch: int, kv_len: int) -> _Bucket:
@@ -246,7 +238,8 @@ class DecodeGraphs:
         k_pad = cfg.kv_bucket(kv_len, cache.block_size)
         bucket = self._buckets.get((b_pad, k_pad))
         if bucket is None:
-            bucket = _Bucket(b_pad, k_pad, cache.block_size, self.model.device)
+            hidden = self.model.config.hidden_size
+            bucket = _Bucket(b_pad, k_pad, cache.block_size, hidden, self.model.device)
             if cfg.capture:
                 self._capture(bucket)
             self._buckets[(b_pad, k_pad)] = bucket
@@ -256,40 +249,36 @@ class DecodeGraphs:
         """Graphs in replay order: segment 0, then per MoE layer [shared], next segment.
         Inputs are all padding meanwhile, so warm-up and capture write only the scratch slot."""
         start = time.perf_counter()
-        hidden = self.model.config.hidden_size
-        device = self.model.device
         bucket.fill(None, self.model.kv_cache.scratch_slot)
         bucket.upload()
-        bucket.routed = torch.zeros((bucket.batch, hidden), dtype=torch.float32, device=device)
-        routed = bucket.routed
-        out = self._record(bucket, lambda: self._segment(bucket, 0, None, None, None))
-        for j in range(len(self.moe_layers)):
-            prev, shared = out, None
-            if self.model.layers[self.moe_layers[j]].mlp.shared is not None:
-                shared = self._record(bucket, lambda j=j, x=prev.moe_in[0]: self._shared(j, x))
-            bucket.segments.append(prev)
-            bucket.shared.append(shared)
-            out = self._record(
-                bucket, lambda j=j, p=prev, s=shared: self._segment(bucket, j + 1, p, routed, s)
-            )
-        bucket.logits = out
-        torch.cuda.synchronize(device)
+        out = self._record(bucket, self._segment, bucket, 0, None, None)
+        for j, moe in enumerate(self.moes):
+            shared = None
+            if moe.shared is not None:
+                shared = self._record(bucket, moe.shared_out, out.moe_in[0])
+            out = self._record(bucket, self._segment, bucket, j + 1, out, shared)
+        torch.cuda.synchronize(self.model.device)
         self.num_graphs += len(bucket.graphs)
         log.info(
             "captured %d CUDA graphs for decode batches of %d (context up to %d) in %.2f s",
             len(bucket.graphs), bucket.batch, bucket.kv_pad, time.perf_counter() - start,
         )  # fmt: skip
 
-    def _record(self, bucket: _Bucket, segment: Callable):
+    def _record(self, bucket: _Bucket, stage: Callable, *args):
         """Warm up on a side stream, capture, replay once (so the outputs hold real values)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            segment()
+            stage(*args)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = segment()
+            out = stage(*args)
         graph.replay()
         bucket.graphs.append(graph)
+        bucket.outputs.append(out)
         return out
+
+
+def _compute(stage: Callable, *args):
+    return stage(*args)
