@@ -36,7 +36,7 @@ async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
         body.top_logprobs or 0,
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = Generation(ctx.engine, prompt_ids, params, request_id)
+    generation = Generation(ctx.engine, prompt_ids, params, request_id, prompt_param="messages")
     writer = ChatChunks(ctx, request_id, want_logprobs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

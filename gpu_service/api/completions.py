@@ -29,7 +29,7 @@ async def create_completion(request: Request, ctx: ApiContext) -> Response:
         body, ctx.max_tokens_for(prompt_ids, body.max_tokens), want_logprobs, body.logprobs or 0
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = Generation(ctx.engine, prompt_ids, params, request_id)
+    generation = Generation(ctx.engine, prompt_ids, params, request_id, prompt_param="prompt")
     writer = CompletionChunks(ctx, request_id, want_logprobs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

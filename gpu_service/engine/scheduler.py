@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from gpu_service.engine.errors import EngineError
 from gpu_service.engine.request import FinishReason, Request, RequestState
 from gpu_service.models.kv_cache import KVCache
 
@@ -124,7 +125,9 @@ class Scheduler:
         request.state = RequestState.WAITING
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+    def finish(
+        self, request: Request, reason: FinishReason, error: EngineError | None = None
+    ) -> None:
         """Take a request out, whatever its state, and free its cache."""
         if request.state == RequestState.RUNNING:
             self.running.remove(request)

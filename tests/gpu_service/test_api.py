@@ -3,6 +3,8 @@ worker, GPU service, uvicorn) running as a subprocess on a tiny checkpoint with 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -13,6 +15,25 @@ import openai
 import pytest
 from api_server import ServerProcess, make_served_checkpoint, pid_alive
 from expert_procs import shm_entries
+from starlette.requests import Request as StarletteRequest
+
+from gpu_service.api.completions import CompletionChunks
+from gpu_service.api.context import ApiContext
+from gpu_service.api.errors import ApiError
+from gpu_service.api.generation import Generation, collect
+from gpu_service.api.streaming import stream_response
+from gpu_service.engine import FinishReason, SampledToken, SamplingParams, TokenEvent
+from gpu_service.engine.errors import (
+    EngineError,
+    EngineStopped,
+    ExpertsUnavailable,
+    InvalidPrompt,
+    InvalidRequest,
+    KVCacheTooSmall,
+    PromptTooLong,
+    RequestAborted,
+    step_error,
+)
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 256
@@ -505,3 +526,84 @@ def test_dead_worker_without_restart_is_503(fragile_server):
             )
         )
     assert exc.value.status_code == 503
+
+
+# -------------------------------------------- engine errors through the API (in process)
+class ScriptedEngine:
+    """Answers add_request with the given events, or refuses it with `refusal`."""
+
+    def __init__(self, events=(), refusal: EngineError | None = None) -> None:
+        self.events = events
+        self.refusal = refusal
+        self.aborted: list[str] = []
+
+    def add_request(self, prompt_ids, params, on_event, request_id):
+        if self.refusal is not None:
+            raise self.refusal
+        for event in self.events:
+            on_event(dataclasses.replace(event, request_id=request_id))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def never_disconnects() -> StarletteRequest:
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    return StarletteRequest({"type": "http", "method": "POST", "headers": []}, receive)
+
+
+# (error, status, code, whether param names the prompt's field)
+ENGINE_ERROR_CASES = [
+    (PromptTooLong("no room"), 400, "context_length_exceeded", True),
+    (InvalidPrompt("bad ids"), 400, None, True),
+    (InvalidRequest("no tokenizer"), 400, None, False),
+    (EngineStopped("stopping"), 503, "shutting_down", False),
+    (RequestAborted("aborted"), 503, "aborted", False),
+    (ExpertsUnavailable("w is gone"), 503, "experts_unavailable", False),
+    (KVCacheTooSmall("outgrew"), 500, None, False),
+    (step_error(KeyError("boom")), 500, None, False),
+]
+OPENAI_TYPES = {400: "invalid_request_error", 503: "service_unavailable_error", 500: "server_error"}
+
+
+@pytest.mark.parametrize("error, status, code, about_prompt", ENGINE_ERROR_CASES)
+def test_engine_errors_answer_alike_wherever_they_surface(error, status, code, about_prompt):
+    """Refused by add_request, ending a non-streamed request, ending a stream at its first event
+    (all three: the status) and ending it later (the error event): one table gives the answer."""
+    ctx = ApiContext(engine=None, tokenizer=None, model_name="tiny", max_model_len=8,
+                     worker_status=list)  # fmt: skip
+    params = SamplingParams(max_tokens=2)
+    token = TokenEvent("", (SampledToken(7),), text="hi")
+    end = TokenEvent("", (), finish_reason=FinishReason.ERROR, error=error)
+    body = {"message": str(error), "type": OPENAI_TYPES[status], "param": None, "code": code}
+
+    async def surfaces() -> list[ApiError | list[str]]:
+        out: list[ApiError | list[str]] = []
+        with pytest.raises(ApiError) as refused:
+            Generation(ScriptedEngine(refusal=error), [1], params, "r0", prompt_param="prompt")
+        out.append(refused.value)
+        with pytest.raises(ApiError) as ended:
+            await collect(Generation(ScriptedEngine([token, end]), [1], params, "r1", "prompt"))
+        out.append(ended.value)
+        first = Generation(ScriptedEngine([end]), [1], params, "r2", "prompt")
+        with pytest.raises(ApiError) as at_once:
+            await stream_response(never_disconnects(), first, CompletionChunks(ctx, "r2", False),
+                                  include_usage=False)  # fmt: skip
+        out.append(at_once.value)
+        later = Generation(ScriptedEngine([token, end]), [1], params, "r3", "prompt")
+        response = await stream_response(never_disconnects(), later,
+                                         CompletionChunks(ctx, "r3", False), False)  # fmt: skip
+        out.append([chunk async for chunk in response.body_iterator])
+        return out
+
+    refused, ended, at_once, stream = asyncio.run(surfaces())
+    assert refused.status == ended.status == at_once.status == status
+    assert refused.body() == {"error": {**body, "param": "prompt" if about_prompt else None}}
+    assert ended.body() == at_once.body() == {"error": body}
+    assert [json.loads(c[6:]) for c in stream[:-1]][1:] == [{"error": body}]
+    assert stream[-1] == "data: [DONE]\n\n"
+    assert json.loads(stream[0][6:])["choices"][0]["text"] == "hi"
