@@ -27,7 +27,6 @@ async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
         prompt_ids = ctx.tokenizer.render_chat(messages)
     except (TokenizerError, ValueError) as exc:
         raise invalid(str(exc), param="messages") from exc
-    ctx.check_prompt(prompt_ids, param="messages")
     want_logprobs = body.logprobs
     params = sampling_params(
         body,

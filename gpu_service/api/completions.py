@@ -23,7 +23,6 @@ async def create_completion(request: Request, ctx: ApiContext) -> Response:
     check_request(ctx, body)
     prompt = body.single_prompt()
     prompt_ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    ctx.check_prompt(prompt_ids, param="prompt")
     want_logprobs = body.logprobs is not None
     params = sampling_params(
         body, ctx.max_tokens_for(prompt_ids, body.max_tokens), want_logprobs, body.logprobs or 0

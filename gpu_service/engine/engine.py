@@ -7,8 +7,8 @@
 
 Callers (HTTP handlers, tests) talk to it from other threads: `add_request` with a callback that
 receives TokenEvents (called on the engine thread: keep it short), `abort`, and `generate` for a
-blocking call. `add_request` raises the typed error of errors.py that refused a request; every
-request it takes ends with exactly one event carrying a
+blocking call. `add_request` validates the request first (validation.py) and raises the typed
+error of errors.py that refused it; every request it takes ends with exactly one event carrying a
 finish_reason (and, for ERROR and ABORT, the EngineError that ended it).
 """
 
@@ -26,10 +26,7 @@ from gpu_service.engine.detokenizer import Decode, Detokenizer
 from gpu_service.engine.errors import (
     EngineError,
     EngineStopped,
-    InvalidPrompt,
-    InvalidRequest,
     KVCacheTooSmall,
-    PromptTooLong,
     RequestAborted,
     step_error,
 )
@@ -38,6 +35,7 @@ from gpu_service.engine.request import FinishReason, Request, RequestState, Toke
 from gpu_service.engine.runner import Runner
 from gpu_service.engine.sampling import SamplingParams
 from gpu_service.engine.scheduler import Scheduler, SchedulerConfig
+from gpu_service.engine.validation import RequestLimits
 from gpu_service.models.decode_graphs import DecodeGraphs
 from gpu_service.models.model import CausalLM
 
@@ -63,6 +61,12 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config, model.kv_cache)
         self.runner = Runner(model, decode_graphs)
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.limits = RequestLimits(
+            max_model_len=scheduler_config.max_model_len,
+            vocab_size=model.config.vocab_size,
+            num_cache_slots=model.kv_cache.config.num_slots,
+            decodes_text=decode is not None,
+        )
         self.decode = decode
         self.metrics = metrics or EngineMetrics()
         self.experts_stats = experts_stats
@@ -87,23 +91,11 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
                     on_event: EventCallback, request_id: str | None = None) -> str:  # fmt: skip
-        """Queue a request; raises InvalidRequest (bad prompt or params) or EngineStopped."""
+        """Queue a request; raises InvalidRequest (see validation.py) or EngineStopped."""
         if self._stop.is_set():
             raise EngineStopped("the engine is shutting down")
-        if params.stop and self.decode is None:
-            raise InvalidRequest("stop strings need a tokenizer; this engine has none")
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidPrompt(f"prompt token ids must be in [0, {vocab})")
-        try:
-            request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
-        except ValueError as exc:
-            raise InvalidPrompt(str(exc)) from exc
-        limit = self.scheduler.config.max_model_len
-        if len(request.prompt_ids) >= limit:
-            raise PromptTooLong(
-                f"the prompt has {len(request.prompt_ids)} tokens; the context length is {limit}"
-            )
+        self.limits.check(prompt_ids, params)
+        request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
         detok = Detokenizer(self.decode, params.stop) if self.decode is not None else None
         self._inbox.put(("add", _Tracked(request, on_event, detok)))
         self._wake.set()
@@ -151,12 +143,7 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
-                try:
-                    self.scheduler.add(item.request)
-                except ValueError as exc:
-                    self._tracked[item.request.request_id] = item
-                    self._finish(item, FinishReason.ERROR, step_error(exc))
-                    continue
+                self.scheduler.add(item.request)
                 self._tracked[item.request.request_id] = item
                 self.metrics.prompt_tokens.inc(len(item.request.prompt_ids))
             elif kind == "abort" and item in self._tracked:
@@ -173,7 +160,7 @@ class Engine:
                 first = self._tracked[self.scheduler.waiting[0].request_id]
                 error = KVCacheTooSmall(
                     f"the request grew to {first.request.num_tokens} tokens, more than the KV "
-                    f"cache holds ({self.scheduler.kv_cache.config.num_slots} token slots)"
+                    f"cache holds ({self.limits.num_cache_slots} token slots)"
                 )
                 self._finish(first, FinishReason.ERROR, error)
             return

@@ -60,8 +60,6 @@ class Request:
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError("the prompt must have at least one token")
         seed = self.params.seed
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") >> 1

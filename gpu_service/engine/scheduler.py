@@ -60,18 +60,7 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
-        total = len(request.prompt_ids) + 1
-        if total > self.config.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(request.prompt_ids)} tokens; with one generated token that "
-                f"exceeds the context length of {self.config.max_model_len}"
-            )
-        blocks = -(-total // self.kv_cache.block_size)
-        if blocks > self.kv_cache.config.num_blocks:
-            raise ValueError(
-                f"the prompt has {len(request.prompt_ids)} tokens and can never fit the KV "
-                f"cache ({self.kv_cache.config.num_slots} token slots)"
-            )
+        """Queue a request that passed validation (it fits the context and the KV cache)."""
         self.waiting.append(request)
 
     def has_work(self) -> bool:

@@ -16,6 +16,7 @@ from gpu_service.engine.errors import (
     ExpertsUnavailable,
     InvalidPrompt,
     InvalidRequest,
+    KVCacheTooSmall,
     PromptTooLong,
     RequestAborted,
     StepFailed,
@@ -254,6 +255,27 @@ def test_bad_requests_are_refused(engine):
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     assert engine.num_waiting == engine.num_running == 0  # refused before queueing
+
+
+def test_the_kv_cache_bounds_a_request(checkpoint, seed):
+    """16 token slots: a prompt of 16 tokens is refused (with its first generated token it can
+    never fit); a prompt of 5 grows until every slot is used, then ends with KVCacheTooSmall."""
+    eng = make_engine(checkpoint, cache_tokens=16)
+    try:
+        with pytest.raises(PromptTooLong, match="can never fit the KV cache"):
+            eng.add_request([1] * 16, SamplingParams(), lambda e: None)
+        prompt = prompts(seed + 7)[0]
+        events = eng.generate(prompt, SamplingParams(max_tokens=40, temperature=0,
+                                                     ignore_eos=True))  # fmt: skip
+        after = eng.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        eng.stop()
+    assert events[-1].finish_reason == FinishReason.ERROR
+    assert isinstance(events[-1].error, KVCacheTooSmall), events[-1].error
+    assert len(tokens_of(events)) == 16 - len(prompt) + 1  # the last one sampled at slot 15
+    assert len(tokens_of(after)) == 3  # the engine goes on
+    cache = eng.scheduler.kv_cache
+    assert cache.num_free_blocks == cache.config.num_blocks
 
 
 def test_failed_steps_and_a_stop_end_requests_with_typed_errors(checkpoint, seed):
