@@ -184,50 +184,58 @@ def test_completions_text_and_token_ids(client, server):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+STOP_PROMPTS = ("Once upon a time", "Hello world!", "The quick brown fox", "Shared memory", "Hi")
+
+
 def stop_string_in(text: str) -> str | None:
-    """Two plain characters from the middle of text (not U+FFFD: an incomplete UTF-8 character
-    may decode differently once its later bytes arrive)."""
+    """Two printable characters from the middle of text, U+FFFD not among them (an incomplete
+    UTF-8 character may decode differently once its later bytes arrive)."""
     plain = [
         i
         for i in range(2, len(text) - 2)
-        if all(c.isascii() and c.isprintable() for c in text[i : i + 2])
+        if all(c.isprintable() and c != "\ufffd" for c in text[i : i + 2])
     ]
     return text[plain[len(plain) // 2] :][:2] if plain else None
 
 
+def with_a_stop_string(greedy_text) -> tuple[str, str, str]:
+    """(prompt, greedy output, stop string in it) for the first of STOP_PROMPTS whose output
+    (greedy_text(prompt)) has one: a random model's output may be all partial characters."""
+    outputs = {}
+    for prompt in STOP_PROMPTS:
+        outputs[prompt] = text = greedy_text(prompt)
+        stop = stop_string_in(text)
+        if stop is not None:
+            return prompt, text, stop
+    raise AssertionError(f"no stop string in any greedy output: {outputs}")
+
+
 def test_stop_strings_cut_the_text(client):
-    base = (
-        client.completions.create(
-            model="tiny", prompt="Once upon a time", max_tokens=40, temperature=0, extra_body=NO_EOS
-        )
-        .choices[0]
-        .text
-    )
-    assert stop_string_in(base) is not None, f"no plain characters in {base!r}"
-    stop = stop_string_in(base)
+    def complete(prompt: str, **kwargs):
+        return client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=40, temperature=0, extra_body=NO_EOS, **kwargs
+        ).choices[0]
+
+    prompt, base, stop = with_a_stop_string(lambda p: complete(p).text)
     want = base[: base.find(stop)]
-    for make_stop in (lambda s: s, lambda s: ["\x00never\x00", s]):
-        r = client.completions.create(
-            model="tiny",
-            prompt="Once upon a time",
-            max_tokens=40,
-            temperature=0,
-            stop=make_stop(stop),
-            extra_body=NO_EOS,
-        )
-        assert r.choices[0].finish_reason == "stop"
-        assert r.choices[0].text == want
-        assert stop not in r.choices[0].text
-    chunks = list(chat(client, max_tokens=40, temperature=0, extra_body=NO_EOS, stream=True))
-    text = "".join(c.choices[0].delta.content or "" for c in chunks)
-    stop = stop_string_in(text)
-    if stop is not None:
-        chunks = list(
-            chat(client, max_tokens=40, temperature=0, stop=[stop], stream=True, extra_body=NO_EOS)
-        )
-        cut = "".join(c.choices[0].delta.content or "" for c in chunks)
-        assert cut == text[: text.find(stop)]
-        assert chunks[-1].choices[0].finish_reason == "stop"
+    for stops in (stop, ["\x00never\x00", stop]):
+        choice = complete(prompt, stop=stops)
+        assert choice.finish_reason == "stop"
+        assert choice.text == want
+        assert stop not in choice.text
+
+    def chat_stream(content: str, **kwargs) -> tuple[str, str]:
+        messages = [{"role": "user", "content": content}]
+        chunks = list(chat(client, messages=messages, max_tokens=40, temperature=0,
+                           extra_body=NO_EOS, stream=True, **kwargs))  # fmt: skip
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        return text, chunks[-1].choices[0].finish_reason
+
+    content, text, stop = with_a_stop_string(lambda c: chat_stream(c)[0])
+    cut, finish_reason = chat_stream(content, stop=[stop])
+    assert finish_reason == "stop"
+    assert cut == text[: text.find(stop)]
+    assert stop not in cut
 
 
 def test_seed_reproducible(client):
