@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 import ktshm
+from gpu_service.engine.errors import ExpertsUnavailable
 from ktserve import wire
 from ktserve.names import float_dtype
 from ktserve.protocol import expert_pb2 as pb
@@ -41,10 +42,6 @@ RECONNECT_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
-
-
-class ExpertsUnavailable(RuntimeError):
-    """No answer from an expert worker within the deadline (HTTP 503 upstream)."""
 
 
 @dataclass(frozen=True)

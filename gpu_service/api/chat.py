@@ -27,7 +27,6 @@ async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
         prompt_ids = ctx.tokenizer.render_chat(messages)
     except (TokenizerError, ValueError) as exc:
         raise invalid(str(exc), param="messages") from exc
-    ctx.check_prompt(prompt_ids, param="messages")
     want_logprobs = body.logprobs
     params = sampling_params(
         body,
@@ -36,7 +35,7 @@ async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
         body.top_logprobs or 0,
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = Generation(ctx.engine, prompt_ids, params, request_id)
+    generation = Generation(ctx.engine, prompt_ids, params, request_id, prompt_param="messages")
     writer = ChatChunks(ctx, request_id, want_logprobs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

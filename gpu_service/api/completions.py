@@ -23,13 +23,12 @@ async def create_completion(request: Request, ctx: ApiContext) -> Response:
     check_request(ctx, body)
     prompt = body.single_prompt()
     prompt_ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    ctx.check_prompt(prompt_ids, param="prompt")
     want_logprobs = body.logprobs is not None
     params = sampling_params(
         body, ctx.max_tokens_for(prompt_ids, body.max_tokens), want_logprobs, body.logprobs or 0
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = Generation(ctx.engine, prompt_ids, params, request_id)
+    generation = Generation(ctx.engine, prompt_ids, params, request_id, prompt_param="prompt")
     writer = CompletionChunks(ctx, request_id, want_logprobs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

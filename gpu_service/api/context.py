@@ -1,4 +1,6 @@
-"""What the HTTP handlers need from the server: the engine, the tokenizer, limits, health."""
+"""What the HTTP handlers need from the server: the engine, the tokenizer, limits, health.
+
+Prompts are checked by the engine itself (engine/validation.py) when a Generation adds them."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
-from gpu_service.api.errors import ApiError, invalid
+from gpu_service.api.errors import ApiError
 from gpu_service.api.tokenizer import ServedTokenizer
 from gpu_service.engine import Engine
 
@@ -38,21 +40,8 @@ class ApiContext:
                 code="model_not_found",
             )
 
-    def check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
-        if not prompt_ids:
-            raise invalid("the prompt is empty", param=param)
-        if len(prompt_ids) >= self.max_model_len:
-            raise invalid(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                f"has {len(prompt_ids)} tokens, which leaves no room for a completion",
-                param=param,
-                code="context_length_exceeded",
-            )
-        vocab = self.engine.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise invalid(f"prompt token ids must be in [0, {vocab})", param=param)
-
     def max_tokens_for(self, prompt_ids: Sequence[int], requested: int | None) -> int:
-        """requested, or the room left in the context (the engine stops at its end anyway)."""
-        room = self.max_model_len - len(prompt_ids)
+        """requested, or the room left in the context (the engine stops at its end anyway; it
+        refuses a prompt that leaves no room, so that one asks for 1)."""
+        room = max(self.max_model_len - len(prompt_ids), 1)
         return room if requested is None else requested

@@ -1,4 +1,9 @@
-"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}} with a status."""
+"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}} with a status.
+
+Engine errors (engine/errors.py) become ApiErrors only through ENGINE_ERRORS, wherever they
+surface: a request add_request refused, a non-streamed request or a stream whose first event
+ends it with an error (the response's status), and a stream that fails later (its error event).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,16 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from gpu_service.engine.errors import (
+    EngineError,
+    EngineStopped,
+    ExpertsUnavailable,
+    InvalidPrompt,
+    InvalidRequest,
+    PromptTooLong,
+    RequestAborted,
+)
+
 log = logging.getLogger("ktserve.api")
 
 TYPES = {
@@ -18,6 +33,16 @@ TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     503: "service_unavailable_error",
+}
+
+# NOTE: looked up along the error's MRO: the most derived class listed wins.
+ENGINE_ERRORS: dict[type[EngineError], tuple[int, str | None]] = {  # -> (status, code)
+    PromptTooLong: (400, "context_length_exceeded"),
+    InvalidRequest: (400, None),
+    EngineStopped: (503, "shutting_down"),
+    RequestAborted: (503, "aborted"),
+    ExpertsUnavailable: (503, "experts_unavailable"),
+    EngineError: (500, None),
 }
 
 
@@ -53,6 +78,13 @@ class ApiError(Exception):
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def from_engine(exc: EngineError, prompt_param: str | None = None) -> ApiError:
+    """The ApiError of an engine error; prompt_param names the field of a bad prompt."""
+    status, code = next(ENGINE_ERRORS[c] for c in type(exc).__mro__ if c in ENGINE_ERRORS)
+    param = prompt_param if isinstance(exc, InvalidPrompt) else None
+    return ApiError(status, str(exc), param=param, code=code)
 
 
 def from_validation(exc: ValidationError | RequestValidationError) -> ApiError:

@@ -15,12 +15,11 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from gpu_service.api.errors import ApiError, invalid
-from gpu_service.engine import Engine, EngineError, FinishReason, SampledToken, SamplingParams
+from gpu_service.api.errors import ApiError, from_engine
+from gpu_service.engine import Engine, EngineError, SampledToken, SamplingParams
 from gpu_service.engine.request import TokenEvent
 
 T = TypeVar("T")
-UNAVAILABLE_MARKS = ("ExpertsUnavailable",)
 
 
 class ClientGone(Exception):
@@ -28,10 +27,16 @@ class ClientGone(Exception):
 
 
 class Generation:
-    """One engine request: iterate its events; `close()` aborts it unless it finished."""
+    """One engine request: iterate its events; `close()` aborts it unless it finished. A request
+    the engine refuses raises its ApiError here (prompt_param: the body's field of the prompt)."""
 
     def __init__(
-        self, engine: Engine, prompt_ids: Sequence[int], params: SamplingParams, request_id: str
+        self,
+        engine: Engine,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        request_id: str,
+        prompt_param: str,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -48,9 +53,7 @@ class Generation:
         try:
             engine.add_request(prompt_ids, params, on_event, request_id)
         except EngineError as exc:
-            if "shutting down" in str(exc):
-                raise ApiError(503, "the server is shutting down", code="shutting_down") from exc
-            raise invalid(str(exc)) from exc
+            raise from_engine(exc, prompt_param) from exc
 
     async def next_event(self) -> TokenEvent:
         event = await self._queue.get()
@@ -70,18 +73,7 @@ class Generation:
 
 def finish_error(event: TokenEvent) -> ApiError | None:
     """The HTTP error of a request that ended with ERROR or ABORT (None for stop and length)."""
-    if event.finish_reason == FinishReason.ERROR:
-        message = event.error or "the engine failed the request"
-        if any(mark in message for mark in UNAVAILABLE_MARKS):
-            return ApiError(
-                503, f"expert workers are unavailable: {message}", code="experts_unavailable"
-            )
-        return ApiError(500, message, type="server_error")
-    if event.finish_reason == FinishReason.ABORT:
-        return ApiError(
-            503, event.error or "the request was cancelled (the server is stopping)", code="aborted"
-        )
-    return None
+    return from_engine(event.error) if event.error is not None else None
 
 
 @dataclass

@@ -7,7 +7,9 @@
 
 Callers (HTTP handlers, tests) talk to it from other threads: `add_request` with a callback that
 receives TokenEvents (called on the engine thread: keep it short), `abort`, and `generate` for a
-blocking call. Every request ends with exactly one event carrying a finish_reason.
+blocking call. `add_request` validates the request first (validation.py) and raises the typed
+error of errors.py that refused it; every request it takes ends with exactly one event carrying a
+finish_reason (and, for ERROR and ABORT, the EngineError that ended it).
 """
 
 from __future__ import annotations
@@ -22,20 +24,24 @@ from dataclasses import dataclass
 
 from gpu_service.engine.decode_graphs import DecodeGraphConfig
 from gpu_service.engine.detokenizer import Decode, Detokenizer
+from gpu_service.engine.errors import (
+    EngineError,
+    EngineStopped,
+    KVCacheTooSmall,
+    RequestAborted,
+    step_error,
+)
 from gpu_service.engine.metrics import EngineMetrics
 from gpu_service.engine.request import FinishReason, Request, RequestState, TokenEvent
 from gpu_service.engine.runner import Runner
 from gpu_service.engine.sampling import SamplingParams
 from gpu_service.engine.scheduler import Scheduler, SchedulerConfig
+from gpu_service.engine.validation import RequestLimits
 from gpu_service.models.model import CausalLM
 
 log = logging.getLogger("ktserve.engine")
 
 EventCallback = Callable[[TokenEvent], None]
-
-
-class EngineError(RuntimeError):
-    """A request the engine cannot take (the message says why)."""
 
 
 @dataclass(eq=False)
@@ -56,6 +62,12 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config, model.kv_cache)
         self.runner = Runner(model, graph_config)
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.limits = RequestLimits(
+            max_model_len=scheduler_config.max_model_len,
+            vocab_size=model.config.vocab_size,
+            num_cache_slots=model.kv_cache.config.num_slots,
+            decodes_text=decode is not None,
+        )
         self.decode = decode
         self.metrics = metrics or EngineMetrics()
         self.experts_stats = experts_stats
@@ -80,28 +92,15 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
                     on_event: EventCallback, request_id: str | None = None) -> str:  # fmt: skip
-        """Queue a request; raises EngineError (bad prompt or params) before queueing."""
+        """Queue a request; raises InvalidRequest (see validation.py) or EngineStopped."""
         if self._stop.is_set():
-            raise EngineError("the engine is shutting down")
-        if params.stop and self.decode is None:
-            raise EngineError("stop strings need a tokenizer; this engine has none")
-        vocab = self.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise EngineError(f"prompt token ids must be in [0, {vocab})")
-        request_id = request_id or f"req-{next(self._ids)}"
-        try:
-            request = Request(request_id, list(prompt_ids), params)
-        except ValueError as exc:
-            raise EngineError(str(exc)) from exc
-        limit = self.scheduler.config.max_model_len
-        if len(request.prompt_ids) >= limit:
-            raise EngineError(
-                f"the prompt has {len(request.prompt_ids)} tokens; the context length is {limit}"
-            )
+            raise EngineStopped("the engine is shutting down")
+        self.limits.check(prompt_ids, params)
+        request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
         detok = Detokenizer(self.decode, params.stop) if self.decode is not None else None
         self._inbox.put(("add", _Tracked(request, on_event, detok)))
         self._wake.set()
-        return request_id
+        return request.request_id
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -136,7 +135,7 @@ class Engine:
                 continue
             self.step()
         for tracked in list(self._tracked.values()):
-            self._finish(tracked, FinishReason.ABORT, "the engine stopped")
+            self._finish(tracked, FinishReason.ABORT, EngineStopped("the engine stopped"))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -145,16 +144,12 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
-                try:
-                    self.scheduler.add(item.request)
-                except ValueError as exc:
-                    self._tracked[item.request.request_id] = item
-                    self._finish(item, FinishReason.ERROR, str(exc))
-                    continue
+                self.scheduler.add(item.request)
                 self._tracked[item.request.request_id] = item
                 self.metrics.prompt_tokens.inc(len(item.request.prompt_ids))
             elif kind == "abort" and item in self._tracked:
-                self._finish(self._tracked[item], FinishReason.ABORT, None)
+                aborted = RequestAborted("the request was aborted")
+                self._finish(self._tracked[item], FinishReason.ABORT, aborted)
 
     def step(self) -> None:
         """One scheduling decision and its execution (the engine thread's unit of work)."""
@@ -162,19 +157,24 @@ class Engine:
         self._update_gauges()
         if not step.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
-                # nothing can ever run it (should have been refused by add)
+                # nothing can ever run it: its prompt fit, but prompt + output outgrew the cache
                 first = self._tracked[self.scheduler.waiting[0].request_id]
-                self._finish(first, FinishReason.ERROR, "the request does not fit the KV cache")
+                error = KVCacheTooSmall(
+                    f"the request grew to {first.request.num_tokens} tokens, more than the KV "
+                    f"cache holds ({self.limits.num_cache_slots} token slots)"
+                )
+                self._finish(first, FinishReason.ERROR, error)
             return
         moe_before = self._moe_seconds()
         try:
             result = self.runner.run(step)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
             log.exception("step failed")
+            error = step_error(exc)
             for s in step.seqs:
                 tracked = self._tracked.get(s.request.request_id)
                 if tracked is not None:
-                    self._finish(tracked, FinishReason.ERROR, f"{type(exc).__name__}: {exc}")
+                    self._finish(tracked, FinishReason.ERROR, error)
             return
         transfer, wait = (b - a for a, b in zip(moe_before, self._moe_seconds()))
         self.metrics.observe_step(result.seconds, transfer, wait, step.num_tokens, result.graphed)
@@ -228,7 +228,7 @@ class Engine:
         if reason is not None:
             self._finish(tracked, reason, None)
 
-    def _finish(self, tracked: _Tracked, reason: FinishReason, error: str | None) -> None:
+    def _finish(self, tracked: _Tracked, reason: FinishReason, error: EngineError | None) -> None:
         request = tracked.request
         self.scheduler.finish(request, reason, error)
         self._tracked.pop(request.request_id, None)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gpu_service.engine.errors import EngineError
 from gpu_service.engine.sampling import SampledToken, SamplingParams
 from gpu_service.models.kv_cache import SeqCache
 
@@ -33,13 +34,14 @@ class FinishReason(enum.StrEnum):
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """What the engine reports after each step for a request: new tokens, or the end."""
+    """What the engine reports after each step for a request: new tokens, or the end. An end
+    with finish_reason ERROR or ABORT carries the error that ended it."""
 
     request_id: str
     tokens: tuple[SampledToken, ...]
     text: str = ""
     finish_reason: FinishReason | None = None
-    error: str | None = None
+    error: EngineError | None = None
     num_prompt_tokens: int = 0
 
 
@@ -53,13 +55,11 @@ class Request:
     output: list[SampledToken] = field(default_factory=list)
     cache: SeqCache | None = None
     finish_reason: FinishReason | None = None
-    error: str | None = None
+    error: EngineError | None = None
     first_token_time: float | None = None
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError("the prompt must have at least one token")
         seed = self.params.seed
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") >> 1

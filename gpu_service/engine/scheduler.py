@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from gpu_service.engine.errors import EngineError
 from gpu_service.engine.request import FinishReason, Request, RequestState
 from gpu_service.models.kv_cache import KVCache
 
@@ -59,18 +60,7 @@ class Scheduler:
         self.running: list[Request] = []
 
     def add(self, request: Request) -> None:
-        total = len(request.prompt_ids) + 1
-        if total > self.config.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(request.prompt_ids)} tokens; with one generated token that "
-                f"exceeds the context length of {self.config.max_model_len}"
-            )
-        blocks = -(-total // self.kv_cache.block_size)
-        if blocks > self.kv_cache.config.num_blocks:
-            raise ValueError(
-                f"the prompt has {len(request.prompt_ids)} tokens and can never fit the KV "
-                f"cache ({self.kv_cache.config.num_slots} token slots)"
-            )
+        """Queue a request that passed validation (it fits the context and the KV cache)."""
         self.waiting.append(request)
 
     def has_work(self) -> bool:
@@ -124,7 +114,9 @@ class Scheduler:
         request.state = RequestState.WAITING
         self.waiting.appendleft(request)
 
-    def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+    def finish(
+        self, request: Request, reason: FinishReason, error: EngineError | None = None
+    ) -> None:
         """Take a request out, whatever its state, and free its cache."""
         if request.state == RequestState.RUNNING:
             self.running.remove(request)

@@ -82,7 +82,11 @@ class CausalLM(nn.Module):
         self.kv_cache = kv_cache
 
     def check_batch(self, batch: Batch) -> None:
-        """Raises ValueError (or InvalidSequenceCache) for a batch this model cannot run."""
+        """Raises ValueError (or InvalidSequenceCache) for a batch this model cannot run: caches
+        not live or too small, ids outside the embedding table (on CUDA, indexing past it is a
+        device-side assert that breaks the context for everyone). These are invariants of the
+        batches the runner builds; requests are checked where they enter the engine
+        (engine/validation.py)."""
         for s in batch.seqs:
             self.kv_cache.check_live(s.cache)
             if s.end_pos > s.cache.capacity:

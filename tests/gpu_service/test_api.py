@@ -3,6 +3,8 @@ worker, GPU service, uvicorn) running as a subprocess on a tiny checkpoint with 
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -13,6 +15,25 @@ import openai
 import pytest
 from api_server import ServerProcess, make_served_checkpoint, pid_alive
 from expert_procs import shm_entries
+from starlette.requests import Request as StarletteRequest
+
+from gpu_service.api.completions import CompletionChunks
+from gpu_service.api.context import ApiContext
+from gpu_service.api.errors import ApiError
+from gpu_service.api.generation import Generation, collect
+from gpu_service.api.streaming import stream_response
+from gpu_service.engine import FinishReason, SampledToken, SamplingParams, TokenEvent
+from gpu_service.engine.errors import (
+    EngineError,
+    EngineStopped,
+    ExpertsUnavailable,
+    InvalidPrompt,
+    InvalidRequest,
+    KVCacheTooSmall,
+    PromptTooLong,
+    RequestAborted,
+    step_error,
+)
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 256
@@ -163,50 +184,58 @@ def test_completions_text_and_token_ids(client, server):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+STOP_PROMPTS = ("Once upon a time", "Hello world!", "The quick brown fox", "Shared memory", "Hi")
+
+
 def stop_string_in(text: str) -> str | None:
-    """Two plain characters from the middle of text (not U+FFFD: an incomplete UTF-8 character
-    may decode differently once its later bytes arrive)."""
+    """Two printable characters from the middle of text, U+FFFD not among them (an incomplete
+    UTF-8 character may decode differently once its later bytes arrive)."""
     plain = [
         i
         for i in range(2, len(text) - 2)
-        if all(c.isascii() and c.isprintable() for c in text[i : i + 2])
+        if all(c.isprintable() and c != "\ufffd" for c in text[i : i + 2])
     ]
     return text[plain[len(plain) // 2] :][:2] if plain else None
 
 
+def with_a_stop_string(greedy_text) -> tuple[str, str, str]:
+    """(prompt, greedy output, stop string in it) for the first of STOP_PROMPTS whose output
+    (greedy_text(prompt)) has one: a random model's output may be all partial characters."""
+    outputs = {}
+    for prompt in STOP_PROMPTS:
+        outputs[prompt] = text = greedy_text(prompt)
+        stop = stop_string_in(text)
+        if stop is not None:
+            return prompt, text, stop
+    raise AssertionError(f"no stop string in any greedy output: {outputs}")
+
+
 def test_stop_strings_cut_the_text(client):
-    base = (
-        client.completions.create(
-            model="tiny", prompt="Once upon a time", max_tokens=40, temperature=0, extra_body=NO_EOS
-        )
-        .choices[0]
-        .text
-    )
-    assert stop_string_in(base) is not None, f"no plain characters in {base!r}"
-    stop = stop_string_in(base)
+    def complete(prompt: str, **kwargs):
+        return client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=40, temperature=0, extra_body=NO_EOS, **kwargs
+        ).choices[0]
+
+    prompt, base, stop = with_a_stop_string(lambda p: complete(p).text)
     want = base[: base.find(stop)]
-    for make_stop in (lambda s: s, lambda s: ["\x00never\x00", s]):
-        r = client.completions.create(
-            model="tiny",
-            prompt="Once upon a time",
-            max_tokens=40,
-            temperature=0,
-            stop=make_stop(stop),
-            extra_body=NO_EOS,
-        )
-        assert r.choices[0].finish_reason == "stop"
-        assert r.choices[0].text == want
-        assert stop not in r.choices[0].text
-    chunks = list(chat(client, max_tokens=40, temperature=0, extra_body=NO_EOS, stream=True))
-    text = "".join(c.choices[0].delta.content or "" for c in chunks)
-    stop = stop_string_in(text)
-    if stop is not None:
-        chunks = list(
-            chat(client, max_tokens=40, temperature=0, stop=[stop], stream=True, extra_body=NO_EOS)
-        )
-        cut = "".join(c.choices[0].delta.content or "" for c in chunks)
-        assert cut == text[: text.find(stop)]
-        assert chunks[-1].choices[0].finish_reason == "stop"
+    for stops in (stop, ["\x00never\x00", stop]):
+        choice = complete(prompt, stop=stops)
+        assert choice.finish_reason == "stop"
+        assert choice.text == want
+        assert stop not in choice.text
+
+    def chat_stream(content: str, **kwargs) -> tuple[str, str]:
+        messages = [{"role": "user", "content": content}]
+        chunks = list(chat(client, messages=messages, max_tokens=40, temperature=0,
+                           extra_body=NO_EOS, stream=True, **kwargs))  # fmt: skip
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        return text, chunks[-1].choices[0].finish_reason
+
+    content, text, stop = with_a_stop_string(lambda c: chat_stream(c)[0])
+    cut, finish_reason = chat_stream(content, stop=[stop])
+    assert finish_reason == "stop"
+    assert cut == text[: text.find(stop)]
+    assert stop not in cut
 
 
 def test_seed_reproducible(client):
@@ -505,3 +534,84 @@ def test_dead_worker_without_restart_is_503(fragile_server):
             )
         )
     assert exc.value.status_code == 503
+
+
+# -------------------------------------------- engine errors through the API (in process)
+class ScriptedEngine:
+    """Answers add_request with the given events, or refuses it with `refusal`."""
+
+    def __init__(self, events=(), refusal: EngineError | None = None) -> None:
+        self.events = events
+        self.refusal = refusal
+        self.aborted: list[str] = []
+
+    def add_request(self, prompt_ids, params, on_event, request_id):
+        if self.refusal is not None:
+            raise self.refusal
+        for event in self.events:
+            on_event(dataclasses.replace(event, request_id=request_id))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def never_disconnects() -> StarletteRequest:
+    async def receive() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    return StarletteRequest({"type": "http", "method": "POST", "headers": []}, receive)
+
+
+# (error, status, code, whether param names the prompt's field)
+ENGINE_ERROR_CASES = [
+    (PromptTooLong("no room"), 400, "context_length_exceeded", True),
+    (InvalidPrompt("bad ids"), 400, None, True),
+    (InvalidRequest("no tokenizer"), 400, None, False),
+    (EngineStopped("stopping"), 503, "shutting_down", False),
+    (RequestAborted("aborted"), 503, "aborted", False),
+    (ExpertsUnavailable("w is gone"), 503, "experts_unavailable", False),
+    (KVCacheTooSmall("outgrew"), 500, None, False),
+    (step_error(KeyError("boom")), 500, None, False),
+]
+OPENAI_TYPES = {400: "invalid_request_error", 503: "service_unavailable_error", 500: "server_error"}
+
+
+@pytest.mark.parametrize("error, status, code, about_prompt", ENGINE_ERROR_CASES)
+def test_engine_errors_answer_alike_wherever_they_surface(error, status, code, about_prompt):
+    """Refused by add_request, ending a non-streamed request, ending a stream at its first event
+    (all three: the status) and ending it later (the error event): one table gives the answer."""
+    ctx = ApiContext(engine=None, tokenizer=None, model_name="tiny", max_model_len=8,
+                     worker_status=list)  # fmt: skip
+    params = SamplingParams(max_tokens=2)
+    token = TokenEvent("", (SampledToken(7),), text="hi")
+    end = TokenEvent("", (), finish_reason=FinishReason.ERROR, error=error)
+    body = {"message": str(error), "type": OPENAI_TYPES[status], "param": None, "code": code}
+
+    async def surfaces() -> list[ApiError | list[str]]:
+        out: list[ApiError | list[str]] = []
+        with pytest.raises(ApiError) as refused:
+            Generation(ScriptedEngine(refusal=error), [1], params, "r0", prompt_param="prompt")
+        out.append(refused.value)
+        with pytest.raises(ApiError) as ended:
+            await collect(Generation(ScriptedEngine([token, end]), [1], params, "r1", "prompt"))
+        out.append(ended.value)
+        first = Generation(ScriptedEngine([end]), [1], params, "r2", "prompt")
+        with pytest.raises(ApiError) as at_once:
+            await stream_response(never_disconnects(), first, CompletionChunks(ctx, "r2", False),
+                                  include_usage=False)  # fmt: skip
+        out.append(at_once.value)
+        later = Generation(ScriptedEngine([token, end]), [1], params, "r3", "prompt")
+        response = await stream_response(never_disconnects(), later,
+                                         CompletionChunks(ctx, "r3", False), False)  # fmt: skip
+        out.append([chunk async for chunk in response.body_iterator])
+        return out
+
+    refused, ended, at_once, stream = asyncio.run(surfaces())
+    assert refused.status == ended.status == at_once.status == status
+    assert refused.body() == {"error": {**body, "param": "prompt" if about_prompt else None}}
+    assert ended.body() == at_once.body() == {"error": body}
+    assert [json.loads(c[6:]) for c in stream[:-1]][1:] == [{"error": body}]
+    assert stream[-1] == "data: [DONE]\n\n"
+    assert json.loads(stream[0][6:])["choices"][0]["text"] == "hi"

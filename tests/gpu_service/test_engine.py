@@ -9,9 +9,19 @@ import torch
 from checkpoints import load_reference_model, make_tiny_checkpoint
 
 from gpu_service.cli import DEMO_MODEL_DIR as DEMO_MODEL
-from gpu_service.engine import Engine, EngineError, FinishReason, SamplingParams, SchedulerConfig
+from gpu_service.engine import Engine, FinishReason, SamplingParams, SchedulerConfig
 from gpu_service.engine.decode_graphs import DecodeGraphConfig
 from gpu_service.engine.detokenizer import Detokenizer
+from gpu_service.engine.errors import (
+    EngineStopped,
+    ExpertsUnavailable,
+    InvalidPrompt,
+    InvalidRequest,
+    KVCacheTooSmall,
+    PromptTooLong,
+    RequestAborted,
+    StepFailed,
+)
 from gpu_service.models import TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
 
@@ -233,16 +243,79 @@ def test_stop_token_ids_and_eos(engine, reference, seed):
 
 
 def test_bad_requests_are_refused(engine):
-    with pytest.raises(EngineError, match="context length"):
+    with pytest.raises(PromptTooLong, match="context length"):
         engine.add_request(list(range(100)) * 2, SamplingParams(), lambda e: None)
-    with pytest.raises(EngineError, match="token ids must be in"):
+    with pytest.raises(InvalidPrompt, match="token ids must be in"):
         engine.add_request([5, 101], SamplingParams(), lambda e: None)
-    with pytest.raises(EngineError, match="at least one token"):
+    with pytest.raises(InvalidPrompt, match="at least one token"):
         engine.add_request([], SamplingParams(), lambda e: None)
-    with pytest.raises(EngineError, match="need a tokenizer"):
+    with pytest.raises(InvalidRequest, match="need a tokenizer"):
         engine.add_request([1], SamplingParams(stop=("x",)), lambda e: None)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    assert engine.num_waiting == engine.num_running == 0  # refused before queueing
+
+
+def test_the_kv_cache_bounds_a_request(checkpoint, seed):
+    """16 token slots: a prompt of 16 tokens is refused (with its first generated token it can
+    never fit); a prompt of 5 grows until every slot is used, then ends with KVCacheTooSmall."""
+    eng = make_engine(checkpoint, cache_tokens=16)
+    try:
+        with pytest.raises(PromptTooLong, match="can never fit the KV cache"):
+            eng.add_request([1] * 16, SamplingParams(), lambda e: None)
+        prompt = prompts(seed + 7)[0]
+        events = eng.generate(prompt, SamplingParams(max_tokens=40, temperature=0,
+                                                     ignore_eos=True))  # fmt: skip
+        after = eng.generate(prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        eng.stop()
+    assert events[-1].finish_reason == FinishReason.ERROR
+    assert isinstance(events[-1].error, KVCacheTooSmall), events[-1].error
+    assert len(tokens_of(events)) == 16 - len(prompt) + 1  # the last one sampled at slot 15
+    assert len(tokens_of(after)) == 3  # the engine goes on
+    cache = eng.scheduler.kv_cache
+    assert cache.num_free_blocks == cache.config.num_blocks
+
+
+def test_failed_steps_and_a_stop_end_requests_with_typed_errors(checkpoint, seed):
+    """A step that raises ends its requests with the EngineError it raised, or a StepFailed that
+    chains anything else; the engine serves on. Stopping ends what runs and refuses new work."""
+    eng = make_engine(checkpoint)
+    prompt = prompts(seed + 8)[0]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    try:
+        raised = [ExpertsUnavailable("expert worker w gave no answer in 2 s"), KeyError("boom")]
+        run = eng.runner.run
+
+        def failing_run(step):
+            raise raised.pop(0)
+
+        eng.runner.run = failing_run
+        unavailable = eng.generate(prompt, params)
+        failed = eng.generate(prompt, params)
+        eng.runner.run = run
+        assert len(tokens_of(eng.generate(prompt, params))) == 4
+        events = []
+        started = threading.Event()
+
+        def on_event(e):
+            events.append(e)
+            started.set()
+
+        eng.add_request(prompt, SamplingParams(max_tokens=100, ignore_eos=True), on_event)
+        assert started.wait(60)
+    finally:
+        eng.stop()
+    assert [e.finish_reason for e in unavailable] == [FinishReason.ERROR]
+    assert type(unavailable[-1].error) is ExpertsUnavailable
+    assert [e.finish_reason for e in failed] == [FinishReason.ERROR]
+    error = failed[-1].error
+    assert isinstance(error, StepFailed) and str(error) == "KeyError: 'boom'"
+    assert isinstance(error.__cause__, KeyError)
+    assert events[-1].finish_reason == FinishReason.ABORT
+    assert isinstance(events[-1].error, EngineStopped) and len(tokens_of(events)) < 100
+    with pytest.raises(EngineStopped, match="shutting down"):
+        eng.add_request(prompt, params, lambda e: None)
 
 
 def test_abort_frees_the_cache(checkpoint, seed):
@@ -262,6 +335,7 @@ def test_abort_frees_the_cache(checkpoint, seed):
         final = eng.generate([1, 2, 3], SamplingParams(max_tokens=1))  # the engine goes on
         assert final[-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
         assert events[-1].finish_reason == FinishReason.ABORT
+        assert isinstance(events[-1].error, RequestAborted)
         assert len(tokens_of(events)) < 100
         cache = eng.scheduler.kv_cache
         assert cache.num_free_blocks == cache.config.num_blocks

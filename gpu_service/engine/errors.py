@@ -1,0 +1,61 @@
+"""What the engine refuses a request with, or ends one with. These know nothing of HTTP: the API
+turns them into statuses with one table (gpu_service/api/errors.py).
+
+    EngineError
+    ├── InvalidRequest        refused by add_request: the request can never run here
+    │   └── InvalidPrompt     an empty prompt, or token ids outside the vocabulary
+    │       └── PromptTooLong no room left for a completion (context length, KV cache)
+    ├── EngineStopped         the engine is stopping: refused, or ended while in flight
+    ├── RequestAborted        abort(request_id) ended it
+    ├── ExpertsUnavailable    an expert worker gave no answer within its deadline
+    ├── KVCacheTooSmall       the request outgrew what the KV cache can ever hold
+    └── StepFailed            the step raised anything else (chained as its __cause__)
+"""
+
+from __future__ import annotations
+
+
+class EngineError(RuntimeError):
+    """A request the engine refused or ended early; the message says why."""
+
+
+class InvalidRequest(EngineError):
+    pass
+
+
+class InvalidPrompt(InvalidRequest):
+    pass
+
+
+class PromptTooLong(InvalidPrompt):
+    pass
+
+
+class EngineStopped(EngineError):
+    pass
+
+
+class RequestAborted(EngineError):
+    pass
+
+
+class ExpertsUnavailable(EngineError):
+    """No answer from an expert worker within the deadline."""
+
+
+class KVCacheTooSmall(EngineError):
+    pass
+
+
+class StepFailed(EngineError):
+    pass
+
+
+def step_error(exc: Exception) -> EngineError:
+    """What a step that raised `exc` ends its requests with: exc itself if it is an EngineError,
+    else a StepFailed that chains it."""
+    if isinstance(exc, EngineError):
+        return exc
+    error = StepFailed(f"{type(exc).__name__}: {exc}")
+    error.__cause__ = exc
+    return error
