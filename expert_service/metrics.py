@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 if TYPE_CHECKING:
-    from expert_service.shard import ExpertShard
+    from expert_service.expert_shard import ExpertShard
 
 LATENCY_BUCKETS = (
     25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 12.8e-3, 25.6e-3,

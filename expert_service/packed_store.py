@@ -11,15 +11,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from expert_service.expert_shard import ExpertShard, LoadProgress
 from expert_service.kernels import PackedExperts
 from ktserve.checkpoint import CheckpointError, ModelSpec, validate_shard
-
-if TYPE_CHECKING:
-    from expert_service.shard import ExpertShard, LoadProgress
 
 INDEX_NAME = "ktserve-packed.json"
 FORMAT_VERSION = 1
@@ -74,8 +71,6 @@ def load(
     path: Path, experts: range | None, weight_format: str, *, progress: LoadProgress | None = None
 ) -> ExpertShard:
     """Map a converted shard back; the requested range and format must be what was converted."""
-    from expert_service.shard import ExpertShard
-
     index = json.loads((path / INDEX_NAME).read_text())
     if index.get("format_version") != FORMAT_VERSION:
         raise PackedStoreError(

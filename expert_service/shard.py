@@ -1,23 +1,17 @@
-"""The routed experts one worker holds: every MoE layer's packed weights for an expert id range.
-
-Built from a Hugging Face checkpoint (read, quantize, pack: slow) or from a `ktserve convert`
-directory (memory-mapped: seconds). Global expert ids map onto local ones here.
+"""Loading a worker's shard: from a Hugging Face checkpoint (read, quantize, pack: slow) or from a
+`ktserve convert` directory (memory-mapped: seconds, see packed_store); and a progress bar for it.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from expert_service import packed_store
+from expert_service.expert_shard import ExpertShard, LoadProgress
 from expert_service.kernels import PackedExperts, pack_experts
 from ktserve.checkpoint import (
     CheckpointReader,
-    ModelSpec,
     check_memory_available,
     estimate_shard_bytes,
     validate_shard,
@@ -25,34 +19,6 @@ from ktserve.checkpoint import (
 
 # Packed bytes per weight, scales included (int8: a scale per row; int4: per group of 32).
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0 + 4 / 2048, "int4": 0.5 + 2 / 32}
-
-LoadProgress = Callable[[int, int, int], None]  # (layers done, layers total, bytes done)
-
-
-@dataclass(frozen=True)
-class ExpertShard:
-    """Packed experts [start, stop) of every MoE layer of one model."""
-
-    spec: ModelSpec
-    source_dir: str
-    weight_format: str
-    experts: range
-    layers: dict[int, PackedExperts]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.layers.values())
-
-    @property
-    def expert_nbytes(self) -> int:
-        return next(iter(self.layers.values())).expert_nbytes
-
-    def localize(self, ids: np.ndarray) -> np.ndarray:
-        """Global expert ids [T, k] -> ids local to this shard, -1 where not held (or -1)."""
-        local = ids.astype(np.int32, copy=True)
-        local -= self.experts.start
-        local[(ids < self.experts.start) | (ids >= self.experts.stop)] = -1
-        return local
 
 
 def load_shard(

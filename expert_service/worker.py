@@ -21,9 +21,10 @@ import numpy as np
 
 import ktshm
 from expert_service.config import WorkerConfig
+from expert_service.expert_shard import ExpertShard, LoadProgress
 from expert_service.kernels import MoEKernel
 from expert_service.metrics import WorkerMetrics
-from expert_service.shard import ExpertShard, LoadProgress, load_shard
+from expert_service.shard import load_shard
 from ktserve import wire
 
 log = logging.getLogger("ktserve.expert")

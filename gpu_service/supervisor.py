@@ -4,14 +4,16 @@ Each worker is `python -m expert_service.cli expert --model M --listen 127.0.0.1
 port fixed for its life, so a restarted worker answers at the same address and the GPU side's
 ShmExperts re-attaches to it by itself. Per worker:
 
-    STARTING --prints "ktserve expert: serving"--> SERVING --exits--> EXITED
-        ^                                                                | restart_workers
-        +---------------------- respawned (after a backoff) -------------+
+    STARTING --its grpc.health.v1 says SERVING--> SERVING --exits--> EXITED
+        ^                                                              | restart_workers
+        +--------------------- respawned (after a backoff) ------------+
 
-Workers' stdout is read line by line (echoed with a "[expert i]" prefix); their stderr (load
-progress bars) goes straight to this process's stderr. Workers run in their own process group,
-so a Ctrl+C in the terminal reaches only the server, which then SIGTERMs them (they drain); on
-Linux they also get SIGTERM should the server die without stopping them.
+A worker is ready only when its health service says so (it does once its experts are loaded):
+a thread per spawn asks its grpc.health.v1 Check every POLL_S until it says SERVING or the
+process exits. Workers' stdout is only echoed, line by line with a "[expert i]" prefix; their
+stderr (load progress bars) goes straight to this process's stderr. Workers run in their own
+process group, so a Ctrl+C in the terminal reaches only the server, which then SIGTERMs them
+(they drain); on Linux they also get SIGTERM should the server die without stopping them.
 """
 
 from __future__ import annotations
@@ -26,10 +28,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gpu_service.moe_client import RECONNECT_OPTIONS
+from ktserve.protocol import expert_pb2 as pb
+
 log = logging.getLogger("ktserve.supervisor")
 
-SERVING_MARK = "ktserve expert: serving"
+# The worker's health says SERVING for this service (and for "") once its experts are loaded.
+HEALTH_SERVICE = pb.DESCRIPTOR.services_by_name["ExpertService"].full_name
 POLL_S = 0.1
+HEALTH_TIMEOUT_S = 1.0
 MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0  # a worker that lived this long restarts without delay
 PR_SET_PDEATHSIG = 1
@@ -115,6 +125,9 @@ class Supervisor:
         self.restart = restart
         self.drain_timeout_s = drain_timeout_s
         self._lock = threading.Lock()
+        # NOTE: Popen forks (preexec_fn); a thread inside a gRPC call across fork() makes gRPC
+        # skip its fork handlers and the child can abort, so spawns and health checks take turns.
+        self._fork_lock = threading.Lock()
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
 
@@ -179,16 +192,17 @@ class Supervisor:
     # ------------------------------------------------------------------ internals
     def _spawn(self, worker: _Worker) -> None:
         worker.serving.clear()
-        proc = subprocess.Popen(
-            worker.spec.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=None,
-            text=True,
-            bufsize=1,
-            process_group=0,
-            preexec_fn=_die_with_parent,
-        )
+        with self._fork_lock:
+            proc = subprocess.Popen(
+                worker.spec.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=None,
+                text=True,
+                bufsize=1,
+                process_group=0,
+                preexec_fn=_die_with_parent,
+            )
         with self._lock:
             worker.proc = proc
             worker.state = "starting"
@@ -207,16 +221,41 @@ class Supervisor:
             daemon=True,
             name=f"expert-{worker.spec.index}-stdout",
         ).start()
+        threading.Thread(
+            target=self._await_serving,
+            args=(worker, proc),
+            daemon=True,
+            name=f"expert-{worker.spec.index}-health",
+        ).start()
 
     def _pump(self, worker: _Worker, proc: subprocess.Popen) -> None:
         for line in proc.stdout:
             print(f"[expert {worker.spec.index}] {line}", end="", flush=True)
-            if SERVING_MARK in line:
-                with self._lock:
-                    if worker.proc is proc:
-                        worker.state = "serving"
-                worker.serving.set()
         proc.stdout.close()
+
+    def _await_serving(self, worker: _Worker, proc: subprocess.Popen) -> None:
+        request = health_pb2.HealthCheckRequest(service=HEALTH_SERVICE)
+        with self._fork_lock:
+            channel = grpc.insecure_channel(worker.spec.address, options=RECONNECT_OPTIONS)
+        try:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            while proc.poll() is None and not self._stopping.is_set():
+                with self._fork_lock:
+                    try:
+                        status = check(request, timeout=HEALTH_TIMEOUT_S).status
+                    except grpc.RpcError:  # not listening yet
+                        status = None
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    with self._lock:
+                        if worker.proc is not proc or worker.state != "starting":
+                            return  # NOTE: replaced or exited meanwhile: only STARTING serves
+                        worker.state = "serving"
+                    worker.serving.set()
+                    return
+                self._stopping.wait(POLL_S)
+        finally:
+            with self._fork_lock:
+                channel.close()
 
     def _watch(self) -> None:
         while not self._stopping.wait(POLL_S):

@@ -4,7 +4,7 @@ Order of start (each step fails with a clear error before the next one costs tim
 
     bind the HTTP socket          (a busy port fails before anything loads)
     load the tokenizer            (missing tokenizer files fail before the workers start)
-    start the expert workers      (Supervisor; wait until each prints that it serves), or wait
+    start the expert workers      (Supervisor; wait until each one's gRPC health serves), or wait
                                   for the workers named by --expert-address (ExternalWorkers:
                                   until each serves; their shards must cover every expert)
     build the GPU service         (model, KV cache, engine; ktshm channels attached to the workers)

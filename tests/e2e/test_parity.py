@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 
@@ -243,11 +244,31 @@ def test_gpu_experts_follow_the_traffic(checkpoints, seed):
             for e, n in enumerate(counts):
                 if e not in hot:
                     assert n == seen.get((layer, e), 0), (layer, e)
-        expected = {}
-        for layer, hot in before.items():
-            counts = experts.counts[layer].cpu().tolist()
-            ranked = sorted(range(len(counts)), key=lambda e: (-counts[e], e not in hot, e))
-            expected[layer] = sorted(ranked[:3])
+
+        def beats(e: int, f: int, counts: list[int], hot: list[int]) -> bool:
+            """Whether chosen e may stay while f is left out: more calls; on a tie, e is hot and
+            f is not (ties keep the current ones); on a tie of both, the lower id."""
+            if counts[e] != counts[f]:
+                return counts[e] > counts[f]
+            if (e in hot) != (f in hot):
+                return e in hot
+            return e < f
+
+        def expected_hot(counts: list[int], hot: list[int]) -> list[int]:
+            """By brute force: the one set of 3 whose every expert beats every one left out."""
+            valid = [
+                sorted(chosen)
+                for chosen in itertools.combinations(range(len(counts)), 3)
+                if all(beats(e, f, counts, hot)
+                       for e in chosen for f in range(len(counts)) if f not in chosen)
+            ]  # fmt: skip
+            assert len(valid) == 1, (counts, hot, valid)
+            return valid[0]
+
+        expected = {
+            layer: expected_hot(experts.counts[layer].cpu().tolist(), hot)
+            for layer, hot in before.items()
+        }
         changed = service.refresher.refresh()
         assert changed == {layer: ids for layer, ids in expected.items() if ids != before[layer]}
         assert changed, "random routing left every layer's hot set as it was"
@@ -259,6 +280,29 @@ def test_gpu_experts_follow_the_traffic(checkpoints, seed):
                 want = reference(torch.tensor([prompt])).logits[0, -1]
             assert relative_error(got[i], want) < BOUNDS[("float32", "bf16")]
         assert service.refresher.refresh() == {}  # the same traffic again: nothing to change
+        # Tied intervals (the counts the refresher reads, raised by hand): all experts alike, then
+        # two cold ones ahead and the rest alike (the third place goes to the lowest hot one).
+        num_experts = experts.reader.spec.num_experts
+        current = {layer: experts.hot_ids(layer) for layer in experts.layers}
+        assert any(ids != [0, 1, 2] for ids in current.values()), "ties would not show"
+        cold = {layer: [e for e in range(num_experts) if e not in ids][-2:]
+                for layer, ids in current.items()}  # fmt: skip
+        for interval in ("all alike", "two cold ahead"):
+            want = {}
+            for layer, counts in experts.counts.items():
+                delta = [1] * num_experts
+                if interval == "two cold ahead":
+                    delta[cold[layer][0]] = delta[cold[layer][1]] = 2
+                counts += torch.tensor(delta, dtype=counts.dtype, device=counts.device)
+                want[layer] = expected_hot(delta, current[layer])
+            if interval == "all alike":
+                assert want == current
+            else:
+                assert all(set(cold[layer]) < set(want[layer]) for layer in want)
+            changed = service.refresher.refresh()
+            assert changed == {layer: ids for layer, ids in want.items() if ids != current[layer]}
+            assert {layer: experts.hot_ids(layer) for layer in experts.layers} == want
+            current = want
     finally:
         if service is not None:
             service.close()

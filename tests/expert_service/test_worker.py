@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -141,6 +144,9 @@ def test_complementary_shards_sum_to_the_whole(checkpoints, references, procs, s
 
 def test_killed_worker_is_replaced_on_the_same_channel(checkpoints, references, procs, channel,
                                                        seed):  # fmt: skip
+    """The worker is stopped (SIGSTOP, every thread seen stopped) before the call is sent, then
+    killed: it provably never answers. A new worker attaches, the producer's wait says
+    PeerRestarted, resend_inflight re-stamps the call, and the new worker runs it."""
     family = "qwen3_moe"
     spec = ModelSpec.from_config_dir(checkpoints[family])
     rng = np.random.default_rng(seed)
@@ -150,26 +156,47 @@ def test_killed_worker_is_replaced_on_the_same_channel(checkpoints, references, 
     want = reference(references[family], layer, x, ids, weights)
 
     first = procs("--model", str(checkpoints[family]), "--format", "bf16")
-    first.attach(channel)
+    first_epoch = first.attach(channel)
     assert normalized_error(moe_call(channel, layer, x, ids, weights), want) < TOLERANCE["bf16"]
+    pid = first.proc.pid
+
+    def thread_states() -> list[str]:
+        """The state letter of each of the worker's threads (/proc/PID/task/TID/stat)."""
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except FileNotFoundError:  # the thread exited meanwhile
+                continue
+            states.append(stat.rsplit(")", 1)[1].split()[0])
+        return states
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while not all(state in "tT" for state in thread_states()):
+        assert time.monotonic() < deadline, f"pid {pid} not stopped: {thread_states()}"
+        time.sleep(0.001)
     seq = channel.send(wire.KIND_MOE, layer, [x, ids, weights], num_tokens=4)
     first.kill()
-    try:
-        channel.recv(seq, timeout=10)  # it may have answered before it died
-        channel.release(seq)
-    except ktshm.PeerDied:
-        second = procs("--model", str(checkpoints[family]), "--format", "bf16")
-        second.attach(channel)
-        with pytest.raises(ktshm.PeerRestarted):
-            channel.recv(seq, timeout=10)
-        assert channel.resend_inflight() == [seq]
-        reply = channel.recv(seq, timeout=10)
-        assert normalized_error(reply.arrays[0], want) < TOLERANCE["bf16"]
-        channel.release(seq)
-    else:
-        second = procs("--model", str(checkpoints[family]), "--format", "bf16")
-        second.attach(channel)
+    assert first.proc.returncode == -signal.SIGKILL
+    # NOTE: a wait checks the reply word again before it reports a dead peer: no reply landed.
+    with pytest.raises(ktshm.PeerDied):
+        channel.recv(seq, timeout=10)
+
+    second = procs("--model", str(checkpoints[family]), "--format", "bf16")
+    second_epoch = second.attach(channel)
+    assert second_epoch != first_epoch
+    with pytest.raises(ktshm.PeerRestarted):
+        channel.recv(seq, timeout=10)
+    stats_after_calls(second, 0)  # the call is stamped with the dead worker's epoch
+    assert channel.resend_inflight() == [seq]
+    assert channel.epoch == second_epoch
+    reply = channel.recv(seq, timeout=10)
+    assert normalized_error(reply.arrays[0], want) < TOLERANCE["bf16"]
+    channel.release(seq)
+    stats_after_calls(second, 1)  # the resent call is the new worker's first
     assert normalized_error(moe_call(channel, layer, x, ids, weights), want) < TOLERANCE["bf16"]
+    stats_after_calls(second, 2)
 
 
 def test_bad_calls_get_error_replies_and_the_worker_keeps_serving(checkpoints, procs, channel):

@@ -1,0 +1,43 @@
+"""The routed experts one worker holds: every MoE layer's packed weights for an expert id range.
+
+Only the data; the loaders (`shard.load_shard` from a checkpoint, `packed_store.load` from a
+`ktserve convert` directory) build it. Global expert ids map onto local ones here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from expert_service.kernels import PackedExperts
+from ktserve.checkpoint import ModelSpec
+
+LoadProgress = Callable[[int, int, int], None]  # (layers done, layers total, bytes done)
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Packed experts [start, stop) of every MoE layer of one model."""
+
+    spec: ModelSpec
+    source_dir: str
+    weight_format: str
+    experts: range
+    layers: dict[int, PackedExperts]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.layers.values())
+
+    @property
+    def expert_nbytes(self) -> int:
+        return next(iter(self.layers.values())).expert_nbytes
+
+    def localize(self, ids: np.ndarray) -> np.ndarray:
+        """Global expert ids [T, k] -> ids local to this shard, -1 where not held (or -1)."""
+        local = ids.astype(np.int32, copy=True)
+        local -= self.experts.start
+        local[(ids < self.experts.start) | (ids >= self.experts.stop)] = -1
+        return local
