@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(REPO))
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 NUM_TOKENS = 32
 
 
 def make(out: Path, seed: int) -> None:
-    from checkpoints import load_reference_model, make_tiny_checkpoint
+    from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 
     g = torch.Generator().manual_seed(seed)
     for family in FAMILIES:

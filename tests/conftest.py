@@ -1,20 +1,10 @@
-"""Shared pytest setup: the repo root (the packages) and `tests/` (helper modules such as
-checkpoints.py) are importable however pytest is started."""
+"""Shared pytest setup: the run's random seed. The repo root is on sys.path (pyproject.toml's
+pytest `pythonpath`), so the packages and the helpers (tests.support) import as packages."""
 
 import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
-
-_TESTS_DIR = Path(__file__).resolve().parent
-# NOTE: the repo root goes first so that `expert_service` is the package, not tests/expert_service.
-for _path in (str(_TESTS_DIR.parent), str(_TESTS_DIR)):
-    if _path in sys.path:
-        sys.path.remove(_path)
-sys.path[:0] = [str(_TESTS_DIR.parent), str(_TESTS_DIR)]
-
 
 # One random seed per run, printed with pytest's summary (a test that fails after the fixture's
 # first use does not show the fixture's own print); KTSERVE_TEST_SEED=N reproduces a run.

@@ -10,17 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from checkpoints import (
-    FP8_OVERRIDES,
-    available_families,
-    dequantize_fp8_reference,
-    load_reference_model,
-    make_tiny_checkpoint,
-    moe_block,
-    moe_layer_indices,
-    reference_expert_weights,
-    tiny_config,
-)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -47,6 +36,17 @@ from ktserve.checkpoint import (
     estimate_shard_bytes,
     parse_expert_range,
     validate_shard,
+)
+from tests.support.checkpoints import (
+    FP8_OVERRIDES,
+    available_families,
+    dequantize_fp8_reference,
+    load_reference_model,
+    make_tiny_checkpoint,
+    moe_block,
+    moe_layer_indices,
+    reference_expert_weights,
+    tiny_config,
 )
 
 FAMILIES = available_families()

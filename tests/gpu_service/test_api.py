@@ -11,8 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from api_server import ServerProcess, make_served_checkpoint, pid_alive
-from expert_procs import shm_entries
+
+from tests.support.api_server import ServerProcess, make_served_checkpoint, pid_alive
+from tests.support.expert_procs import shm_entries
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 256

@@ -12,10 +12,10 @@ import time
 import numpy as np
 import posix_ipc
 import pytest
-from consumer_proc import KIND_BUSY, KIND_ECHO, KIND_EXIT, KIND_HANG, checksum
 from ktshm.channel import SEGMENT_PREFIX, new_channel_name
 
 import ktshm
+from tests.support.consumer_proc import KIND_BUSY, KIND_ECHO, KIND_EXIT, KIND_HANG, checksum
 
 FAST = ktshm.ChannelConfig(num_slots=8, region_bytes=1 << 16, spin_us=50, peer_timeout_s=0.3)
 

@@ -9,12 +9,12 @@ import sys
 import grpc
 import numpy as np
 import pytest
-from watched_process import WatchedProcess
 
 import ktshm
 from ktserve import wire
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.protocol import expert_pb2_grpc as pb_grpc
+from tests.support.watched_process import WatchedProcess
 
 FORMAT_PB = {"bf16": pb.WEIGHT_FORMAT_BF16, "int8": pb.WEIGHT_FORMAT_INT8,
              "int4": pb.WEIGHT_FORMAT_INT4}  # fmt: skip

@@ -1,0 +1,1 @@
+"""What the tests share: tiny checkpoints, real subprocesses and their clients."""
