@@ -33,18 +33,24 @@ import argparse
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
+
 from peer_kt_kernel import FORMATS as PEER_FORMATS
 from peer_kt_kernel import OURS as PEER_OURS
-from peer_kt_kernel import KtLayer, KtPeer, build_layers, load_kt_kernel, rel_err
+from peer_kt_kernel import KtLayer, KtPeer, build_layers, load_kt_kernel, rel_err, tiled_bf16
 from peer_kt_kernel import expert_nbytes as peer_expert_nbytes
 
 from expert_service.kernels import MoEKernel, PackedExperts, default_isa, pack_experts
+from tests.support.reference_moe import reference_moe
 
 
 @dataclass(frozen=True)
@@ -251,29 +257,21 @@ def moe_flops(shape: Shape, T: int) -> float:
 
 
 def bench_torch_loop(cfg: BenchConfig, shape: Shape, rng: torch.Generator) -> Row:
-    """Plain PyTorch bf16 loop over the selected experts at T=1, cfg.repeats times."""
+    """The reference MoE in bf16 (tests.support.reference_moe: a plain PyTorch loop over the
+    selected experts) at T=1, cfg.repeats times."""
     torch.set_num_threads(cfg.threads)
     E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size  # noqa: E741
     layer_bytes = 3 * E * H * I * 2
     layers = cfg.layers or max(1, math.ceil(cfg.min_llc_multiple * cfg.llc_bytes / layer_bytes))
-    seed_w = torch.randn(SEED_EXPERTS, 3, I, H, generator=rng).mul_(0.02).bfloat16()
-    weights = []
-    for _ in range(layers):
-        w = torch.empty(E, 3, I, H, dtype=torch.bfloat16)
-        w.copy_(seed_w.repeat(math.ceil(E / SEED_EXPERTS), 1, 1, 1)[:E])
-        weights.append(w)
+    seeds = [torch.randn(SEED_EXPERTS, *dims, generator=rng).mul_(0.02).bfloat16()
+             for dims in ((I, H), (I, H), (H, I))]  # fmt: skip
+    weights = [[tiled_bf16(s, E) for s in seeds] for _ in range(layers)]  # gate, up, down
     routes = [routing(rng, 1, shape) for _ in range(64)]
     x = torch.randn(1, H, generator=rng).bfloat16()
 
     def call(i: int) -> torch.Tensor:
         ids, w = routes[i % len(routes)]
-        layer = weights[i % layers]
-        y = torch.zeros(1, H, dtype=torch.bfloat16)
-        for j in range(shape.top_k):
-            gu = layer[int(ids[0, j])]
-            h = torch.nn.functional.silu(x @ gu[0].T) * (x @ gu[1].T)
-            y += w[0, j] * (h @ gu[2])  # down stored transposed: [I, H]
-        return y
+        return reference_moe(x, ids, w, *weights[i % layers], dtype=torch.bfloat16)
 
     nbytes = shape.top_k * 3 * H * I * 2
     s = Series("torch bf16 loop", "torch", 1, "bf16", False, nbytes, moe_flops(shape, 1), call)
