@@ -23,8 +23,8 @@ NUMA-job thread as worker 0 plus N - 1 pool threads, pinned to cores 0..N-1 of N
 its task-queue thread, which busy-waits on them during a call; the caller sleeps in sync(). Ours
 counts the caller as one of its N. Its pool threads spin 50 ms after a call before they sleep.
 
-    python bench/peer_kt_kernel.py --selfcheck [--threads 4] [--formats int8,int4,int4g32]
-    python bench/peer_kt_kernel.py --check-packer     # pure torch, runs anywhere
+    python bench/peers/kt_kernel.py --selfcheck [--threads 4] [--formats int8,int4,int4g32]
+    python bench/peers/kt_kernel.py --check-packer     # pure torch, runs anywhere
 
 --selfcheck checks kt-kernel's forward (each format, T = 1, 4, 32: its decode and prefill paths) on
 a small layer against the plain torch fp32 MoE (tests.support.reference_moe) over the same bf16
@@ -50,10 +50,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
-
-from tests.support.reference_moe import reference_moe
 
 # peer format -> kt_kernel_ext.moe class
 FORMATS = {"int8": "AMXInt8_MOE", "int4": "AMXInt4_MOE", "int4g32": "AMXInt4_KGroup_MOE"}
@@ -521,6 +517,8 @@ def run_packer_check() -> bool:
 
 def selfcheck(threads: int, formats: tuple[str, ...] = tuple(FORMATS)) -> int:
     """kt-kernel vs a torch fp32 reference on a small layer; 0 when every error is in limits."""
+    from tests.support.reference_moe import reference_moe
+
     ok = run_packer_check()
     kt, why = load_kt_kernel()
     if kt is None:
@@ -595,4 +593,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # NOTE: run by path, bench/peers/ comes first on sys.path and this file would stand in for the
+    # kt_kernel package it loads: the repo root (this tree's packages and tests) takes its place.
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
     main()
