@@ -1,14 +1,21 @@
-"""Shared pytest setup: the run's random seed. The repo root is on sys.path (pyproject.toml's
-pytest `pythonpath`), so the packages and the helpers (tests.support) import as packages."""
+"""Shared pytest setup: the run's random seed and the tag of its ktshm names. The repo root is on
+sys.path (pyproject.toml's pytest `pythonpath`), so the packages and the helpers (tests.support)
+import as packages."""
 
 import os
 import random
+import secrets
 
 import pytest
 
 # One random seed per run, printed with pytest's summary (a test that fails after the fixture's
 # first use does not show the fixture's own print); KTSERVE_TEST_SEED=N reproduces a run.
 RUN_SEED = int(os.environ.get("KTSERVE_TEST_SEED", random.randrange(2**31)))
+
+# NOTE: set before any test starts a process (children inherit it): every ktshm name this run
+# creates carries the tag (ktshm.NAME_TAG_ENV), so the segment checks count this run's shared
+# memory only, never another ktserve process's on the machine (tests/support/expert_procs.py).
+os.environ["KTSHM_NAME_TAG"] = f"t{secrets.token_hex(4)}"
 
 
 @pytest.fixture(scope="module")
