@@ -18,15 +18,12 @@ import threading
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from worker_process import start_worker  # noqa: E402
-
-from gpu_service.engine import SamplingParams  # noqa: E402
-from gpu_service.service import GPUServiceConfig, build_gpu_service  # noqa: E402
+from bench.common import DEMO_MODEL, Column, default_device, print_table
+from bench.worker_process import expert_worker
+from gpu_service.engine import SamplingParams
+from gpu_service.service import GPUServiceConfig, build_gpu_service
 
 
 def histogram_sum(metric, **labels) -> tuple[float, float]:
@@ -60,13 +57,13 @@ def run_batch(service, batch: int, tokens: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(REPO / "demo_model"))
+    parser.add_argument("--model", default=str(DEMO_MODEL))
     parser.add_argument("--format", default="int8")
     parser.add_argument("--threads", type=int, default=1, help="expert worker threads")
     parser.add_argument("--batch", default="1,8")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=default_device())
     parser.add_argument("--graphs", default="on,off", help="CUDA graphs settings to compare")
     parser.add_argument("--spin-us", default="",
                         help="worker spin settings to compare (channel thread and kernel pool), "
@@ -78,8 +75,7 @@ def main() -> None:
     spins = [float(v) for v in args.spin_us.split(",")] if args.spin_us else [None]
     rows = []
     for spin in spins:
-        proc, address = start_worker(Path(args.model), args.format, args.threads, spin)
-        try:
+        with expert_worker(args.model, args.format, args.threads, spin) as address:
             for graphs in modes:
                 service = build_gpu_service(GPUServiceConfig(
                     model_dir=args.model, workers=(address,), device=args.device,
@@ -96,25 +92,25 @@ def main() -> None:
                         raise SystemExit("CUDA graphs were asked for but no step ran as graphs")
                 finally:
                     service.close()
-        finally:
-            proc.terminate()
-            proc.wait(30)
     print(f"generation through ktserve: {Path(args.model).name}, GPU part {args.dtype} on "
           f"{args.device}, 1 expert worker ({args.format}, {args.threads} threads), "
           f"{args.tokens} new tokens per request, KV cache {cache.num_slots} tokens (sized by "
           f"the service)")  # fmt: skip
-    print(f"{'spin us':>7} | {'graphs':>6} | {'batch':>5} | {'tok/s':>8} | {'vs off':>6} | "
-          f"{'steps':>5} | {'ms/step':>8} | {'gpu ms':>7} | {'transfer ms':>11} | "
-          f"{'expert wait ms':>14}")  # fmt: skip
+    columns = [Column("spin us", 7), Column("graphs", 6), Column("batch", 5), Column("tok/s", 8),
+               Column("vs off", 6), Column("steps", 5), Column("ms/step", 8), Column("gpu ms", 7),
+               Column("transfer ms", 11), Column("expert wait ms", 14)]  # fmt: skip
     eager = {(spin, b): r["tok/s"] for spin, graphs, b, r in rows if not graphs}
+    cells = []
     for spin, graphs, batch, r in rows:
         total = r["gpu"] + r["transfer"] + r["expert_wait"]
         base = eager.get((spin, batch))
-        ratio = f"{r['tok/s'] / base:.2f}x" if base else "-"
-        spin_text = "default" if spin is None else f"{spin:.0f}"
-        print(f"{spin_text:>7} | {'on' if graphs else 'off':>6} | {batch:>5} | "
-              f"{r['tok/s']:>8.1f} | {ratio:>6} | {int(r['steps']):>5} | {total:>8.2f} | "
-              f"{r['gpu']:>7.2f} | {r['transfer']:>11.2f} | {r['expert_wait']:>14.2f}")  # fmt: skip
+        cells.append([
+            "default" if spin is None else f"{spin:.0f}", "on" if graphs else "off", str(batch),
+            f"{r['tok/s']:.1f}", f"{r['tok/s'] / base:.2f}x" if base else "-",
+            str(int(r["steps"])), f"{total:.2f}", f"{r['gpu']:.2f}", f"{r['transfer']:.2f}",
+            f"{r['expert_wait']:.2f}",
+        ])  # fmt: skip
+    print_table(columns, cells, rule=False)
 
 
 if __name__ == "__main__":

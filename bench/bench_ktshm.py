@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import time
+import sys
 from concurrent import futures
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages
+
 import ktshm
+from bench.common import Column, latency_samples_us, print_table
 
 GRPC_METHOD = "/ktserve.bench.Echo/Echo"
 
@@ -66,18 +70,6 @@ def pipe_peer(conn) -> None:
 
 
 # ----------------------------------------------------------------------------- clients
-def timed(step, iters: int) -> np.ndarray:
-    warmup = max(iters // 20, 10)
-    for _ in range(warmup):
-        step()
-    samples = np.empty(iters, dtype=np.float64)
-    for i in range(iters):
-        t0 = time.perf_counter_ns()
-        step()
-        samples[i] = time.perf_counter_ns() - t0
-    return samples / 1e3
-
-
 def bench_ktshm(ctx, size: int, iters: int, spin_us: float) -> np.ndarray:
     config = ktshm.ChannelConfig(num_slots=4, region_bytes=max(size, 4096), spin_us=spin_us)
     payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
@@ -90,7 +82,7 @@ def bench_ktshm(ctx, size: int, iters: int, spin_us: float) -> np.ndarray:
             out = channel.call(0, 0, [payload])
             assert out[0].nbytes == size
 
-        samples = timed(step, iters)
+        samples = latency_samples_us(step, iters)
     peer.join(timeout=10)
     return samples
 
@@ -115,7 +107,7 @@ def bench_grpc(ctx, size: int, iters: int) -> np.ndarray:
         def step():
             assert len(echo(payload, timeout=10)) == size
 
-        samples = timed(step, iters)
+        samples = latency_samples_us(step, iters)
     stop.set()
     peer.join(timeout=10)
     return samples
@@ -131,7 +123,7 @@ def bench_pipe(ctx, size: int, iters: int) -> np.ndarray:
         parent.send_bytes(payload)
         assert len(parent.recv_bytes()) == size
 
-    samples = timed(step, iters)
+    samples = latency_samples_us(step, iters)
     parent.send_bytes(b"")
     peer.join(timeout=10)
     return samples
@@ -161,14 +153,14 @@ def main() -> None:
             rows.append((size, name, iters, p50, p99, p50 / spin_p50))
 
     print(f"round-trip latency between two processes ({mp.cpu_count()} CPUs)")
-    print(
-        f"{'payload':>9} | {'transport':<12} | {'iters':>6} | {'p50 us':>9} | {'p99 us':>9} "
-        f"| {'p50 / ktshm spin':>16}"
-    )
-    print("-" * 78)
+    columns = [Column("payload", 9), Column("transport", 12, "<"), Column("iters", 6),
+               Column("p50 us", 9), Column("p99 us", 9),
+               Column("p50 / ktshm spin", 16)]  # fmt: skip
+    cells = []
     for size, name, iters, p50, p99, ratio in rows:
         label = f"{size // 1024} KiB" if size < (1 << 20) else f"{size >> 20} MiB"
-        print(f"{label:>9} | {name:<12} | {iters:>6} | {p50:>9.1f} | {p99:>9.1f} | {ratio:>15.1f}x")
+        cells.append([label, name, str(iters), f"{p50:.1f}", f"{p99:.1f}", f"{ratio:.1f}x"])
+    print_table(columns, cells)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ PyTorch bf16 loop over the selected experts at T=1 (the baseline). Prints one ta
 --repeats N times every (shape, impl, T) N times, interleaved: round-robin over the token counts
 and between ours and the peer, so that drift hits all alike (the PyTorch loop: N times in a row);
 the table gives the median and the min-max. --peer kt-kernel adds kt-kernel's MoE
-(bench/peer_kt_kernel.py) on the same shapes, routings, inputs and thread count, in the formats
+(bench/peers/kt_kernel.py) on the same shapes, routings, inputs and thread count, in the formats
 --peer-formats names: int8 and int4 (AMX, one scale per row) from the same bf16 weights quantized
 by its own loader, int4g32 (its RAWINT4 kernel, one scale per group of 32 as ours) from the same
 bf16 weights quantized here into its layout; "ours/kt" = our time / its time for the same shape and
@@ -33,18 +33,31 @@ import argparse
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
-from peer_kt_kernel import FORMATS as PEER_FORMATS
-from peer_kt_kernel import OURS as PEER_OURS
-from peer_kt_kernel import KtLayer, KtPeer, build_layers, load_kt_kernel, rel_err
-from peer_kt_kernel import expert_nbytes as peer_expert_nbytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
+
+from bench.common import Column, DramMeter, llc_bytes, print_table, time_calls
+from bench.peers.kt_kernel import FORMATS as PEER_FORMATS
+from bench.peers.kt_kernel import OURS as PEER_OURS
+from bench.peers.kt_kernel import (
+    KtLayer,
+    KtPeer,
+    build_layers,
+    load_kt_kernel,
+    rel_err,
+    tiled_bf16,
+)
+from bench.peers.kt_kernel import expert_nbytes as peer_expert_nbytes
 from expert_service.kernels import MoEKernel, PackedExperts, default_isa, pack_experts
+from tests.support.reference_moe import reference_moe
 
 
 @dataclass(frozen=True)
@@ -113,53 +126,6 @@ class BenchConfig:
         return (*self.decode_tokens, *((self.prefill_tokens,) if self.prefill_tokens else ()))
 
 
-def llc_bytes() -> int:
-    best = 0
-    base = "/sys/devices/system/cpu/cpu0/cache"
-    for entry in os.listdir(base) if os.path.isdir(base) else []:
-        try:
-            with open(f"{base}/{entry}/size") as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
-        best = max(best, int(text.rstrip("KMG")) * mult)
-    return best or 32 << 20
-
-
-def dram_read_gbs(threads: int, gb: float) -> float:
-    """Best of 3 torch.sum passes over a buffer of `gb` GB at `threads` torch threads."""
-    torch.set_num_threads(threads)
-    buf = torch.ones(int(gb * 1e9) // 4, dtype=torch.float32)
-    best = 0.0
-    for _ in range(4):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = max(best, buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
-    return best
-
-
-def stream_read_gbs(threads: int, gb: float, pin: bool) -> float:
-    """Best of 4 plain streaming reads of `gb` GB on a kernel pool like the one timed (same thread
-    count and pinning; each thread one contiguous slice, the ISA's widest loads)."""
-    buf = np.ones(int(gb * 1e9) // 8, dtype=np.uint64)
-    best = 0.0
-    with MoEKernel(threads, pin=pin) as kernel:
-        for _ in range(4):
-            t0 = time.perf_counter()
-            kernel.stream_read(buf)
-            best = max(best, buf.nbytes / (time.perf_counter() - t0) / 1e9)
-    return best
-
-
-def dram_sample(cfg: BenchConfig, label: str, samples: list[tuple[str, float, float]]) -> None:
-    summed = dram_read_gbs(cfg.threads, cfg.dram_gb)
-    streamed = stream_read_gbs(cfg.threads, cfg.dram_gb, cfg.pin)
-    samples.append((label, summed, streamed))
-    print(f"DRAM read ({label}): torch.sum {summed:.1f} GB/s, kernel threads {streamed:.1f} GB/s",
-          flush=True)  # fmt: skip
-
-
 def routing(rng: torch.Generator, T: int, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
     scores = torch.rand(T, shape.num_experts, generator=rng)
     w, ids = scores.topk(shape.top_k, dim=1)
@@ -178,17 +144,6 @@ def replicate(seed: PackedExperts, num_experts: int) -> PackedExperts:
     return PackedExperts.from_tensors(
         seed.fmt, num_experts, seed.hidden_size, seed.intermediate_size, tensors
     )
-
-
-def time_calls(fn: Callable[[int], object], min_seconds: float, min_calls: int = 8) -> float:
-    """Mean seconds per call over at least min_calls calls and min_seconds (after 2 warm-ups)."""
-    fn(0)
-    fn(1)
-    calls, t0 = 0, time.perf_counter()
-    while calls < min_calls or time.perf_counter() - t0 < min_seconds:
-        fn(calls)
-        calls += 1
-    return (time.perf_counter() - t0) / calls
 
 
 @dataclass(frozen=True)
@@ -251,29 +206,21 @@ def moe_flops(shape: Shape, T: int) -> float:
 
 
 def bench_torch_loop(cfg: BenchConfig, shape: Shape, rng: torch.Generator) -> Row:
-    """Plain PyTorch bf16 loop over the selected experts at T=1, cfg.repeats times."""
+    """The reference MoE in bf16 (tests.support.reference_moe: a plain PyTorch loop over the
+    selected experts) at T=1, cfg.repeats times."""
     torch.set_num_threads(cfg.threads)
     E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size  # noqa: E741
     layer_bytes = 3 * E * H * I * 2
     layers = cfg.layers or max(1, math.ceil(cfg.min_llc_multiple * cfg.llc_bytes / layer_bytes))
-    seed_w = torch.randn(SEED_EXPERTS, 3, I, H, generator=rng).mul_(0.02).bfloat16()
-    weights = []
-    for _ in range(layers):
-        w = torch.empty(E, 3, I, H, dtype=torch.bfloat16)
-        w.copy_(seed_w.repeat(math.ceil(E / SEED_EXPERTS), 1, 1, 1)[:E])
-        weights.append(w)
+    seeds = [torch.randn(SEED_EXPERTS, *dims, generator=rng).mul_(0.02).bfloat16()
+             for dims in ((I, H), (I, H), (H, I))]  # fmt: skip
+    weights = [[tiled_bf16(s, E) for s in seeds] for _ in range(layers)]  # gate, up, down
     routes = [routing(rng, 1, shape) for _ in range(64)]
     x = torch.randn(1, H, generator=rng).bfloat16()
 
     def call(i: int) -> torch.Tensor:
         ids, w = routes[i % len(routes)]
-        layer = weights[i % layers]
-        y = torch.zeros(1, H, dtype=torch.bfloat16)
-        for j in range(shape.top_k):
-            gu = layer[int(ids[0, j])]
-            h = torch.nn.functional.silu(x @ gu[0].T) * (x @ gu[1].T)
-            y += w[0, j] * (h @ gu[2])  # down stored transposed: [I, H]
-        return y
+        return reference_moe(x, ids, w, *weights[i % layers], dtype=torch.bfloat16)
 
     nbytes = shape.top_k * 3 * H * I * 2
     s = Series("torch bf16 loop", "torch", 1, "bf16", False, nbytes, moe_flops(shape, 1), call)
@@ -451,26 +398,24 @@ def load_peer(cfg: BenchConfig) -> KtPeer | None:
     return peer
 
 
-def print_table(rows: list[Row], dram: float) -> None:
+def print_results(rows: list[Row], dram: float) -> None:
     with_peer = any(r.peer for r in rows)
-    head = (
-        f"{'shape':<14} {'impl':<22} {'T':>4} {'us/layer':>10} {'min-max us':>19} {'GB/s':>7} "
-        f"{'%DRAM':>6} {'TFLOPS':>7} {'vs torch':>8}" + (f" {'ours/kt':>8}" if with_peer else "")
-    )
-    print(head)
-    print("-" * len(head))
+    columns = [Column("shape", 14, "<"), Column("impl", 22, "<"), Column("T", 4),
+               Column("us/layer", 10), Column("min-max us", 19), Column("GB/s", 7),
+               Column("%DRAM", 6), Column("TFLOPS", 7), Column("vs torch", 8),
+               *([Column("ours/kt", 8)] if with_peer else [])]  # fmt: skip
     base_us = {r.shape: r.us for r in rows if r.fmt == "torch"}
     ours = {(r.shape, r.fmt, r.tokens, r.x_dtype): r.us for r in rows if not r.peer}
+    cells = []
     for r in rows:
         speedup = base_us.get(r.shape, 0) / r.us if r.tokens == 1 and r.shape in base_us else 0
         mine = ours.get((r.shape, r.fmt, r.tokens, "bf16")) if r.peer else None
-        spread = f"{r.us_min:.1f}-{r.us_max:.1f}"
-        print(
-            f"{r.shape:<14} {r.impl:<22} {r.tokens:>4} {r.us:>10.1f} {spread:>19} {r.gbs:>7.1f} "
-            f"{100 * r.gbs / dram:>5.0f}% {r.tflops:>7.2f} "
-            + (f"{speedup:>7.2f}x" if speedup else f"{'':>8}")
-            + (f" {mine / r.us:>8.2f}" if mine else "")
-        )
+        cells.append([r.shape, r.impl, str(r.tokens), f"{r.us:.1f}",
+                      f"{r.us_min:.1f}-{r.us_max:.1f}", f"{r.gbs:.1f}",
+                      f"{100 * r.gbs / dram:.0f}%", f"{r.tflops:.2f}",
+                      f"{speedup:.2f}x" if speedup else "",
+                      *([f"{mine / r.us:.2f}" if mine else ""] if with_peer else [])])  # fmt: skip
+    print_table(columns, cells, sep=" ")
     if with_peer:
         print(
             "ours/kt = our median time / kt-kernel's, same shape and T, against our int8 for its "
@@ -528,8 +473,8 @@ def main() -> None:
         f"LLC={cfg.llc_bytes / 2**20:.0f} MiB repeats={cfg.repeats}",
         flush=True,
     )
-    dram: list[tuple[str, float, float]] = []
-    dram_sample(cfg, "start", dram)
+    dram = DramMeter(cfg.threads, cfg.dram_gb, cfg.pin)
+    dram.sample("start")
     peer = load_peer(cfg)
     rows: list[Row] = []
     for key in cfg.shapes:
@@ -538,19 +483,10 @@ def main() -> None:
             rows.append(bench_torch_loop(cfg, shape, rng))
         for fmt in cfg.formats:
             rows.extend(bench_format(cfg, shape, fmt, rng, peer))
-        dram_sample(cfg, f"after {shape.name}", dram)
-    dram_sample(cfg, "end", dram)
-    summed = statistics.median(g for _, g, _ in dram)
-    streamed = statistics.median(g for _, _, g in dram)
-    print(
-        f"DRAM read samples over {cfg.dram_gb:g} GB, {cfg.threads} threads: torch.sum "
-        + ", ".join(f"{g:.1f}" for _, g, _ in dram)
-        + f" GB/s (median {summed:.1f}); the kernel's threads streaming "
-        + ", ".join(f"{g:.1f}" for _, _, g in dram)
-        + f" GB/s (median {streamed:.1f}). %DRAM is against the higher median, "
-        + f"{max(summed, streamed):.1f} GB/s"
-    )
-    print_table(rows, max(summed, streamed))
+        dram.sample(f"after {shape.name}")
+    dram.sample("end")
+    print(dram.summary())
+    print_results(rows, dram.gbs)
 
 
 if __name__ == "__main__":

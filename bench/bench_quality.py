@@ -18,58 +18,53 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
 
-from worker_process import start_worker  # noqa: E402
-
-from gpu_service.models import Batch, SeqInput  # noqa: E402
-from gpu_service.service import GPUServiceConfig, build_gpu_service  # noqa: E402
-from training.perplexity import tokenize_file, transformers_perplexity, windows  # noqa: E402
+from bench.common import DEMO_MODEL, REPO, Column, default_device, print_table
+from bench.worker_process import expert_worker
+from gpu_service.models import Batch, SeqInput
+from gpu_service.service import GPUServiceConfig, build_gpu_service
+from training.perplexity import tokenize_file, transformers_perplexity, windows
 
 TARGETS = {"bf16": 0.001, "int8": 0.005, "int4": 0.03}
 
 
 def ktserve_perplexity(model: Path, ids: list[int], seq_len: int, fmt: str, threads: int,
                        device: str) -> float:  # fmt: skip
-    proc, address = start_worker(model, fmt, threads)
-    service = None
-    try:
+    with expert_worker(model, fmt, threads) as address:
         config = GPUServiceConfig(
             model_dir=str(model), workers=(address,), device=device, dtype="float32",
             wire_dtype="float32", kv_cache_tokens=seq_len + 16, max_num_batched_tokens=seq_len,
             max_model_len=seq_len + 1,
         )  # fmt: skip
         service = build_gpu_service(config)
-        service.engine.stop()  # this benchmark drives the model directly, one window at a time
-        net = service.engine.model
-        total, count = 0.0, 0
-        for window in windows(ids, seq_len):
-            cache = net.kv_cache.allocate(len(window))
-            try:
-                logits = net.forward(Batch((SeqInput(window, cache, 0),)), all_positions=True)
-            finally:
-                net.kv_cache.free(cache)
-            logp = torch.log_softmax(logits[:-1].float().cpu(), dim=-1)  # [n-1, V]
-            target = torch.tensor(window[1:])
-            total -= logp.gather(1, target[:, None]).sum().item()
-            count += target.numel()
-        return math.exp(total / count)
-    finally:
-        if service is not None:
+        try:
+            service.engine.stop()  # this benchmark drives the model directly, one window at a time
+            net = service.engine.model
+            total, count = 0.0, 0
+            for window in windows(ids, seq_len):
+                cache = net.kv_cache.allocate(len(window))
+                try:
+                    logits = net.forward(Batch((SeqInput(window, cache, 0),)), all_positions=True)
+                finally:
+                    net.kv_cache.free(cache)
+                logp = torch.log_softmax(logits[:-1].float().cpu(), dim=-1)  # [n-1, V]
+                target = torch.tensor(window[1:])
+                total -= logp.gather(1, target[:, None]).sum().item()
+                count += target.numel()
+            return math.exp(total / count)
+        finally:
             service.close()
-        proc.terminate()
-        proc.wait(30)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(REPO / "demo_model"))
+    parser.add_argument("--model", default=str(DEMO_MODEL))
     parser.add_argument("--text", default=str(REPO / "training" / "heldout_sample.txt"))
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--threads", type=int, default=1, help="expert worker threads")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=default_device())
     args = parser.parse_args()
     model = Path(args.model)
     ids = tokenize_file(model, args.text, args.max_tokens)
@@ -83,14 +78,15 @@ def main() -> None:
 
     print(f"held-out perplexity: {model.name}, {len(ids)} tokens of {Path(args.text).name}, "
           f"windows of {args.seq_len}, GPU part on {args.device}")  # fmt: skip
-    print(f"{'path':<22} | {'perplexity':>10} | {'vs transformers':>15} | {'target':>7} | {'s':>5}")
-    print("-" * 72)
+    columns = [Column("path", 22, "<"), Column("perplexity", 10), Column("vs transformers", 15),
+               Column("target", 7), Column("s", 5), Column("", 6, "<")]  # fmt: skip
+    cells = []
     for name, ppl, fmt, seconds in rows:
         delta = ppl / reference - 1
-        target = f"{TARGETS[fmt]:.1%}" if fmt else ""
-        verdict = "" if fmt is None else (" ok" if abs(delta) <= TARGETS[fmt] else " MISSED")
-        print(f"{name:<22} | {ppl:>10.4f} | {delta:>+14.3%} | {target:>7} | {seconds:>5.1f}"
-              f"{verdict}")  # fmt: skip
+        verdict = "" if fmt is None else ("ok" if abs(delta) <= TARGETS[fmt] else "MISSED")
+        cells.append([name, f"{ppl:.4f}", f"{delta:+.3%}", f"{TARGETS[fmt]:.1%}" if fmt else "",
+                      f"{seconds:.1f}", verdict])  # fmt: skip
+    print_table(columns, cells)
 
 
 if __name__ == "__main__":

@@ -19,15 +19,14 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 NUM_TOKENS = 32
 
 
 def make(out: Path, seed: int) -> None:
-    from checkpoints import load_reference_model, make_tiny_checkpoint
+    from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 
     g = torch.Generator().manual_seed(seed)
     for family in FAMILIES:
@@ -47,61 +46,69 @@ def make(out: Path, seed: int) -> None:
     print(f"references for {', '.join(FAMILIES)} in {out}")
 
 
-def check(ref_dir: Path, device: str) -> int:
-    from worker_process import start_worker
-
-    from gpu_service.engine import SamplingParams
+def logits_error(model, ref: dict) -> float:
+    """Max relative error of the last-position logits of the reference's prompts, one batch."""
     from gpu_service.models import Batch, SeqInput
+
+    caches = [model.kv_cache.allocate(len(p)) for p in ref["prompts"]]
+    batch = Batch(tuple(SeqInput(p, c, 0) for p, c in zip(ref["prompts"], caches)))
+    got = model.forward(batch).cpu()
+    for c in caches:
+        model.kv_cache.free(c)
+    return float(((got - ref["logits"]).abs().amax(1) / ref["logits"].abs().amax(1)).max())
+
+
+def greedy(service, prompts: list[list[int]]) -> list[list[int]]:
+    """NUM_TOKENS greedy tokens of every prompt, the prompts served together."""
+    from gpu_service.engine import SamplingParams
+
+    outputs = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+
+        def on_event(e, i=i):
+            outputs[i].extend(t.token_id for t in e.tokens)
+            if e.finish_reason is not None:
+                done.release()
+
+        service.engine.add_request(prompt, params, on_event)
+    for _ in prompts:
+        done.acquire(timeout=300)
+    return outputs
+
+
+def check(ref_dir: Path, device: str) -> int:
+    from bench.common import Column, print_table
+    from bench.worker_process import expert_worker
     from gpu_service.service import GPUServiceConfig, build_gpu_service
 
     rows, failed = [], False
     for family in FAMILIES:
         path = ref_dir / family
         ref = torch.load(path / "reference.pt")
-        proc, address = start_worker(path, "bf16", 4)
-        service = build_gpu_service(GPUServiceConfig(
-            model_dir=str(path), workers=(address,), device=device, dtype="float32",
-            wire_dtype="float32", kv_cache_tokens=1024, max_model_len=128))  # fmt: skip
-        try:
-            model = service.engine.model
-            caches = [model.kv_cache.allocate(len(p)) for p in ref["prompts"]]
-            batch = Batch(tuple(SeqInput(p, c, 0) for p, c in zip(ref["prompts"], caches)))
-            got = model.forward(batch).cpu()
-            for c in caches:
-                model.kv_cache.free(c)
-            err = float(((got - ref["logits"]).abs().amax(1) / ref["logits"].abs().amax(1)).max())
-            outputs = [[] for _ in ref["prompts"]]
-            done = threading.Semaphore(0)
-            params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
-            for i, prompt in enumerate(ref["prompts"]):
-
-                def on_event(e, i=i, outputs=outputs, done=done):
-                    outputs[i].extend(t.token_id for t in e.tokens)
-                    if e.finish_reason is not None:
-                        done.release()
-
-                service.engine.add_request(prompt, params, on_event)
-            for _ in ref["prompts"]:
-                done.acquire(timeout=300)
-            same = sum(o == g for o, g in zip(outputs, ref["greedy"]))
-            pinned = bool(service.experts._registered)
-            graphed = int(service.metrics.steps.labels(mode="graph")._value.get())
-        finally:
-            service.close()
-            proc.terminate()
-            proc.wait(30)
+        with expert_worker(path, "bf16", 4) as address:
+            service = build_gpu_service(GPUServiceConfig(
+                model_dir=str(path), workers=(address,), device=device, dtype="float32",
+                wire_dtype="float32", kv_cache_tokens=1024, max_model_len=128))  # fmt: skip
+            try:
+                err = logits_error(service.engine.model, ref)
+                outputs = greedy(service, ref["prompts"])
+                pinned = bool(service.experts._registered)
+                graphed = int(service.metrics.steps.labels(mode="graph")._value.get())
+            finally:
+                service.close()
+        same = sum(o == g for o, g in zip(outputs, ref["greedy"]))
         ok = err < 1e-3 and same == len(ref["prompts"])
         failed |= not ok
         verdict = "ok" if ok else "FAIL"
-        rows.append((family, err, f"{same}/{len(ref['prompts'])}", pinned, graphed, verdict))
+        rows.append((family, f"{err:.2e}", f"{same}/{len(ref['prompts'])}", str(pinned),
+                     str(graphed), verdict))  # fmt: skip
     print(f"two-process parity on {device} (bf16 experts, fp32 wire and GPU part)")
-    print(
-        f"{'family':<12} | {'logits rel err':>14} | {'greedy 32 same':>14} | {'pinned shm':>10} | "
-        f"{'graph steps':>11} |"
-    )
-    for family, err, same, pinned, graphed, verdict in rows:
-        print(f"{family:<12} | {err:>14.2e} | {same:>14} | {pinned!s:>10} | {graphed:>11} | "
-              f"{verdict}")  # fmt: skip
+    columns = [Column("family", 12, "<"), Column("logits rel err", 14),
+               Column("greedy 32 same", 14), Column("pinned shm", 10), Column("graph steps", 11),
+               Column("", 4, "<")]  # fmt: skip
+    print_table(columns, rows, rule=False)
     return 1 if failed else 0
 
 

@@ -2,32 +2,40 @@
 
 from __future__ import annotations
 
-import os
+import contextlib
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.support.watched_process import WatchedProcess
 
 
-def start_worker(model: Path | str, fmt: str, threads: int,
-                 spin_us: float | None = None) -> tuple[subprocess.Popen, str]:  # fmt: skip
-    """(the process, its gRPC address) once it prints that it serves `model`. spin_us: how long
-    its channel thread and its kernel pool spin before they sleep (default: the worker's)."""
-    extra, env = [], dict(os.environ)
+@contextlib.contextmanager
+def expert_worker(model: Path | str, fmt: str, threads: int, spin_us: float | None = None,
+                  timeout: float = 600.0) -> Iterator[str]:  # fmt: skip
+    """The gRPC address of a worker serving `model` (waited for up to `timeout` s), stopped when
+    the block ends. spin_us: how long its channel thread and its kernel pool spin before they
+    sleep (default: the worker's)."""
+    extra, env = [], {}
     if spin_us is not None:
         extra = ["--spin-us", str(spin_us)]
         env["KTSERVE_KERNEL_SPIN_US"] = str(int(spin_us))
-    proc = subprocess.Popen(
+    proc = WatchedProcess(
         [sys.executable, "-m", "expert_service.cli", "expert", "--model", str(model),
          "--format", fmt, "--threads", str(threads), "--listen", "127.0.0.1:0", *extra],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+        env,
     )  # fmt: skip
-    address = None
-    for line in proc.stdout:
-        if m := re.search(r"listening on (\S+)", line):
-            address = m.group(1)
-        if "serving" in line:
-            return proc, address
-    raise RuntimeError(f"expert worker exited with {proc.wait()}")
+    proc.what = "the expert worker"
+    try:
+        line = proc.read_line(r"listening on (\S+)", timeout)
+        address = re.search(r"listening on (\S+)", line).group(1)
+        proc.read_line(r"serving", timeout)
+        yield address
+    finally:
+        try:
+            proc.terminate(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        proc.close_streams()

@@ -3,9 +3,12 @@
 from ktshm.channel import (
     DTYPE_CODES,
     DTYPES,
+    NAME_TAG_ENV,
+    SEGMENT_PREFIX,
     Channel,
     Message,
     cleanup_stale,
+    name_prefix,
     new_channel_name,
 )
 from ktshm.config import ChannelConfig
@@ -38,10 +41,13 @@ __all__ = [
     "LayoutMismatch",
     "MalformedMessage",
     "Message",
+    "NAME_TAG_ENV",
     "PayloadTooLarge",
     "PeerDied",
     "PeerRestarted",
     "RemoteError",
+    "SEGMENT_PREFIX",
     "cleanup_stale",
+    "name_prefix",
     "new_channel_name",
 ]

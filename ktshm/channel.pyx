@@ -60,6 +60,11 @@ from ktshm import errors
 from ktshm.config import ChannelConfig
 
 SEGMENT_PREFIX = "ktshm."
+# A word the environment may put into every name this process and its children (which inherit it)
+# create, after SEGMENT_PREFIX: a test run sets one of its own to tell its segments from those of
+# any other ktserve process on the machine.
+NAME_TAG_ENV = "KTSHM_NAME_TAG"
+_NAME_TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 MAX_ARRAYS = KT_MAX_ARRAYS
 MAX_DIMS = KT_MAX_DIMS
 
@@ -92,9 +97,21 @@ cdef inline uint64_t _align(uint64_t n, uint64_t a):
     return (n + a - 1) // a * a
 
 
+def name_prefix() -> str:
+    """What the names of the channels this process creates start with: SEGMENT_PREFIX, then the
+    tag in $KTSHM_NAME_TAG and a dot when it is set (letters, digits, _ and -, at most 32)."""
+    tag = os.environ.get(NAME_TAG_ENV, "")
+    if not tag:
+        return SEGMENT_PREFIX
+    if len(tag) > 32 or not _NAME_TAG_CHARS.issuperset(tag):
+        raise ValueError(f"{NAME_TAG_ENV}={tag!r}: at most 32 letters, digits, '_' or '-'")
+    return f"{SEGMENT_PREFIX}{tag}."
+
+
 def new_channel_name() -> str:
-    """A unique, unguessable channel name for this process and run."""
-    return f"{SEGMENT_PREFIX}{os.getpid()}.{secrets.token_hex(8)}"
+    """A unique, unguessable channel name for this process and run:
+    <name_prefix()><pid>.<64 random bits in hex>."""
+    return f"{name_prefix()}{os.getpid()}.{secrets.token_hex(8)}"
 
 
 def _semaphore_names(str name):

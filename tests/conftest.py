@@ -1,24 +1,21 @@
-"""Shared pytest setup: the repo root (the packages) and `tests/` (helper modules such as
-checkpoints.py) are importable however pytest is started."""
+"""Shared pytest setup: the run's random seed and the tag of its ktshm names. The repo root is on
+sys.path (pyproject.toml's pytest `pythonpath`), so the packages and the helpers (tests.support)
+import as packages."""
 
 import os
 import random
-import sys
-from pathlib import Path
+import secrets
 
 import pytest
-
-_TESTS_DIR = Path(__file__).resolve().parent
-# NOTE: the repo root goes first so that `expert_service` is the package, not tests/expert_service.
-for _path in (str(_TESTS_DIR.parent), str(_TESTS_DIR)):
-    if _path in sys.path:
-        sys.path.remove(_path)
-sys.path[:0] = [str(_TESTS_DIR.parent), str(_TESTS_DIR)]
-
 
 # One random seed per run, printed with pytest's summary (a test that fails after the fixture's
 # first use does not show the fixture's own print); KTSERVE_TEST_SEED=N reproduces a run.
 RUN_SEED = int(os.environ.get("KTSERVE_TEST_SEED", random.randrange(2**31)))
+
+# NOTE: set before any test starts a process (children inherit it): every ktshm name this run
+# creates carries the tag (ktshm.NAME_TAG_ENV), so the segment checks count this run's shared
+# memory only, never another ktserve process's on the machine (tests/support/expert_procs.py).
+os.environ["KTSHM_NAME_TAG"] = f"t{secrets.token_hex(4)}"
 
 
 @pytest.fixture(scope="module")

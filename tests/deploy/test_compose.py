@@ -14,11 +14,7 @@ import urllib.request
 import openai
 import pytest
 import yaml
-from api_server import ServerProcess
-from compose_file import Reset, environment, flag, host_path, load, mounts, replace_flags
-from expert_procs import shm_entries
 from prometheus_client.parser import text_string_to_metric_families
-from watched_process import CHILD_ENV, REPO, WatchedProcess
 
 from gpu_service.api.app import ROUTES
 from gpu_service.cli import build_parser, serve_config
@@ -26,6 +22,18 @@ from gpu_service.external_workers import WorkerShard, check_coverage
 from gpu_service.serve_config import API_KEY_ENV, DEVICE_ENV
 from ktserve.checkpoint import parse_expert_range
 from ktserve.checkpoint.spec import ModelSpec
+from tests.support.api_server import ServerProcess
+from tests.support.compose_file import (
+    Reset,
+    environment,
+    flag,
+    host_path,
+    load,
+    mounts,
+    replace_flags,
+)
+from tests.support.expert_procs import shm_entries
+from tests.support.watched_process import CHILD_ENV, REPO, WatchedProcess
 
 DEPLOY = REPO / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "ktserve.json"

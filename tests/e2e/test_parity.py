@@ -9,13 +9,13 @@ import threading
 
 import pytest
 import torch
-from checkpoints import load_reference_model, make_tiny_checkpoint
-from expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
 
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.gpu_experts import worker_activation_counts
 from gpu_service.models import Batch, SeqInput
 from gpu_service.service import GPUServiceConfig, build_gpu_service
+from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
+from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 # The GPU part's device: cpu here and in CI; KTSERVE_TEST_DEVICE=cuda on the GPU host.

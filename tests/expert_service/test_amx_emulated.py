@@ -37,8 +37,11 @@ def emulated_tree(root: Path) -> Path:
         shutil.copy(source, kernels)
     tests = tree / "tests" / "expert_service"
     tests.mkdir(parents=True)
-    shutil.copy(ROOT / "tests" / "conftest.py", tree / "tests")
-    shutil.copy(ROOT / "tests" / "expert_service" / "test_kernels.py", tests)
+    for name in ("__init__.py", "conftest.py"):
+        shutil.copy(ROOT / "tests" / name, tree / "tests")
+    for name in ("__init__.py", "test_kernels.py"):
+        shutil.copy(ROOT / "tests" / "expert_service" / name, tests)
+    shutil.copytree(ROOT / "tests" / "support", tree / "tests" / "support")
     return tree
 
 

@@ -10,17 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from checkpoints import (
-    FP8_OVERRIDES,
-    available_families,
-    dequantize_fp8_reference,
-    load_reference_model,
-    make_tiny_checkpoint,
-    moe_block,
-    moe_layer_indices,
-    reference_expert_weights,
-    tiny_config,
-)
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -48,6 +37,18 @@ from ktserve.checkpoint import (
     parse_expert_range,
     validate_shard,
 )
+from tests.support.checkpoints import (
+    FP8_OVERRIDES,
+    available_families,
+    dequantize_fp8_reference,
+    load_reference_model,
+    make_tiny_checkpoint,
+    moe_block,
+    moe_layer_indices,
+    reference_expert_weights,
+    tiny_config,
+)
+from tests.support.reference_moe import reference_moe
 
 FAMILIES = available_families()
 GIB = 2**30
@@ -516,10 +517,5 @@ def test_weights_reproduce_transformers_experts_forward(
         with torch.no_grad():
             want = moe_block(model, layer).experts(x, ids, weights)  # [T, H]
         gates, ups, downs = reader.read_experts(layer, range(spec.num_experts))
-        got = torch.zeros_like(x)
-        for t in range(num_tokens):
-            for j in range(top_k):
-                e = int(ids[t, j])
-                hidden = torch.nn.functional.silu(gates[e] @ x[t]) * (ups[e] @ x[t])  # [I]
-                got[t] += weights[t, j] * (downs[e] @ hidden)
+        got = reference_moe(x, ids, weights, gates, ups, downs)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,5 @@
-"""The CPU MoE kernel against a plain torch fp32 reference, on every ISA this machine has.
+"""The CPU MoE kernel against the plain torch fp32 reference (tests.support.reference_moe), on
+every ISA this machine has.
 
 Error bounds (normalized Frobenius error ||y - y_ref|| / ||y_ref||, y_ref = the bf16-weight result):
 - bf16 weights, fp32 x (the exact mode): the kernel does the reference's arithmetic (bf16 weights
@@ -33,6 +34,7 @@ from expert_service.kernels import (
     default_isa,
     pack_experts,
 )
+from tests.support.reference_moe import reference_moe
 
 E, H, I = 6, 200, 72  # noqa: E741  (H and I not multiples of 64)
 K_TOP = 4
@@ -82,15 +84,8 @@ def make_inputs(seed: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def reference(experts: dict[str, torch.Tensor], x: torch.Tensor, ids, w) -> torch.Tensor:
-    """fp32 math with bf16-rounded weights: y[t] = sum_j w * down(silu(gate x) * up x)."""
-    gate, up, down = (experts[n].bfloat16().float() for n in ("gate", "up", "down"))
-    tok, slot = torch.nonzero(ids >= 0, as_tuple=True)
-    e = ids[tok, slot].long()
-    xs = x[tok]  # [P, H]
-    h = torch.nn.functional.silu(torch.einsum("pih,ph->pi", gate[e], xs))
-    h = h * torch.einsum("pih,ph->pi", up[e], xs)
-    y = torch.einsum("phi,pi->ph", down[e], h) * w[tok, slot, None]
-    return torch.zeros(x.shape[0], H).index_add_(0, tok, y)
+    """The fp32 reference MoE over the bf16-rounded weights (what every format is packed from)."""
+    return reference_moe(x, ids, w, *(experts[n].bfloat16() for n in ("gate", "up", "down")))
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -220,13 +215,7 @@ def test_isas_agree_on_prefill_tiles(seed, kernels, fmt, tokens_per_expert):
     ids = ((torch.arange(T)[:, None] + torch.arange(k_)[None, :]) % e_).to(torch.int32)
     x = torch.randn(T, h_, generator=g)
     wt = torch.rand(T, k_, generator=g)
-    gate, up, down = (w[n].bfloat16().float() for n in ("gate", "up", "down"))
-    ref = torch.zeros(T, h_)
-    for t in range(T):
-        for j in range(k_):
-            e = int(ids[t, j])
-            hid = torch.nn.functional.silu(gate[e] @ x[t]) * (up[e] @ x[t])
-            ref[t] += wt[t, j] * (down[e] @ hid)
+    ref = reference(w, x, ids, wt)
     outs = {}
     for isa in ISAS:
         outs[isa] = torch.empty(T, h_)

@@ -15,21 +15,21 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from checkpoints import load_reference_model, make_tiny_checkpoint, moe_block
-from expert_procs import (  # noqa: F401 - no_segments_left_behind is an autouse fixture
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import ktshm
+from ktserve import wire
+from ktserve.checkpoint import ModelSpec
+from ktserve.protocol import expert_pb2 as pb
+from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint, moe_block
+from tests.support.expert_procs import (  # noqa: F401 - no_segments_left_behind is an autouse fixture
     FORMAT_PB,
     ExpertProcess,
     moe_call,
     no_segments_left_behind,
     shm_entries,
 )
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from watched_process import CHILD_ENV, REPO
-
-import ktshm
-from ktserve import wire
-from ktserve.checkpoint import ModelSpec
-from ktserve.protocol import expert_pb2 as pb
+from tests.support.watched_process import CHILD_ENV, REPO
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 # Normalized error ||y - ref|| / ||ref|| against transformers' fp32 experts (the kernel's own

@@ -13,8 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from api_server import ServerProcess, make_served_checkpoint, pid_alive
-from expert_procs import shm_entries
 from starlette.requests import Request as StarletteRequest
 
 from gpu_service.api.completions import CompletionChunks
@@ -34,6 +32,8 @@ from gpu_service.engine.errors import (
     RequestAborted,
     step_error,
 )
+from tests.support.api_server import ServerProcess, make_served_checkpoint, pid_alive
+from tests.support.expert_procs import shm_entries
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = 256

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 import torch
-from checkpoints import available_families, make_tiny_checkpoint
 
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.models import Batch, CausalLM, SeqInput, TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
+from tests.support.checkpoints import available_families, make_tiny_checkpoint
 
 VARIANTS = {  # family, overrides: each family, a shared gate (Qwen2) and a sliding window
     "deepseek_v3": ("deepseek_v3", {}),

@@ -6,7 +6,6 @@ import threading
 
 import pytest
 import torch
-from checkpoints import load_reference_model, make_tiny_checkpoint
 
 from gpu_service.cli import DEMO_MODEL_DIR as DEMO_MODEL
 from gpu_service.engine import Engine, FinishReason, SamplingParams, SchedulerConfig
@@ -24,6 +23,7 @@ from gpu_service.engine.errors import (
 )
 from gpu_service.models import TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
+from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

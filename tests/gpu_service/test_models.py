@@ -12,12 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import (
-    available_families,
-    load_reference_model,
-    make_tiny_checkpoint,
-    quantize_fp8_blocks,
-)
 from safetensors.torch import load_file, save_file
 
 from gpu_service.models import (
@@ -39,6 +33,12 @@ from ktserve.checkpoint import (
     TensorShapeMismatch,
     UnsupportedArchitecture,
 )
+from tests.support.checkpoints import (
+    available_families,
+    load_reference_model,
+    make_tiny_checkpoint,
+    quantize_fp8_blocks,
+)
 
 FP32_REL_TOL = 1e-3
 # bf16 model dtype (weights, activations, KV cache; experts still float32) vs the fp32 oracle:
@@ -47,7 +47,7 @@ FP32_REL_TOL = 1e-3
 BF16_REL_TOL = 3e-2
 NUM_GREEDY_TOKENS = 32
 CACHE_TOKENS = 512
-VOCAB = 101  # every tiny config in tests/checkpoints.py
+VOCAB = 101  # every tiny config in tests/support/checkpoints.py
 
 # name -> (family, make_tiny_checkpoint overrides); extra variants cover config paths the
 # defaults miss (V2-Lite: no q_lora_rank and group-limited greedy routing; Mixtral's window).

@@ -12,15 +12,15 @@ import time
 
 import openai
 import pytest
-from api_server import ServerProcess, make_served_checkpoint, pid_alive
-from checkpoints import make_tiny_checkpoint
-from expert_procs import ExpertProcess, shm_entries
-from watched_process import CHILD_ENV, REPO
 
 from gpu_service.cli import DEMO_MODEL_DIR, build_parser, serve_config
 from gpu_service.external_workers import ExpertCoverageError, WorkerShard, check_coverage
 from gpu_service.serve_config import split_experts
 from ktserve.checkpoint.spec import ModelSpec
+from tests.support.api_server import ServerProcess, make_served_checkpoint, pid_alive
+from tests.support.checkpoints import make_tiny_checkpoint
+from tests.support.expert_procs import ExpertProcess, shm_entries
+from tests.support.watched_process import CHILD_ENV, REPO
 
 GPU_FLAGS = (
     "--device",

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import pathlib
 import select
 import subprocess
 import sys
@@ -8,9 +7,9 @@ import time
 
 import numpy as np
 import pytest
-from expert_procs import no_segments_left_behind, shm_entries  # noqa: F401 - autouse
 
-CONSUMER = pathlib.Path(__file__).with_name("consumer_proc.py")
+from tests.support.expert_procs import no_segments_left_behind, shm_entries  # noqa: F401 - autouse
+from tests.support.watched_process import CHILD_ENV, REPO
 
 
 @pytest.fixture
@@ -21,7 +20,9 @@ def rng(seed):
 class ConsumerProcess:
     def __init__(self, name: str, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(CONSUMER), name, *args],
+            [sys.executable, "-m", "tests.support.consumer_proc", name, *args],
+            cwd=REPO,
+            env=CHILD_ENV,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

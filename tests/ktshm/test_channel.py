@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import secrets
 import stat
 import subprocess
 import sys
@@ -12,10 +13,11 @@ import time
 import numpy as np
 import posix_ipc
 import pytest
-from consumer_proc import KIND_BUSY, KIND_ECHO, KIND_EXIT, KIND_HANG, checksum
-from ktshm.channel import SEGMENT_PREFIX, new_channel_name
+from ktshm.channel import NAME_TAG_ENV, SEGMENT_PREFIX, name_prefix, new_channel_name
 
 import ktshm
+from tests.support.consumer_proc import KIND_BUSY, KIND_ECHO, KIND_EXIT, KIND_HANG, checksum
+from tests.support.expert_procs import RUN_PREFIX, no_new_segments, shm_entries
 
 FAST = ktshm.ChannelConfig(num_slots=8, region_bytes=1 << 16, spin_us=50, peer_timeout_s=0.3)
 
@@ -494,6 +496,7 @@ def test_creator_exit_unlinks_at_exit():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     name = out.stdout.strip()
     assert name.startswith(SEGMENT_PREFIX)
+    assert name.startswith(RUN_PREFIX)  # a child of the run inherits its tag
     assert not os.path.exists(f"/dev/shm/{name}")
     assert not os.path.exists(f"/dev/shm/sem.{name}.req")
 
@@ -503,3 +506,52 @@ def test_config_is_validated():
         ktshm.ChannelConfig(num_slots=0)
     with pytest.raises(ValueError, match="peer_timeout_s"):
         ktshm.ChannelConfig(peer_timeout_s=0.01, heartbeat_period_s=0.02)
+
+
+def test_name_tag_from_the_environment(monkeypatch):
+    monkeypatch.delenv(NAME_TAG_ENV)
+    assert name_prefix() == SEGMENT_PREFIX
+    assert new_channel_name().startswith(f"{SEGMENT_PREFIX}{os.getpid()}.")
+    monkeypatch.setenv(NAME_TAG_ENV, "run-7_x")
+    assert new_channel_name().startswith(f"{SEGMENT_PREFIX}run-7_x.{os.getpid()}.")
+    for bad in ("a/b", "a.b", "x" * 33):
+        monkeypatch.setenv(NAME_TAG_ENV, bad)
+        with pytest.raises(ValueError, match=NAME_TAG_ENV):
+            new_channel_name()
+
+
+def test_this_run_is_tagged(producer):
+    """conftest tags the run's names, and the segment checks count exactly those."""
+    assert NAME_TAG_ENV == "KTSHM_NAME_TAG"  # the name conftest sets
+    assert RUN_PREFIX == f"{SEGMENT_PREFIX}{os.environ[NAME_TAG_ENV]}." == name_prefix()
+    assert producer.name.startswith(RUN_PREFIX)
+    own = {producer.name, f"sem.{producer.name}.req", f"sem.{producer.name}.rep"}
+    assert own <= shm_entries()
+
+
+def test_segment_check_fails_on_this_runs_leftovers_only():
+    """A channel of this run left open, or left by a killed child, fails the check; one of another
+    process (an untagged name, as any other ktserve process makes) does not."""
+    leftover = pytest.raises(AssertionError, match="left shared-memory entries behind")
+    with leftover, no_new_segments():
+        left_open = ktshm.Channel.create(FAST)
+    left_open.close()
+    code = "import ktshm, sys\nch = ktshm.Channel.create()\nprint(ch.name, flush=True)\n"
+    code += "sys.stdin.read()\n"
+    with leftover, no_new_segments():
+        child = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            name = child.stdout.readline().strip()
+        finally:
+            child.kill()
+            child.wait()
+            child.stdin.close()
+            child.stdout.close()
+    posix_ipc.unlink_shared_memory(f"/{name}")
+    for sem in (f"/{name}.req", f"/{name}.rep"):
+        posix_ipc.unlink_semaphore(sem)
+    with no_new_segments():
+        other = ktshm.Channel.create(FAST, name=f"{SEGMENT_PREFIX}1.{secrets.token_hex(8)}")
+    other.close()

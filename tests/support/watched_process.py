@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Children import the repo first, then whatever the parent could import (site dirs on the GPU host).
 CHILD_ENV = {
     **os.environ,

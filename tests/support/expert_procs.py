@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
-from watched_process import WatchedProcess
 
 import ktshm
 from ktserve import wire
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.protocol import expert_pb2_grpc as pb_grpc
+from tests.support.watched_process import WatchedProcess
 
 FORMAT_PB = {"bf16": pb.WEIGHT_FORMAT_BF16, "int8": pb.WEIGHT_FORMAT_INT8,
              "int4": pb.WEIGHT_FORMAT_INT4}  # fmt: skip
@@ -62,14 +64,27 @@ def moe_call(channel: ktshm.Channel, layer: int, x: np.ndarray, ids: np.ndarray,
     )[0]  # fmt: skip
 
 
+# This run's names (conftest tags them; the processes the tests start inherit the tag).
+RUN_PREFIX = ktshm.name_prefix()
+
+
 def shm_entries() -> set[str]:
-    return {e for e in os.listdir("/dev/shm") if "ktshm." in e}
+    """This run's ktshm entries in /dev/shm: channel segments and their semaphores
+    (sem.<name>.req, .rep), none of another process's that was not started by this run."""
+    return {e for e in os.listdir("/dev/shm") if e.startswith((RUN_PREFIX, f"sem.{RUN_PREFIX}"))}
 
 
-@pytest.fixture(autouse=True)
-def no_segments_left_behind():
-    """Each test of a module that imports this leaves no ktshm entry in /dev/shm."""
+@contextlib.contextmanager
+def no_new_segments() -> Iterator[None]:
+    """Fails if the block leaves an entry of this run in /dev/shm that was not there before."""
     before = shm_entries()
     yield
     left = shm_entries() - before
     assert not left, f"test left shared-memory entries behind: {sorted(left)}"
+
+
+@pytest.fixture(autouse=True)
+def no_segments_left_behind():
+    """Each test of a module that imports this leaves no ktshm entry of this run in /dev/shm."""
+    with no_new_segments():
+        yield

@@ -13,9 +13,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from checkpoints import make_tiny_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
-from watched_process import WatchedProcess
+
+from tests.support.checkpoints import make_tiny_checkpoint
+from tests.support.watched_process import WatchedProcess
 
 EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (

@@ -1,6 +1,6 @@
 """A ktshm consumer in its own process, driven by the tests.
 
-usage: consumer_proc.py CHANNEL_NAME [--force] [--hang]
+usage: python -m tests.support.consumer_proc CHANNEL_NAME [--force] [--hang]
 
 Prints "ready <epoch>" once attached. Then, per request kind:
   KIND_ECHO  (0): reply with the request's arrays plus a float64 checksum of their bytes

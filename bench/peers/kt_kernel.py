@@ -23,13 +23,14 @@ NUMA-job thread as worker 0 plus N - 1 pool threads, pinned to cores 0..N-1 of N
 its task-queue thread, which busy-waits on them during a call; the caller sleeps in sync(). Ours
 counts the caller as one of its N. Its pool threads spin 50 ms after a call before they sleep.
 
-    python bench/peer_kt_kernel.py --selfcheck [--threads 4] [--formats int8,int4,int4g32]
-    python bench/peer_kt_kernel.py --check-packer     # pure torch, runs anywhere
+    python bench/peers/kt_kernel.py --selfcheck [--threads 4] [--formats int8,int4,int4g32]
+    python bench/peers/kt_kernel.py --check-packer     # pure torch, runs anywhere
 
 --selfcheck checks kt-kernel's forward (each format, T = 1, 4, 32: its decode and prefill paths) on
-a small layer against a plain torch fp32 MoE over the same bf16 weights and prints the relative
-errors, with ours beside them when expert_service's kernel imports (int4g32 beside our int4); it
-first runs --check-packer, which unpacks our RAWINT4 packing the way kt-kernel reads it.
+a small layer against the plain torch fp32 MoE (tests.support.reference_moe) over the same bf16
+weights and prints the relative errors, with ours beside them when expert_service's kernel imports
+(int4g32 beside our int4); it first runs --check-packer, which unpacks our RAWINT4 packing the way
+kt-kernel reads it.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -477,25 +479,6 @@ def build_layers(
     return layers, note
 
 
-def reference_moe(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    gate: torch.Tensor,
-    up: torch.Tensor,
-    down: torch.Tensor,
-) -> torch.Tensor:
-    """Plain fp32 MoE over the (bf16) weights: sum_j w[t,j] * down(silu(gate x) * up x)."""
-    xf = x.float()
-    y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            h = torch.nn.functional.silu(gate[e].float() @ xf[t]) * (up[e].float() @ xf[t])
-            y[t] += float(weights[t, j]) * (down[e].float() @ h)
-    return y
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
@@ -509,9 +492,6 @@ def _ours_error(
 ) -> str:
     """Our kernel's relative error on the same layer and inputs, for scale ("" if unavailable)."""
     try:
-        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        if repo not in sys.path:
-            sys.path.insert(0, repo)
         from expert_service.kernels import MoEKernel, pack_experts
 
         x, ids, w = inputs
@@ -537,6 +517,8 @@ def run_packer_check() -> bool:
 
 def selfcheck(threads: int, formats: tuple[str, ...] = tuple(FORMATS)) -> int:
     """kt-kernel vs a torch fp32 reference on a small layer; 0 when every error is in limits."""
+    from tests.support.reference_moe import reference_moe
+
     ok = run_packer_check()
     kt, why = load_kt_kernel()
     if kt is None:
@@ -611,4 +593,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # NOTE: run by path, bench/peers/ comes first on sys.path and this file would stand in for the
+    # kt_kernel package it loads: the repo root (this tree's packages and tests) takes its place.
+    sys.path[0] = str(Path(__file__).resolve().parents[2])
     main()

@@ -1,0 +1,156 @@
+"""What the benchmarks share: timing, the DRAM read bandwidth measured in the same run, and the
+one table each prints.
+
+NOTE: torch and the kernel are imported by the functions that use them: bench_ktshm's peer
+processes import this module (through their parent's) and need neither.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_MODEL = REPO / "demo_model"
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ----------------------------------------------------------------------------- timing
+def time_calls(fn: Callable[[int], object], min_seconds: float, min_calls: int = 8) -> float:
+    """Mean seconds per call of fn(i) over at least min_calls calls and min_seconds (after 2
+    warm-ups)."""
+    fn(0)
+    fn(1)
+    calls, t0 = 0, time.perf_counter()
+    while calls < min_calls or time.perf_counter() - t0 < min_seconds:
+        fn(calls)
+        calls += 1
+    return (time.perf_counter() - t0) / calls
+
+
+def latency_samples_us(step: Callable[[], object], iters: int) -> np.ndarray:
+    """Microseconds of each of `iters` calls of step (after iters / 20, at least 10, warm-ups)."""
+    for _ in range(max(iters // 20, 10)):
+        step()
+    samples = np.empty(iters, dtype=np.float64)
+    for i in range(iters):
+        t0 = time.perf_counter_ns()
+        step()
+        samples[i] = time.perf_counter_ns() - t0
+    return samples / 1e3
+
+
+# ----------------------------------------------------------------------------- memory
+def llc_bytes() -> int:
+    """The largest CPU cache of cpu0 (sysfs), 32 MiB where sysfs does not say."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    for entry in os.listdir(base) if os.path.isdir(base) else []:
+        try:
+            with open(f"{base}/{entry}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+        best = max(best, int(text.rstrip("KMG")) * mult)
+    return best or 32 << 20
+
+
+def dram_read_gbs(threads: int, gb: float) -> float:
+    """Best of 4 torch.sum passes over a buffer of `gb` GB at `threads` torch threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    buf = torch.ones(int(gb * 1e9) // 4, dtype=torch.float32)
+    best = 0.0
+    for _ in range(4):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = max(best, buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def stream_read_gbs(threads: int, gb: float, pin: bool) -> float:
+    """Best of 4 plain streaming reads of `gb` GB on a kernel pool like the one a benchmark times
+    (same thread count and pinning; each thread one contiguous slice, the ISA's widest loads)."""
+    from expert_service.kernels import MoEKernel
+
+    buf = np.ones(int(gb * 1e9) // 8, dtype=np.uint64)
+    best = 0.0
+    with MoEKernel(threads, pin=pin) as kernel:
+        for _ in range(4):
+            t0 = time.perf_counter()
+            kernel.stream_read(buf)
+            best = max(best, buf.nbytes / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+@dataclass
+class DramMeter:
+    """DRAM read bandwidth sampled through a run (start, between parts, end) two ways: torch.sum
+    and a plain streaming read on a kernel pool; the bound is the higher of the two medians."""
+
+    threads: int
+    gb: float
+    pin: bool = False
+    samples: list[tuple[str, float, float]] = field(default_factory=list)  # (label, sum, stream)
+
+    def sample(self, label: str) -> None:
+        summed = dram_read_gbs(self.threads, self.gb)
+        streamed = stream_read_gbs(self.threads, self.gb, self.pin)
+        self.samples.append((label, summed, streamed))
+        print(f"DRAM read ({label}): torch.sum {summed:.1f} GB/s, kernel threads "
+              f"{streamed:.1f} GB/s", flush=True)  # fmt: skip
+
+    @property
+    def medians(self) -> tuple[float, float]:
+        """(torch.sum, streaming) medians in GB/s."""
+        return (statistics.median(s for _, s, _ in self.samples),
+                statistics.median(s for _, _, s in self.samples))  # fmt: skip
+
+    @property
+    def gbs(self) -> float:
+        return max(self.medians)
+
+    def summary(self) -> str:
+        summed, streamed = self.medians
+        return (
+            f"DRAM read samples over {self.gb:g} GB, {self.threads} threads: torch.sum "
+            + ", ".join(f"{s:.1f}" for _, s, _ in self.samples)
+            + f" GB/s (median {summed:.1f}); the kernel's threads streaming "
+            + ", ".join(f"{s:.1f}" for _, _, s in self.samples)
+            + f" GB/s (median {streamed:.1f}). %DRAM is against the higher median, "
+            + f"{self.gbs:.1f} GB/s"
+        )
+
+
+# ----------------------------------------------------------------------------- tables
+@dataclass(frozen=True)
+class Column:
+    title: str
+    width: int
+    align: str = ">"  # "<" for text
+
+
+def print_table(
+    columns: Sequence[Column], rows: Iterable[Sequence[str]], sep: str = " | ", rule: bool = True
+) -> None:
+    """A header, a rule as long as it (if rule), and one line per row of formatted cells."""
+    head = sep.join(f"{c.title:{c.align}{c.width}}" for c in columns).rstrip()
+    print(head)
+    if rule:
+        print("-" * len(head))
+    for row in rows:
+        cells = (f"{cell:{c.align}{c.width}}" for c, cell in zip(columns, row, strict=True))
+        print(sep.join(cells).rstrip())

@@ -1,0 +1,1 @@
+"""The test suite; its helpers are the package tests.support."""
