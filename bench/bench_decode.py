@@ -25,8 +25,9 @@ sys.path.insert(0, str(REPO))
 
 from worker_process import start_worker  # noqa: E402
 
+from gpu_service.config import ExpertClientConfig, GPUServiceConfig  # noqa: E402
 from gpu_service.engine import SamplingParams  # noqa: E402
-from gpu_service.service import GPUServiceConfig, build_gpu_service  # noqa: E402
+from gpu_service.service import build_gpu_service  # noqa: E402
 
 
 def histogram_sum(metric, **labels) -> tuple[float, float]:
@@ -82,9 +83,9 @@ def main() -> None:
         try:
             for graphs in modes:
                 service = build_gpu_service(GPUServiceConfig(
-                    model_dir=args.model, workers=(address,), device=args.device,
-                    dtype=args.dtype, wire_dtype=args.dtype, cuda_graphs=graphs,
-                    cuda_graph_max_batch=max(batches)))  # fmt: skip
+                    model_dir=args.model, device=args.device, dtype=args.dtype,
+                    cuda_graphs=graphs, cuda_graph_max_batch=max(batches),
+                    experts=ExpertClientConfig((address,), wire_dtype=args.dtype)))  # fmt: skip
                 try:
                     cache = service.engine.model.kv_cache.config
                     run_batch(service, 1, 8)  # warm-up

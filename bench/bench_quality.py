@@ -23,8 +23,13 @@ sys.path.insert(0, str(REPO))
 
 from worker_process import start_worker  # noqa: E402
 
+from gpu_service.config import (  # noqa: E402
+    ExpertClientConfig,
+    GPUServiceConfig,
+    SchedulerConfig,
+)
 from gpu_service.models import Batch, SeqInput  # noqa: E402
-from gpu_service.service import GPUServiceConfig, build_gpu_service  # noqa: E402
+from gpu_service.service import build_gpu_service  # noqa: E402
 from training.perplexity import tokenize_file, transformers_perplexity, windows  # noqa: E402
 
 TARGETS = {"bf16": 0.001, "int8": 0.005, "int4": 0.03}
@@ -36,9 +41,9 @@ def ktserve_perplexity(model: Path, ids: list[int], seq_len: int, fmt: str, thre
     service = None
     try:
         config = GPUServiceConfig(
-            model_dir=str(model), workers=(address,), device=device, dtype="float32",
-            wire_dtype="float32", kv_cache_tokens=seq_len + 16, max_num_batched_tokens=seq_len,
-            max_model_len=seq_len + 1,
+            model_dir=str(model), device=device, dtype="float32", kv_cache_tokens=seq_len + 16,
+            scheduler=SchedulerConfig(max_num_batched_tokens=seq_len, max_model_len=seq_len + 1),
+            experts=ExpertClientConfig((address,), wire_dtype="float32"),
         )  # fmt: skip
         service = build_gpu_service(config)
         service.engine.stop()  # this benchmark drives the model directly, one window at a time

@@ -50,9 +50,10 @@ def make(out: Path, seed: int) -> None:
 def check(ref_dir: Path, device: str) -> int:
     from worker_process import start_worker
 
+    from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
     from gpu_service.engine import SamplingParams
     from gpu_service.models import Batch, SeqInput
-    from gpu_service.service import GPUServiceConfig, build_gpu_service
+    from gpu_service.service import build_gpu_service
 
     rows, failed = [], False
     for family in FAMILIES:
@@ -60,8 +61,9 @@ def check(ref_dir: Path, device: str) -> int:
         ref = torch.load(path / "reference.pt")
         proc, address = start_worker(path, "bf16", 4)
         service = build_gpu_service(GPUServiceConfig(
-            model_dir=str(path), workers=(address,), device=device, dtype="float32",
-            wire_dtype="float32", kv_cache_tokens=1024, max_model_len=128))  # fmt: skip
+            model_dir=str(path), device=device, dtype="float32", kv_cache_tokens=1024,
+            scheduler=SchedulerConfig(max_model_len=128),
+            experts=ExpertClientConfig((address,), wire_dtype="float32")))  # fmt: skip
         try:
             model = service.engine.model
             caches = [model.kv_cache.allocate(len(p)) for p in ref["prompts"]]

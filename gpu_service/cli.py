@@ -18,11 +18,10 @@ import sys
 from pathlib import Path
 
 from expert_service.cli import add_convert_parser, add_expert_parser, run_command
+from gpu_service.config import DEMO_MODEL_DIR, MODEL_DTYPES
 from gpu_service.serve_config import API_KEY_ENV, DEVICE_ENV, ServeConfig
-from gpu_service.service import MODEL_DTYPES
 from ktserve.names import WEIGHT_FORMATS
 
-DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 D = ServeConfig  # defaults
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpu_service.service import MODEL_DTYPES, GPUServiceConfig
+from gpu_service.config import (
+    MODEL_DTYPES,
+    ExpertClientConfig,
+    GPUServiceConfig,
+    SchedulerConfig,
+)
 from ktserve.checkpoint import parse_expert_range
 from ktserve.names import WEIGHT_FORMATS
 from ktserve.wire import X_DTYPES as WIRE_DTYPES
@@ -119,22 +124,26 @@ class ServeConfig:
         return split_experts(num_experts, self.expert_workers)
 
     def gpu_service_config(self, workers: tuple[str, ...]) -> GPUServiceConfig:
-        return GPUServiceConfig(
-            model_dir=self.model_dir,
-            workers=workers,
-            device=self.device,
-            dtype=self.dtype,
-            wire_dtype=self.wire_dtype,
-            max_model_len=self.max_model_len,
-            kv_cache_tokens=self.kv_cache_tokens,
+        scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            worker_timeout_s=self.worker_timeout_s,
+            max_model_len=self.max_model_len,
+        )
+        experts = ExpertClientConfig(
+            workers, wire_dtype=self.wire_dtype, worker_timeout_s=self.worker_timeout_s
+        )
+        return GPUServiceConfig(
+            model_dir=self.model_dir,
+            device=self.device,
+            dtype=self.dtype,
+            kv_cache_tokens=self.kv_cache_tokens,
             gpu_experts=self.gpu_experts,
             gpu_experts_refresh_s=self.gpu_experts_refresh_s,
             expert_placement=self.expert_placement,
             cuda_graphs=self.cuda_graphs,
             cuda_graph_max_batch=self.cuda_graph_max_batch,
+            scheduler=scheduler,
+            experts=experts,
         )
 
 

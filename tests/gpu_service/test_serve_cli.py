@@ -133,8 +133,10 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
     assert config.api_key == "from-env" and config.model_name == "tiny"
     assert config.host == "127.0.0.1"
     gpu = config.gpu_service_config(("127.0.0.1:1", "127.0.0.1:2"))
-    assert gpu.worker_timeout_s == 5 and gpu.max_num_seqs == 3 and gpu.wire_dtype == "float32"
-    assert gpu.max_num_batched_tokens == 96 and not gpu.cuda_graphs
+    assert gpu.experts.worker_timeout_s == 5 and gpu.experts.wire_dtype == "float32"
+    assert gpu.experts.workers == ("127.0.0.1:1", "127.0.0.1:2")
+    assert gpu.scheduler.max_num_seqs == 3 and gpu.scheduler.max_num_batched_tokens == 96
+    assert not gpu.cuda_graphs
     assert gpu.gpu_experts == 2 and gpu.gpu_experts_refresh_s == 30
     assert gpu.cuda_graph_max_batch == 4
     assert split_experts(12, 5) == ("0-2", "3-5", "6-7", "8-9", "10-11")
