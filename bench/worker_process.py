@@ -20,7 +20,7 @@ def start_worker(model: Path | str, fmt: str, threads: int,
         extra = ["--spin-us", str(spin_us)]
         env["KTSERVE_KERNEL_SPIN_US"] = str(int(spin_us))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "expert_service.cli", "expert", "--model", str(model),
+        [sys.executable, "-m", "ktserve", "expert", "--model", str(model),
          "--format", fmt, "--threads", str(threads), "--listen", "127.0.0.1:0", *extra],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
     )  # fmt: skip

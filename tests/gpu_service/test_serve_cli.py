@@ -17,10 +17,12 @@ from checkpoints import make_tiny_checkpoint
 from expert_procs import ExpertProcess, shm_entries
 from watched_process import CHILD_ENV, REPO
 
-from gpu_service.cli import DEMO_MODEL_DIR, build_parser, serve_config
+from gpu_service.cli import DEMO_MODEL_DIR, serve_config
+from gpu_service.config import GPUServiceConfig
 from gpu_service.external_workers import ExpertCoverageError, WorkerShard, check_coverage
-from gpu_service.serve_config import split_experts
+from gpu_service.serve_config import HTTPConfig, ServeConfig, split_experts
 from ktserve.checkpoint.spec import ModelSpec
+from ktserve.cli import build_parser
 
 GPU_FLAGS = (
     "--device",
@@ -64,7 +66,7 @@ def checkpoint(tmp_path_factory, seed):
 
 def ktserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "gpu_service.cli", *args],
+        [sys.executable, "-m", "ktserve", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -90,6 +92,7 @@ def test_help_explains_every_flag():
 
 def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
     monkeypatch.setenv("KTSERVE_API_KEY", "from-env")
+    monkeypatch.delenv("KTSERVE_DEVICE", raising=False)
     args = build_parser().parse_args(
         [
             "serve",
@@ -123,22 +126,26 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
         ]
     )
     config = serve_config(args)
-    assert config.experts_per_worker == ("0-3", "4-11") and config.expert_ranges(12) == (
-        "0-3",
-        "4-11",
-    )
-    assert not config.restart_workers and config.worker_timeout_s == 5
-    assert config.max_num_seqs == 3 and config.wire_dtype == "float32"
-    assert config.weight_format == "int4" and config.threads == 2
-    assert config.api_key == "from-env" and config.model_name == "tiny"
-    assert config.host == "127.0.0.1"
-    gpu = config.gpu_service_config(("127.0.0.1:1", "127.0.0.1:2"))
-    assert gpu.experts.worker_timeout_s == 5 and gpu.experts.wire_dtype == "float32"
-    assert gpu.experts.workers == ("127.0.0.1:1", "127.0.0.1:2")
-    assert gpu.scheduler.max_num_seqs == 3 and gpu.scheduler.max_num_batched_tokens == 96
-    assert not gpu.cuda_graphs
+    workers, gpu, http = config.workers, config.gpu, config.http
+    assert workers.experts_per_worker == ("0-3", "4-11")
+    assert workers.expert_ranges(12) == ("0-3", "4-11")
+    assert not workers.restart_workers and gpu.experts.worker_timeout_s == 5
+    assert gpu.scheduler.max_num_seqs == 3 and gpu.experts.wire_dtype == "float32"
+    assert workers.weight_format == "int4" and workers.threads == 2
+    assert http.api_key == "from-env" and config.model_name == "tiny" and http.port == 0
+    assert http.host == "127.0.0.1"
+    assert gpu.scheduler.max_num_batched_tokens == 96 and not gpu.cuda_graphs
     assert gpu.gpu_experts == 2 and gpu.gpu_experts_refresh_s == 30
     assert gpu.cuda_graph_max_batch == 4
+    assert gpu.model_dir == config.model_dir == str(checkpoint)
+    assert gpu.experts.workers == () and gpu.scheduler.max_model_len is None
+    on_workers = gpu.with_workers(("127.0.0.1:1", "127.0.0.1:2"))
+    assert on_workers.experts.workers == ("127.0.0.1:1", "127.0.0.1:2")
+    assert on_workers.experts.worker_timeout_s == 5 and on_workers.scheduler == gpu.scheduler
+    defaults = serve_config(build_parser().parse_args(["serve", str(checkpoint)]))
+    assert defaults == ServeConfig(
+        gpu=GPUServiceConfig(model_dir=str(checkpoint)), http=HTTPConfig(api_key="from-env")
+    )
     assert split_experts(12, 5) == ("0-2", "3-5", "6-7", "8-9", "10-11")
     with pytest.raises(ValueError, match="config.json"):
         serve_config(build_parser().parse_args(["serve", str(REPO / "tests")]))
@@ -254,9 +261,9 @@ def test_expert_addresses_map_onto_serve_config(checkpoint, monkeypatch):
     args = parse(["serve", str(checkpoint), "--expert-address", "a:1, b:2", "--expert-address",
                   "unix:/run/w.sock"])  # fmt: skip
     config = serve_config(args)
-    assert config.expert_addresses == ("a:1", "b:2", "unix:/run/w.sock")
-    assert config.device == "cpu"
-    assert serve_config(parse(["serve", str(checkpoint)])).expert_addresses is None
+    assert config.workers.expert_addresses == ("a:1", "b:2", "unix:/run/w.sock")
+    assert config.gpu.device == "cpu"
+    assert serve_config(parse(["serve", str(checkpoint)])).workers.expert_addresses is None
     for flags, message in [
         (["--threads", "2"], "--threads configures the expert workers ktserve serve starts"),
         (["--expert-workers", "2", "--format", "int4"], "--expert-workers, --format configure"),
