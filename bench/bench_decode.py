@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's p
 
 from bench.common import DEMO_MODEL, Column, default_device, print_table
 from bench.worker_process import expert_worker
+from gpu_service.config import ExpertClientConfig, GPUServiceConfig
 from gpu_service.engine import SamplingParams
-from gpu_service.service import GPUServiceConfig, build_gpu_service
+from gpu_service.service import build_gpu_service
 
 
 def histogram_sum(metric, **labels) -> tuple[float, float]:
@@ -78,9 +79,9 @@ def main() -> None:
         with expert_worker(args.model, args.format, args.threads, spin) as address:
             for graphs in modes:
                 service = build_gpu_service(GPUServiceConfig(
-                    model_dir=args.model, workers=(address,), device=args.device,
-                    dtype=args.dtype, wire_dtype=args.dtype, cuda_graphs=graphs,
-                    cuda_graph_max_batch=max(batches)))  # fmt: skip
+                    model_dir=args.model, device=args.device, dtype=args.dtype,
+                    cuda_graphs=graphs, cuda_graph_max_batch=max(batches),
+                    experts=ExpertClientConfig((address,), wire_dtype=args.dtype)))  # fmt: skip
                 try:
                     cache = service.engine.model.kv_cache.config
                     run_batch(service, 1, 8)  # warm-up

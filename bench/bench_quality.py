@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's p
 
 from bench.common import DEMO_MODEL, REPO, Column, default_device, print_table
 from bench.worker_process import expert_worker
+from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
 from gpu_service.models import Batch, SeqInput
-from gpu_service.service import GPUServiceConfig, build_gpu_service
+from gpu_service.service import build_gpu_service
 from training.perplexity import tokenize_file, transformers_perplexity, windows
 
 TARGETS = {"bf16": 0.001, "int8": 0.005, "int4": 0.03}
@@ -33,9 +34,9 @@ def ktserve_perplexity(model: Path, ids: list[int], seq_len: int, fmt: str, thre
                        device: str) -> float:  # fmt: skip
     with expert_worker(model, fmt, threads) as address:
         config = GPUServiceConfig(
-            model_dir=str(model), workers=(address,), device=device, dtype="float32",
-            wire_dtype="float32", kv_cache_tokens=seq_len + 16, max_num_batched_tokens=seq_len,
-            max_model_len=seq_len + 1,
+            model_dir=str(model), device=device, dtype="float32", kv_cache_tokens=seq_len + 16,
+            scheduler=SchedulerConfig(max_num_batched_tokens=seq_len, max_model_len=seq_len + 1),
+            experts=ExpertClientConfig((address,), wire_dtype="float32"),
         )  # fmt: skip
         service = build_gpu_service(config)
         try:

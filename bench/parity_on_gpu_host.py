@@ -81,7 +81,8 @@ def greedy(service, prompts: list[list[int]]) -> list[list[int]]:
 def check(ref_dir: Path, device: str) -> int:
     from bench.common import Column, print_table
     from bench.worker_process import expert_worker
-    from gpu_service.service import GPUServiceConfig, build_gpu_service
+    from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
+    from gpu_service.service import build_gpu_service
 
     rows, failed = [], False
     for family in FAMILIES:
@@ -89,8 +90,9 @@ def check(ref_dir: Path, device: str) -> int:
         ref = torch.load(path / "reference.pt")
         with expert_worker(path, "bf16", 4) as address:
             service = build_gpu_service(GPUServiceConfig(
-                model_dir=str(path), workers=(address,), device=device, dtype="float32",
-                wire_dtype="float32", kv_cache_tokens=1024, max_model_len=128))  # fmt: skip
+                model_dir=str(path), device=device, dtype="float32", kv_cache_tokens=1024,
+                scheduler=SchedulerConfig(max_model_len=128),
+                experts=ExpertClientConfig((address,), wire_dtype="float32")))  # fmt: skip
             try:
                 err = logits_error(service.engine.model, ref)
                 outputs = greedy(service, ref["prompts"])

@@ -23,7 +23,7 @@ def expert_worker(model: Path | str, fmt: str, threads: int, spin_us: float | No
         extra = ["--spin-us", str(spin_us)]
         env["KTSERVE_KERNEL_SPIN_US"] = str(int(spin_us))
     proc = WatchedProcess(
-        [sys.executable, "-m", "expert_service.cli", "expert", "--model", str(model),
+        [sys.executable, "-m", "ktserve", "expert", "--model", str(model),
          "--format", fmt, "--threads", str(threads), "--listen", "127.0.0.1:0", *extra],
         env,
     )  # fmt: skip

@@ -1,12 +1,16 @@
-"""The expert worker's configuration; `ktserve expert` flags map one-to-one onto it."""
+"""The expert worker's and the converter's configuration; `ktserve expert` and `ktserve convert`
+flags are their fields. Importable without torch: --help reads these fields."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
-from ktserve.checkpoint import parse_expert_range
-from ktserve.names import check_weight_format
+from ktserve.config_flags import flag
+from ktserve.names import WEIGHT_FORMATS, check_weight_format
+
+# NOTE: kernels.isa.ISA_CODES' names; importing that module loads the kernel, which --help must not
+ISAS = ("avx2", "avx512", "amx")
 
 
 def default_num_threads() -> int:
@@ -14,39 +18,69 @@ def default_num_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
+def parse_experts(text: str | None) -> range | None:
+    """An expert id range "START-END" (inclusive) as a range; None: all."""
+    from ktserve.checkpoint import parse_expert_range  # NOTE: imports torch; --help must not
+
+    return parse_expert_range(text) if text is not None else None
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
-    """model: checkpoint or `ktserve convert` directory to load at start (None: wait for LoadModel).
-    listen: gRPC address, "127.0.0.1:PORT" or "unix:/path.sock".
-    experts: expert id range held, "START-END" inclusive (None: all).
-    weight_format: bf16, int8 or int4.
-    threads: kernel threads (None: cores - 1).
-    metrics_port: Prometheus HTTP port (0: none), bound on metrics_host.
-    spin_us: how long a channel thread spins for the next request before it blocks.
-    drain_timeout_s: how long SIGTERM/Drain waits for in-flight calls.
-    """
+    """CPU expert worker: the experts it holds, its kernel, where it listens."""
 
-    model: str | None = None
-    listen: str = "127.0.0.1:50061"
-    experts: str | None = None
-    weight_format: str = "int8"
-    threads: int | None = None
-    metrics_port: int = 0
-    metrics_host: str = "127.0.0.1"
-    spin_us: float = 200.0
-    drain_timeout_s: float = 30.0
-    isa: str | None = None
+    model: str | None = flag(
+        None,
+        help="checkpoint directory (Hugging Face: config.json + *.safetensors) or a `ktserve "
+        "convert` output, loaded at start; without it the worker waits for a LoadModel call",
+    )
+    listen: str = flag(
+        "127.0.0.1:50061",
+        help="gRPC address: HOST:PORT (port 0 picks a free one) or unix:/path.sock (default "
+        "%(default)s)",
+    )
+    experts: str | None = flag(
+        None, help="expert ids this worker holds, inclusive, e.g. 0-63 (default: all)"
+    )
+    weight_format: str = flag(
+        "int8",
+        name="--format",
+        choices=WEIGHT_FORMATS,
+        help="weight format in RAM: bf16 (exact), int8 (per-row scales), int4 (group-32 scales) "
+        "(default %(default)s)",
+    )
+    threads: int | None = flag(
+        None, help=f"kernel threads (default: cores - 1 = {default_num_threads()})"
+    )
+    isa: str | None = flag(
+        None,
+        choices=ISAS,
+        help="force the kernel's instruction set (default: the best this CPU has)",
+    )
+    metrics_port: int = flag(0, help="serve Prometheus metrics on this port (default: off)")
+    metrics_host: str = flag(
+        "127.0.0.1", help="address of the metrics endpoint (default %(default)s)"
+    )
+    spin_us: float = flag(
+        200.0,
+        help="how long a channel thread spins for work before it sleeps, in microseconds "
+        "(default %(default)s)",
+    )
+    drain_timeout_s: float = flag(
+        30.0,
+        name="--drain-timeout",
+        help="seconds SIGTERM waits for calls in flight (default %(default)s)",
+    )
 
     def __post_init__(self) -> None:
         check_weight_format(self.weight_format)
         if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.experts is not None:
-            parse_expert_range(self.experts)
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        parse_experts(self.experts)
         if not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+            raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.drain_timeout_s <= 0:
-            raise ValueError(f"drain_timeout_s must be positive, got {self.drain_timeout_s}")
+            raise ValueError(f"--drain-timeout must be positive, got {self.drain_timeout_s}")
 
     @property
     def num_threads(self) -> int:
@@ -54,4 +88,27 @@ class WorkerConfig:
 
     @property
     def expert_range(self) -> range | None:
-        return parse_expert_range(self.experts) if self.experts is not None else None
+        return parse_experts(self.experts)
+
+
+@dataclass(frozen=True)
+class ConvertConfig:
+    """Conversion: a checkpoint's routed experts, quantized and packed into a directory."""
+
+    model: str = flag(help="Hugging Face checkpoint directory")
+    out: str = flag(help="output directory")
+    experts: str | None = flag(None, help="expert ids, inclusive, e.g. 0-63 (default: all)")
+    weight_format: str = flag(
+        "int8", name="--format", choices=WEIGHT_FORMATS, help="weight format (default %(default)s)"
+    )
+    threads: int | None = flag(None, help="packing threads (default: all cores)")
+
+    def __post_init__(self) -> None:
+        check_weight_format(self.weight_format)
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {self.threads}")
+        parse_experts(self.experts)
+
+    @property
+    def expert_range(self) -> range | None:
+        return parse_experts(self.experts)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 import ktshm
+from gpu_service.config import ExpertClientConfig
 from gpu_service.engine.errors import ExpertsUnavailable
 from ktserve import wire
 from ktserve.names import float_dtype
@@ -42,31 +43,6 @@ RECONNECT_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
-
-
-@dataclass(frozen=True)
-class ExpertClientConfig:
-    """workers: gRPC addresses of the expert workers (their shards must cover every expert).
-    wire_dtype: dtype of hidden states sent to the workers (float32 is exact; bfloat16 halves
-    the bytes and lets the workers use bf16 math). max_tokens: most tokens in one MoE call.
-    worker_timeout_s: how long a call waits for a dead worker to come back.
-    """
-
-    workers: tuple[str, ...]
-    wire_dtype: str = "bfloat16"
-    max_tokens: int = 2048
-    num_slots: int = 4
-    spin_us: float = 500.0
-    worker_timeout_s: float = 30.0
-    pin_memory: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.workers:
-            raise ValueError("at least one expert worker address is needed")
-        if self.wire_dtype not in wire.X_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {wire.X_DTYPES}, got {self.wire_dtype!r}")
-        if self.max_tokens < 1 or self.worker_timeout_s <= 0:
-            raise ValueError("max_tokens must be >= 1 and worker_timeout_s > 0")
 
 
 class _Worker:
@@ -105,16 +81,22 @@ class ShmExperts:
     """RoutedExperts backed by expert worker processes (see module docstring)."""
 
     def __init__(self, config: ExpertClientConfig, hidden_size: int, top_k: int,
-                 device: torch.device | str = "cpu") -> None:  # fmt: skip
+                 max_tokens: int, device: torch.device | str = "cpu") -> None:  # fmt: skip
+        """max_tokens: most tokens in one MoE call (the channels' regions hold that many)."""
+        if not config.workers:
+            raise ValueError("at least one expert worker address is needed")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self.config = config
         self.hidden_size = hidden_size
         self.top_k = top_k
+        self.max_tokens = max_tokens
         self.device = torch.device(device)
         # x [T, H] in the wire dtype, ids [T, k] int32, weights [T, k] float32
         self._arg_dtypes = (float_dtype(config.wire_dtype).torch(), torch.int32, torch.float32)
         itemsize = self._arg_dtypes[0].itemsize
-        region = config.max_tokens * (hidden_size * 4 + top_k * 8) + 3 * 64
-        region = max(region, config.max_tokens * hidden_size * itemsize + 4096)
+        region = max_tokens * (hidden_size * 4 + top_k * 8) + 3 * 64
+        region = max(region, max_tokens * hidden_size * itemsize + 4096)
         channel_config = ktshm.ChannelConfig(
             num_slots=config.num_slots, region_bytes=region, spin_us=config.spin_us,
             default_timeout_s=config.worker_timeout_s,
@@ -150,9 +132,9 @@ class ShmExperts:
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> PendingShm:
         num_tokens = x.shape[0]
-        if num_tokens > self.config.max_tokens:
+        if num_tokens > self.max_tokens:
             raise ValueError(
-                f"{num_tokens} tokens in one MoE call, the channels hold {self.config.max_tokens}"
+                f"{num_tokens} tokens in one MoE call, the channels hold {self.max_tokens}"
             )
         start = time.perf_counter()
         wire_dtype = self.config.wire_dtype

@@ -1,66 +1,95 @@
-"""`ktserve serve`'s configuration; its flags map one-to-one onto ServeConfig's fields."""
+"""`ktserve serve`'s configuration: the HTTP API, the expert workers and the GPU service, one
+dataclass each; its flags are their fields'."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_service.service import MODEL_DTYPES, GPUServiceConfig
-from ktserve.checkpoint import parse_expert_range
+from gpu_service.config import GPUServiceConfig
+from ktserve.config_flags import comma_list, flag
 from ktserve.names import WEIGHT_FORMATS
-from ktserve.wire import X_DTYPES as WIRE_DTYPES
 
 API_KEY_ENV = "KTSERVE_API_KEY"
-DEVICE_ENV = "KTSERVE_DEVICE"
 
 
 @dataclass(frozen=True)
-class ServeConfig:
-    """model_dir: Hugging Face checkpoint with tokenizer files. host/port: where the HTTP API
-    listens (port 0 picks a free one). api_key: required as `Authorization: Bearer ...` on /v1/*
-    when set. served_model_name: the `model` clients send (default: model_dir's name).
-    expert_workers: CPU worker processes; experts_per_worker: their expert id ranges ("0-63"), by
-    default an even split; weight_format and threads apply to each worker. gpu_experts: hot
-    routed experts per MoE layer kept on the GPU (chosen from the workers' activation counts, or
-    listed per layer in the JSON file expert_placement), re-chosen from live routing every
-    gpu_experts_refresh_s seconds (0: never). restart_workers: restart a worker
-    that exits; worker_timeout_s: how long requests wait for a dead worker before failing (503);
-    worker_start_timeout_s: how long a worker may take to load. expert_addresses: gRPC addresses
-    ("HOST:PORT") of workers that run on their own (`ktserve expert`); when set, none are
-    started here and the worker flags above do not apply. cuda_graphs: replay the decode
-    step's GPU segments as CUDA graphs (CUDA only) for batches up to cuda_graph_max_batch.
-    The rest is GPUServiceConfig's.
-    """
+class HTTPConfig:
+    """HTTP API: where it listens and who may use it."""
 
-    model_dir: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None
-    expert_workers: int = 1
-    experts_per_worker: tuple[str, ...] | None = None
-    weight_format: str = "int8"
-    threads: int | None = None
-    gpu_experts: int = 0
-    gpu_experts_refresh_s: float = 300.0
-    expert_placement: str | None = None
-    max_model_len: int | None = None
-    kv_cache_tokens: int | None = None
-    dtype: str = "auto"
-    wire_dtype: str = "bfloat16"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    device: str | None = None
-    worker_timeout_s: float = 30.0
-    restart_workers: bool = True
-    worker_start_timeout_s: float = 3600.0
-    cuda_graphs: bool = True
-    cuda_graph_max_batch: int = 32
-    expert_addresses: tuple[str, ...] | None = None
+    host: str = flag(
+        "127.0.0.1",
+        help="HTTP address to bind (default %(default)s; 0.0.0.0 exposes the server to the "
+        "network)",
+    )
+    port: int = flag(8000, help="HTTP port (default %(default)s; 0 picks a free one)")
+    api_key: str | None = flag(
+        None,
+        env=API_KEY_ENV,
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: the {API_KEY_ENV} "
+        "environment variable; unset: no key)",
+    )
+    served_model_name: str | None = flag(
+        None,
+        help="the model name clients send and /v1/models lists (default: the directory's name)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    """Expert workers: started here and supervised, or running on their own (--expert-address)."""
+
+    expert_addresses: tuple[str, ...] | None = flag(
+        None,
+        name="--expert-address",
+        action="extend",
+        type=comma_list,
+        metavar="HOST:PORT",
+        help="connect to a CPU expert worker that runs on its own (`ktserve expert --model DIR "
+        "--experts RANGE --listen HOST:PORT`, e.g. another container) instead of starting "
+        "workers here; repeat the flag or separate addresses with commas. The workers' "
+        "--experts ranges must hold every routed expert exactly once (checked at start). A "
+        "worker that dies is waited for (--worker-timeout) and re-attached once it serves at "
+        "the same address again; restarting it is up to whoever started it. Not combinable "
+        "with --expert-workers, --experts-per-worker, --format, --threads",
+    )
+    expert_workers: int = flag(
+        1,
+        help="CPU expert worker processes to start; each holds an equal share of the routed "
+        "experts (default %(default)s)",
+    )
+    experts_per_worker: tuple[str, ...] | None = flag(
+        None,
+        type=comma_list,
+        metavar="RANGES",
+        help="each worker's expert ids, comma-separated inclusive ranges, one per worker, e.g. "
+        "0-95,96-255 (default: an even split)",
+    )
+    weight_format: str = flag(
+        "int8",
+        name="--format",
+        choices=WEIGHT_FORMATS,
+        help="routed experts' format in RAM: bf16 (exact), int8 (per-row scales), int4 "
+        "(group-32 scales) (default %(default)s)",
+    )
+    threads: int | None = flag(None, help="kernel threads per expert worker (default: cores - 1)")
+    restart_workers: bool = flag(
+        True, name="--no-restart-workers", help="do not restart expert workers that exit"
+    )
+    worker_start_timeout_s: float = flag(
+        3600.0,
+        name="--worker-start-timeout",
+        help="seconds an expert worker may take to load, or to come up and load when named by "
+        "--expert-address (default %(default)s)",
+    )
+
+    def __post_init__(self) -> None:
+        from ktserve.checkpoint import parse_expert_range  # NOTE: imports torch; --help must not
+
         if self.expert_workers < 1:
             raise ValueError(f"--expert-workers must be >= 1, got {self.expert_workers}")
         if self.experts_per_worker is not None:
@@ -77,40 +106,12 @@ class ServeConfig:
             )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
-        if self.gpu_experts < 0:
-            raise ValueError(f"--gpu-experts must be >= 0, got {self.gpu_experts}")
-        if self.gpu_experts_refresh_s < 0:
+        if self.worker_start_timeout_s <= 0:
             raise ValueError(
-                f"--gpu-experts-refresh must be >= 0, got {self.gpu_experts_refresh_s}"
+                f"--worker-start-timeout must be positive, got {self.worker_start_timeout_s}"
             )
-        if self.expert_placement is not None and not Path(self.expert_placement).is_file():
-            raise ValueError(f"--expert-placement {self.expert_placement!r} is not a file")
-        if self.dtype not in MODEL_DTYPES:
-            raise ValueError(f"--dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"--wire-dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
-        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 16:
-            raise ValueError(f"--kv-cache-tokens must be >= 16, got {self.kv_cache_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if self.cuda_graph_max_batch < 1:
-            raise ValueError(
-                f"--cuda-graph-max-batch must be >= 1, got {self.cuda_graph_max_batch}"
-            )
-        if self.worker_timeout_s <= 0 or self.worker_start_timeout_s <= 0:
-            raise ValueError("--worker-timeout and --worker-start-timeout must be positive")
         if self.expert_addresses is not None:
             check_addresses(self.expert_addresses)
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or Path(self.model_dir).resolve().name
 
     def expert_ranges(self, num_experts: int) -> tuple[str, ...]:
         """Each worker's expert ids ("first-last"): as given, or an even split of num_experts."""
@@ -118,24 +119,22 @@ class ServeConfig:
             return self.experts_per_worker
         return split_experts(num_experts, self.expert_workers)
 
-    def gpu_service_config(self, workers: tuple[str, ...]) -> GPUServiceConfig:
-        return GPUServiceConfig(
-            model_dir=self.model_dir,
-            workers=workers,
-            device=self.device,
-            dtype=self.dtype,
-            wire_dtype=self.wire_dtype,
-            max_model_len=self.max_model_len,
-            kv_cache_tokens=self.kv_cache_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            worker_timeout_s=self.worker_timeout_s,
-            gpu_experts=self.gpu_experts,
-            gpu_experts_refresh_s=self.gpu_experts_refresh_s,
-            expert_placement=self.expert_placement,
-            cuda_graphs=self.cuda_graphs,
-            cuda_graph_max_batch=self.cuda_graph_max_batch,
-        )
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """`ktserve serve`: the HTTP API, the expert workers and the GPU service on them."""
+
+    http: HTTPConfig = field(default_factory=HTTPConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    gpu: GPUServiceConfig
+
+    @property
+    def model_dir(self) -> str:
+        return self.gpu.model_dir
+
+    @property
+    def model_name(self) -> str:
+        return self.http.served_model_name or Path(self.model_dir).resolve().name
 
 
 def check_addresses(addresses: tuple[str, ...]) -> None:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gpu_service.engine import DecodeGraphConfig, Engine, EngineMetrics, SchedulerConfig
+from gpu_service.config import GPUServiceConfig
+from gpu_service.engine import DecodeGraphConfig, Engine, EngineMetrics
 from gpu_service.gpu_experts import (
     HotExpertRefresher,
     HybridExperts,
@@ -17,14 +18,13 @@ from gpu_service.gpu_experts import (
 )
 from gpu_service.models import KVCache, load_model
 from gpu_service.models.registry import default_device
-from gpu_service.moe_client import ExpertClientConfig, ShmExperts
+from gpu_service.moe_client import ShmExperts
 from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec
-from ktserve.names import FLOAT_DTYPE_NAMES, float_dtype
+from ktserve.names import float_dtype
 
 log = logging.getLogger("ktserve.gpu")
 
 CPU_DEFAULT_CACHE_TOKENS = 32768
-MODEL_DTYPES = ("auto", *FLOAT_DTYPE_NAMES)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -33,50 +33,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return float_dtype(name).torch()
-
-
-@dataclass(frozen=True)
-class GPUServiceConfig:
-    """model_dir: Hugging Face checkpoint. workers: expert worker gRPC addresses.
-    dtype: the GPU part's dtype; wire_dtype: hidden states sent to the experts.
-    max_model_len: context length (default: the model's, capped at 8192).
-    kv_cache_tokens: KV cache size in tokens (default: what `gpu_memory_fraction` of the free
-    GPU memory holds after the weights; on the CPU, 32768). cuda_graphs: on CUDA, decode batches
-    of up to cuda_graph_max_batch sequences replay their GPU segments as CUDA graphs (captured in
-    the memory the fraction leaves free). gpu_experts_refresh_s: how often the hot GPU experts
-    are re-chosen from the routed ids counted meanwhile (0: never; never with a placement file).
-    """
-
-    model_dir: str
-    workers: tuple[str, ...]
-    device: str | None = None
-    dtype: str = "auto"
-    wire_dtype: str = "bfloat16"
-    max_model_len: int | None = None
-    kv_cache_tokens: int | None = None
-    gpu_memory_fraction: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    worker_timeout_s: float = 30.0
-    gpu_experts: int = 0
-    expert_placement: str | None = None
-    cuda_graphs: bool = True
-    cuda_graph_max_batch: int = 32
-    gpu_experts_refresh_s: float = 300.0
-
-    def __post_init__(self) -> None:
-        if self.gpu_experts < 0:
-            raise ValueError(f"gpu_experts must be >= 0, got {self.gpu_experts}")
-        if self.dtype not in MODEL_DTYPES:
-            raise ValueError(f"dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
-        if not 0 < self.gpu_memory_fraction <= 1:
-            raise ValueError("gpu_memory_fraction must be in (0, 1]")
-        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 16:
-            raise ValueError("kv_cache_tokens must be >= 16")
-        if self.cuda_graph_max_batch < 1:
-            raise ValueError("cuda_graph_max_batch must be >= 1")
-        if self.gpu_experts_refresh_s < 0:
-            raise ValueError("gpu_experts_refresh_s must be >= 0")
 
 
 @dataclass
@@ -102,14 +58,12 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
     spec = ModelSpec.from_hf(hf)
     device = torch.device(config.device) if config.device else default_device()
     dtype = resolve_dtype(config.dtype, device)
-    max_model_len = config.max_model_len or min(hf.int("max_position_embeddings", 4096), 8192)
+    scheduler = config.scheduler
+    max_model_len = scheduler.max_model_len or min(hf.int("max_position_embeddings", 4096), 8192)
+    scheduler = replace(scheduler, max_model_len=max_model_len)
     experts = ShmExperts(
-        ExpertClientConfig(
-            workers=config.workers, wire_dtype=config.wire_dtype,
-            max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-            worker_timeout_s=config.worker_timeout_s,
-        ),
-        hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, device=device,
+        config.experts, hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok,
+        max_tokens=max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs), device=device,
     )  # fmt: skip
     try:
         backend = experts
@@ -125,15 +79,10 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
                  tokens * model.kv_cache.config.bytes_per_token(dtype) / 2**30)  # fmt: skip
         graphs = None
         if device.type == "cuda" and config.cuda_graphs:
-            max_batch = min(config.cuda_graph_max_batch, config.max_num_seqs)
+            max_batch = min(config.cuda_graph_max_batch, scheduler.max_num_seqs)
             graphs = DecodeGraphConfig(max_batch=max_batch)
         metrics = EngineMetrics()
         experts.on_round_trip = metrics.moe_round_trip.observe
-        scheduler = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-        )
         engine = Engine(model, scheduler, eos_token_ids=eos_token_ids, decode=decode,
                         metrics=metrics, experts_stats=experts.stats,
                         graph_config=graphs).start()  # fmt: skip

@@ -1,6 +1,6 @@
 """Expert workers as supervised subprocesses of `ktserve serve`.
 
-Each worker is `python -m expert_service.cli expert --model M --listen 127.0.0.1:PORT ...` on a
+Each worker is `python -m ktserve expert --model M --listen 127.0.0.1:PORT ...` on a
 port fixed for its life, so a restarted worker answers at the same address and the GPU side's
 ShmExperts re-attaches to it by itself. Per worker:
 
@@ -74,7 +74,7 @@ def worker_specs(
         argv = [
             sys.executable,
             "-m",
-            "expert_service.cli",
+            "ktserve",
             "expert",
             "--model",
             model_dir,

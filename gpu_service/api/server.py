@@ -56,17 +56,17 @@ def url_of(sock: socket.socket) -> str:
 
 def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> int:
     """Run until SIGINT/SIGTERM; every process and shared-memory segment is gone on return."""
-    sock = bind_socket(config.host, config.port)
+    sock = bind_socket(config.http.host, config.http.port)
     workers: Supervisor | ExternalWorkers | None = None
     service: GPUService | None = None
     try:
         tokenizer = load_tokenizer(config.model_dir)
         spec = ModelSpec.from_config_dir(config.model_dir)
         workers = _workers(config, spec)
-        workers.start(config.worker_start_timeout_s)
+        workers.start(config.workers.worker_start_timeout_s)
         log.info("loading the model's GPU part")
         service = build_gpu_service(
-            config.gpu_service_config(workers.addresses),
+            config.gpu.with_workers(workers.addresses),
             eos_token_ids=tokenizer.eos_token_ids,
             decode=tokenizer.decode,
         )
@@ -77,7 +77,7 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
             model_name=config.model_name,
             max_model_len=service.max_model_len,
             worker_status=worker_status,
-            api_key=config.api_key,
+            api_key=config.http.api_key,
             registries=(service.metrics.registry, worker_registry(worker_status)),
         )
         server = uvicorn.Server(
@@ -103,19 +103,20 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
 
 
 def _workers(config: ServeConfig, spec: ModelSpec) -> Supervisor | ExternalWorkers:
-    if config.expert_addresses is not None:
-        log.info("connecting to expert workers at %s", ", ".join(config.expert_addresses))
-        return ExternalWorkers(config.expert_addresses, spec)
-    ranges = config.expert_ranges(spec.num_experts)
+    workers = config.workers
+    if workers.expert_addresses is not None:
+        log.info("connecting to expert workers at %s", ", ".join(workers.expert_addresses))
+        return ExternalWorkers(workers.expert_addresses, spec)
+    ranges = workers.expert_ranges(spec.num_experts)
     log.info(
         "starting %d expert worker(s) (experts %s, %s)",
         len(ranges),
         ", ".join(ranges),
-        config.weight_format,
+        workers.weight_format,
     )
     return Supervisor(
-        worker_specs(config.model_dir, ranges, config.weight_format, config.threads),
-        restart=config.restart_workers,
+        worker_specs(config.model_dir, ranges, workers.weight_format, workers.threads),
+        restart=workers.restart_workers,
     )
 
 

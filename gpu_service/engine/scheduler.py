@@ -14,20 +14,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from gpu_service.config import SchedulerConfig
 from gpu_service.engine.errors import EngineError
 from gpu_service.engine.request import FinishReason, Request, RequestState
 from gpu_service.models.kv_cache import KVCache
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.max_model_len < 2:
-            raise ValueError("scheduler limits must be positive (max_model_len >= 2)")
 
 
 @dataclass(frozen=True)
@@ -54,6 +44,8 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCache) -> None:
+        if config.max_model_len is None:
+            raise ValueError("max_model_len is None: resolve it to the model's context length")
         self.config = config
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()

@@ -16,12 +16,16 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from expert_service.config import WorkerConfig
 from gpu_service.api.app import ROUTES
-from gpu_service.cli import build_parser, serve_config
+from gpu_service.cli import serve_config
+from gpu_service.config import DEVICE_ENV
 from gpu_service.external_workers import WorkerShard, check_coverage
-from gpu_service.serve_config import API_KEY_ENV, DEVICE_ENV
+from gpu_service.serve_config import API_KEY_ENV
 from ktserve.checkpoint import parse_expert_range
 from ktserve.checkpoint.spec import ModelSpec
+from ktserve.cli import build_parser
+from ktserve.config_flags import from_args
 from tests.support.api_server import ServerProcess
 from tests.support.compose_file import (
     Reset,
@@ -65,15 +69,17 @@ def test_service_commands_parse_with_the_real_cli(compose, monkeypatch):
     model = str(host_path(REPO, gpu, argv[1]))
     monkeypatch.setenv(DEVICE_ENV, environment(gpu)[DEVICE_ENV])
     config = serve_config(build_parser().parse_args([argv[0], model, *argv[2:]]))
-    assert config.device == "cuda" and config.host == "0.0.0.0"
-    assert config.expert_addresses == tuple(addresses(gpu))
+    assert config.gpu.device == "cuda" and config.http.host == "0.0.0.0"
+    assert config.workers.expert_addresses == tuple(addresses(gpu))
     spec = ModelSpec.from_config_dir(model)
     shards = []
     for name, service in expert_services(compose).items():
         args = build_parser().parse_args(service["command"])
         assert args.command == "expert" and service["restart"] == "unless-stopped"
-        assert host_path(REPO, service, args.model) == host_path(REPO, gpu, argv[1])
+        worker = from_args(WorkerConfig, args)
+        assert host_path(REPO, service, worker.model) == host_path(REPO, gpu, argv[1])
         experts = parse_expert_range(args.experts)
+        assert worker.expert_range == experts
         shards.append(
             WorkerShard(name, experts, spec.num_experts, spec.hidden_size, spec.moe_layers)
         )
@@ -205,12 +211,12 @@ def test_every_dashboard_metric_is_exported(compose):
                 "--model": str(host_path(REPO, service, flag(service["command"], "--model"))),
                 "--listen": listen, "--metrics-host": "127.0.0.1", "--metrics-port": str(metrics),
             })  # fmt: skip
-            proc = WatchedProcess([sys.executable, "-m", "gpu_service.cli", *argv])
+            proc = WatchedProcess([sys.executable, "-m", "ktserve", *argv])
             experts.append(proc)
             local[name] = (listen, metrics)
         for proc in experts:
             proc.read_line("ktserve expert: serving", timeout=180)
-        bare = WatchedProcess([sys.executable, "-m", "gpu_service.cli", "expert", "--listen",
+        bare = WatchedProcess([sys.executable, "-m", "ktserve", "expert", "--listen",
                                f"127.0.0.1:{free_port()}"])  # fmt: skip
         experts.append(bare)
         loading = bare.read_line("listening on", timeout=60).split("listening on ")[1].split()[0]

@@ -10,10 +10,11 @@ import threading
 import pytest
 import torch
 
+from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.gpu_experts import worker_activation_counts
 from gpu_service.models import Batch, SeqInput
-from gpu_service.service import GPUServiceConfig, build_gpu_service
+from gpu_service.service import build_gpu_service
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
 
@@ -101,9 +102,9 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def service_for(path, worker: ExpertProcess, dtype: str, wire_dtype: str, gpu_experts: int = 0):
     config = GPUServiceConfig(
-        model_dir=str(path), workers=(worker.address,), device=DEVICE, dtype=dtype,
-        wire_dtype=wire_dtype, kv_cache_tokens=1024, max_model_len=128, worker_timeout_s=20,
-        gpu_experts=gpu_experts,
+        model_dir=str(path), device=DEVICE, dtype=dtype, kv_cache_tokens=1024,
+        gpu_experts=gpu_experts, scheduler=SchedulerConfig(max_model_len=128),
+        experts=ExpertClientConfig((worker.address,), wire_dtype=wire_dtype, worker_timeout_s=20),
     )  # fmt: skip
     return build_gpu_service(config)
 

@@ -267,7 +267,7 @@ def test_convert_then_load_gives_identical_replies(checkpoints, procs, channel, 
     spec = ModelSpec.from_config_dir(path)
     out = tmp_path / "packed"
     result = subprocess.run(
-        [sys.executable, "-m", "expert_service.cli", "convert", "--model", str(path),
+        [sys.executable, "-m", "ktserve", "convert", "--model", str(path),
          "--out", str(out), "--format", "int4", "--experts", "0-5", "--threads", "1"],
         cwd=REPO, capture_output=True, text=True, env=CHILD_ENV,
     )  # fmt: skip
@@ -286,7 +286,7 @@ def test_convert_then_load_gives_identical_replies(checkpoints, procs, channel, 
     np.testing.assert_array_equal(moe_call(channel, layer, x, ids, weights), y_direct)
     # a converted directory serves only what it holds
     bad = subprocess.run(
-        [sys.executable, "-m", "expert_service.cli", "expert", "--model", str(out),
+        [sys.executable, "-m", "ktserve", "expert", "--model", str(out),
          "--format", "int8", "--listen", "127.0.0.1:0"],
         cwd=REPO, capture_output=True, text=True, env=CHILD_ENV,
         timeout=120,
@@ -400,7 +400,7 @@ def test_second_load_while_serving_and_missing_channel(checkpoints, procs):
 
 def test_cli_reports_errors_clearly(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "expert_service.cli", "expert", "--model", str(tmp_path / "none"),
+        [sys.executable, "-m", "ktserve", "expert", "--model", str(tmp_path / "none"),
          "--listen", "127.0.0.1:0"],
         cwd=REPO, capture_output=True, text=True, env=CHILD_ENV,
         timeout=120,
@@ -408,7 +408,7 @@ def test_cli_reports_errors_clearly(tmp_path):
     assert result.returncode == 2
     assert "error:" in result.stderr and "does not exist" in result.stderr
     result = subprocess.run(
-        [sys.executable, "-m", "expert_service.cli", "expert", "--experts", "9-3"],
+        [sys.executable, "-m", "ktserve", "expert", "--experts", "9-3"],
         cwd=REPO, capture_output=True, text=True, env=CHILD_ENV,
     )  # fmt: skip
     assert result.returncode == 2 and "comes before" in result.stderr

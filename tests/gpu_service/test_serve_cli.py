@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import signal
 import socket
@@ -13,14 +14,16 @@ import time
 import openai
 import pytest
 
-from gpu_service.cli import DEMO_MODEL_DIR, build_parser, serve_config
+from gpu_service.cli import DEMO_MODEL_DIR, serve_config
+from gpu_service.config import GPUServiceConfig
 from gpu_service.external_workers import ExpertCoverageError, WorkerShard, check_coverage
-from gpu_service.serve_config import split_experts
+from gpu_service.serve_config import HTTPConfig, ServeConfig, split_experts
 from ktserve.checkpoint.spec import ModelSpec
+from ktserve.cli import COMMANDS, build_parser
 from tests.support.api_server import ServerProcess, make_served_checkpoint, pid_alive
 from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, shm_entries
-from tests.support.watched_process import CHILD_ENV, REPO
+from tests.support.watched_process import CHILD_ENV, REPO, WatchedProcess
 
 GPU_FLAGS = (
     "--device",
@@ -62,34 +65,101 @@ def checkpoint(tmp_path_factory, seed):
     return make_served_checkpoint(tmp_path_factory.mktemp("cli") / "tiny", seed, 128)
 
 
-def ktserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def ktserve(
+    *args: str, timeout: float = 120, env: dict | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "gpu_service.cli", *args],
+        [sys.executable, "-m", "ktserve", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=CHILD_ENV,
+        env={**CHILD_ENV, **(env or {})},
     )
 
 
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
 def test_help_explains_every_flag():
-    result = ktserve("serve", "--help")
-    assert result.returncode == 0
-    text = result.stdout
-    for flag in SERVE_FLAGS:
-        assert re.search(rf"{flag}\b.*\n?\s+\S", text), f"{flag} missing from --help"
+    """Every option and positional of every subcommand, read from the parser, has help text
+    that its --help prints (unwrapped: a wide terminal, whitespace collapsed)."""
+    wide = {"COLUMNS": "1000"}
+    top = ktserve("--help", env=wide)
+    assert top.returncode == 0, top.stderr
+    commands = subcommands(build_parser())
+    assert set(commands) == set(COMMANDS) == {"serve", "expert", "convert"}
+    for name, command in COMMANDS.items():
+        assert command.help and f"{name} {command.help}" in " ".join(top.stdout.split())
+    for name, parser in commands.items():
+        result = ktserve(name, "--help", env=wide)
+        assert result.returncode == 0, result.stderr
+        text = " ".join(result.stdout.split())
+        actions = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+        assert actions, f"ktserve {name} has no flags"
+        for action in actions:
+            what = f"ktserve {name} {'/'.join(action.option_strings) or action.metavar}"
+            assert action.help and action.help.strip(), f"{what} has no help"
+            assert " ".join((action.help % vars(action)).split()) in text, f"{what}: help missing"
+            for option in action.option_strings or [action.metavar]:
+                assert re.search(rf"(^|[\s\[]){re.escape(option)}\b", text), f"{what} missing"
+    serve = {o for a in commands["serve"]._actions for o in a.option_strings}
+    assert set(SERVE_FLAGS) <= serve
+    text = ktserve("serve", "--help").stdout
     assert "KTSERVE_API_KEY" in text and "KTSERVE_DEVICE" in text and "MODEL_DIR" in text
-    top = ktserve("--help").stdout
-    for command in ("serve", "expert", "convert"):
-        assert command in top
     # the expert_service subcommands are the same parsers
     assert "--listen" in ktserve("expert", "--help").stdout
     assert "--out" in ktserve("convert", "--help").stdout
 
 
+def imported(stderr: str) -> set[str]:
+    """The top-level packages a `python -X importtime` run imported, read from its stderr."""
+    lines = (line for line in stderr.splitlines() if line.startswith("import time:"))
+    return {line.rpartition("|")[2].strip().split(".")[0] for line in lines} - {"imported package"}
+
+
+@pytest.mark.parametrize(
+    "argv, absent",
+    [
+        ([], {"torch", "gpu_service", "expert_service"}),
+        (["expert"], {"torch", "gpu_service", "grpc"}),
+        (["convert"], {"torch", "gpu_service"}),
+        (["serve"], {"torch", "expert_service", "transformers", "uvicorn"}),
+    ],
+)
+def test_help_imports_only_the_command_asked_for(argv, absent):
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "ktserve", *argv, "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=CHILD_ENV,
+    )
+    assert result.returncode == 0, result.stderr
+    loaded = imported(result.stderr)
+    assert "ktserve" in loaded and not loaded & absent, f"imported {sorted(loaded & absent)}"
+
+
+def test_expert_worker_starts_without_the_gpu_side():
+    worker = WatchedProcess([sys.executable, "-X", "importtime", "-m", "ktserve", "expert",
+                             "--listen", "127.0.0.1:0", "--threads", "1"])  # fmt: skip
+    try:
+        worker.read_line("listening on")
+        assert worker.terminate() == 0
+        loaded = imported(worker.stderr())
+    finally:
+        worker.kill()
+        worker.close_streams()
+    assert {"expert_service", "grpc"} <= loaded
+    assert not loaded & {"gpu_service", "transformers", "uvicorn", "fastapi"}, sorted(loaded)
+
+
 def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
     monkeypatch.setenv("KTSERVE_API_KEY", "from-env")
+    monkeypatch.delenv("KTSERVE_DEVICE", raising=False)
     args = build_parser().parse_args(
         [
             "serve",
@@ -123,20 +193,26 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
         ]
     )
     config = serve_config(args)
-    assert config.experts_per_worker == ("0-3", "4-11") and config.expert_ranges(12) == (
-        "0-3",
-        "4-11",
-    )
-    assert not config.restart_workers and config.worker_timeout_s == 5
-    assert config.max_num_seqs == 3 and config.wire_dtype == "float32"
-    assert config.weight_format == "int4" and config.threads == 2
-    assert config.api_key == "from-env" and config.model_name == "tiny"
-    assert config.host == "127.0.0.1"
-    gpu = config.gpu_service_config(("127.0.0.1:1", "127.0.0.1:2"))
-    assert gpu.worker_timeout_s == 5 and gpu.max_num_seqs == 3 and gpu.wire_dtype == "float32"
-    assert gpu.max_num_batched_tokens == 96 and not gpu.cuda_graphs
+    workers, gpu, http = config.workers, config.gpu, config.http
+    assert workers.experts_per_worker == ("0-3", "4-11")
+    assert workers.expert_ranges(12) == ("0-3", "4-11")
+    assert not workers.restart_workers and gpu.experts.worker_timeout_s == 5
+    assert gpu.scheduler.max_num_seqs == 3 and gpu.experts.wire_dtype == "float32"
+    assert workers.weight_format == "int4" and workers.threads == 2
+    assert http.api_key == "from-env" and config.model_name == "tiny" and http.port == 0
+    assert http.host == "127.0.0.1"
+    assert gpu.scheduler.max_num_batched_tokens == 96 and not gpu.cuda_graphs
     assert gpu.gpu_experts == 2 and gpu.gpu_experts_refresh_s == 30
     assert gpu.cuda_graph_max_batch == 4
+    assert gpu.model_dir == config.model_dir == str(checkpoint)
+    assert gpu.experts.workers == () and gpu.scheduler.max_model_len is None
+    on_workers = gpu.with_workers(("127.0.0.1:1", "127.0.0.1:2"))
+    assert on_workers.experts.workers == ("127.0.0.1:1", "127.0.0.1:2")
+    assert on_workers.experts.worker_timeout_s == 5 and on_workers.scheduler == gpu.scheduler
+    defaults = serve_config(build_parser().parse_args(["serve", str(checkpoint)]))
+    assert defaults == ServeConfig(
+        gpu=GPUServiceConfig(model_dir=str(checkpoint)), http=HTTPConfig(api_key="from-env")
+    )
     assert split_experts(12, 5) == ("0-2", "3-5", "6-7", "8-9", "10-11")
     with pytest.raises(ValueError, match="config.json"):
         serve_config(build_parser().parse_args(["serve", str(REPO / "tests")]))
@@ -252,9 +328,9 @@ def test_expert_addresses_map_onto_serve_config(checkpoint, monkeypatch):
     args = parse(["serve", str(checkpoint), "--expert-address", "a:1, b:2", "--expert-address",
                   "unix:/run/w.sock"])  # fmt: skip
     config = serve_config(args)
-    assert config.expert_addresses == ("a:1", "b:2", "unix:/run/w.sock")
-    assert config.device == "cpu"
-    assert serve_config(parse(["serve", str(checkpoint)])).expert_addresses is None
+    assert config.workers.expert_addresses == ("a:1", "b:2", "unix:/run/w.sock")
+    assert config.gpu.device == "cpu"
+    assert serve_config(parse(["serve", str(checkpoint)])).workers.expert_addresses is None
     for flags, message in [
         (["--threads", "2"], "--threads configures the expert workers ktserve serve starts"),
         (["--expert-workers", "2", "--format", "int4"], "--expert-workers, --format configure"),

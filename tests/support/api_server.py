@@ -68,7 +68,7 @@ def make_served_checkpoint(path: Path, seed: int, max_position_embeddings: int =
 
 
 class ServerProcess(WatchedProcess):
-    """`python -m gpu_service.cli serve MODEL --port 0 ...`; the URL is read from its stdout."""
+    """`python -m ktserve serve MODEL --port 0 ...`; the URL is read from its stdout."""
 
     what = "the server"
 
@@ -81,7 +81,7 @@ class ServerProcess(WatchedProcess):
         timeout: float = 180.0,
     ) -> None:
         model = [str(model_dir)] if model_dir is not None else []
-        cmd = [sys.executable, "-m", "gpu_service.cli", "serve", *model, "--port", "0", *flags]
+        cmd = [sys.executable, "-m", "ktserve", "serve", *model, "--port", "0", *flags]
         super().__init__(cmd, env)
         self.url = ""
         if wait:

@@ -23,12 +23,12 @@ FORMAT_PB = {"bf16": pb.WEIGHT_FORMAT_BF16, "int8": pb.WEIGHT_FORMAT_INT8,
 
 
 class ExpertProcess(WatchedProcess):
-    """`python -m expert_service.cli expert ...` on a free port; stdout read with deadlines."""
+    """`python -m ktserve expert ...` on a free port; stdout read with deadlines."""
 
     what = "the expert process"
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, wait_serving: bool = True):
-        cmd = [sys.executable, "-m", "expert_service.cli", "expert", "--listen", "127.0.0.1:0",
+        cmd = [sys.executable, "-m", "ktserve", "expert", "--listen", "127.0.0.1:0",
                "--threads", "1", *args]  # fmt: skip
         super().__init__(cmd, env)
         self.grpc_channel = None
