@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -71,7 +71,8 @@ RUN_PREFIX = ktshm.name_prefix()
 def shm_entries() -> set[str]:
     """This run's ktshm entries in /dev/shm: channel segments and their semaphores
     (sem.<name>.req, .rep), none of another process's that was not started by this run."""
-    return {e for e in os.listdir("/dev/shm") if e.startswith((RUN_PREFIX, f"sem.{RUN_PREFIX}"))}
+    shm = Path("/dev/shm")
+    return {p.name for prefix in (RUN_PREFIX, f"sem.{RUN_PREFIX}") for p in shm.glob(f"{prefix}*")}
 
 
 @contextlib.contextmanager
