@@ -9,7 +9,7 @@ from pathlib import Path
 
 from expert_service import packed_store
 from expert_service.expert_shard import ExpertShard, LoadProgress
-from expert_service.kernels import PackedExperts, pack_experts
+from expert_service.kernels import PackedExperts, pack_expert_list, pack_experts
 from ktserve.checkpoint import (
     CheckpointReader,
     check_memory_available,
@@ -38,18 +38,29 @@ def load_shard(
         experts = experts if experts is not None else range(spec.num_experts)
         validate_shard(spec, experts)
         required = estimate_shard_bytes(spec, len(experts), BYTES_PER_WEIGHT[weight_format])
-        # NOTE: one layer is held in float32 while it is packed.
+        # NOTE: one layer is held while it is packed: as stored, or in float32 (fused layouts).
         transient = estimate_shard_bytes(spec, len(experts), 4.0) // max(spec.num_moe_layers, 1)
         check_memory_available(required + transient)
         layers: dict[int, PackedExperts] = {}
         done_bytes = 0
         for i, layer in enumerate(spec.moe_layers):
-            gate, up, down = reader.read_experts(layer, list(experts))
-            layers[layer] = pack_experts(gate, up, down, weight_format, num_threads=pack_threads)
+            layers[layer] = _pack_layer(reader, layer, experts, weight_format, pack_threads)
             done_bytes += layers[layer].nbytes
             if progress is not None:
                 progress(i + 1, len(spec.moe_layers), done_bytes)
     return ExpertShard(spec, str(model_dir), weight_format, experts, layers)
+
+
+def _pack_layer(reader: CheckpointReader, layer: int, experts: range, weight_format: str,
+                pack_threads: int | None) -> PackedExperts:  # fmt: skip
+    """One layer's experts packed from their tensors as stored (every core reads and converts,
+    FP8 dequantized while packing), or from a float32 copy where the layout needs one."""
+    stored = reader.stored_experts(layer, list(experts))
+    if stored is not None:
+        return pack_expert_list(stored.weights, weight_format, scales=stored.scales,
+                                block=stored.block, num_threads=pack_threads)  # fmt: skip
+    gate, up, down = reader.read_experts(layer, list(experts))
+    return pack_experts(gate, up, down, weight_format, num_threads=pack_threads)
 
 
 class ProgressPrinter:

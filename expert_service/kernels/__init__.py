@@ -3,7 +3,12 @@ experts, with AVX2, AVX-512 and AMX paths chosen at run time (see README.md in t
 
 from expert_service.kernels.isa import available_isas, default_isa
 from expert_service.kernels.kernel import MoEKernel
-from expert_service.kernels.packing import PackedExperts, WeightFormat, pack_experts
+from expert_service.kernels.packing import (
+    PackedExperts,
+    WeightFormat,
+    pack_expert_list,
+    pack_experts,
+)
 
 __all__ = [
     "MoEKernel",
@@ -11,5 +16,6 @@ __all__ = [
     "WeightFormat",
     "available_isas",
     "default_isa",
+    "pack_expert_list",
     "pack_experts",
 ]

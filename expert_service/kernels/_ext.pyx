@@ -17,6 +17,13 @@ cdef extern from "ktk.h":
         const void* gate
         const void* up
         const void* down
+        const void* const* gate_e
+        const void* const* up_e
+        const void* const* down_e
+        const float* const* gate_s
+        const float* const* up_s
+        const float* const* down_s
+        int block_rows, block_cols
         void* w13
         void* w2
         void* s13
@@ -69,7 +76,10 @@ def isa_supported(int isa) -> bool:
 
 def pack(int fmt, int E, int H, int I, int src_dtype, uintptr_t gate, uintptr_t up,
          uintptr_t down, uintptr_t w13, uintptr_t w2, uintptr_t s13, uintptr_t s2,
-         uintptr_t r13, uintptr_t r2, int num_threads) -> None:
+         uintptr_t r13, uintptr_t r2, int num_threads, uintptr_t gate_e=0, uintptr_t up_e=0,
+         uintptr_t down_e=0, uintptr_t gate_s=0, uintptr_t up_s=0, uintptr_t down_s=0,
+         int block_rows=0, int block_cols=0) -> None:
+    """gate_e .. down_s: addresses of arrays of E pointers (per-expert sources, their scales)."""
     cdef ktk_pack_args a
     a.fmt = fmt
     a.E = E
@@ -80,6 +90,14 @@ def pack(int fmt, int E, int H, int I, int src_dtype, uintptr_t gate, uintptr_t 
     a.gate = <const void*>gate
     a.up = <const void*>up
     a.down = <const void*>down
+    a.gate_e = <const void* const*>gate_e
+    a.up_e = <const void* const*>up_e
+    a.down_e = <const void* const*>down_e
+    a.gate_s = <const float* const*>gate_s
+    a.up_s = <const float* const*>up_s
+    a.down_s = <const float* const*>down_s
+    a.block_rows = block_rows
+    a.block_cols = block_cols
     a.w13 = <void*>w13
     a.w2 = <void*>w2
     a.s13 = <void*>s13

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 # NOTE: codes match KTK_DT_* in ktk.h.
-DT_F32, DT_BF16, DT_F16 = 0, 1, 2
+DT_F32, DT_BF16, DT_F16, DT_F8E4M3 = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ def _torch_kinds() -> dict[Any, str]:
         torch.int32: "i32",
         torch.float64: "f64",
         torch.uint16: "bf16",
+        torch.float8_e4m3fn: "f8e4m3",
     }
 
 

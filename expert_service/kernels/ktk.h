@@ -33,7 +33,7 @@ enum {
 
 enum { KTK_FMT_BF16 = 0, KTK_FMT_INT8 = 1, KTK_FMT_INT4 = 2 };
 enum { KTK_ISA_AVX2 = 0, KTK_ISA_AVX512 = 1, KTK_ISA_AMX = 2 };
-enum { KTK_DT_F32 = 0, KTK_DT_BF16 = 1, KTK_DT_F16 = 2 };
+enum { KTK_DT_F32 = 0, KTK_DT_BF16 = 1, KTK_DT_F16 = 2, KTK_DT_F8E4M3 = 3 /* packing only */ };
 
 /* Per-ISA micro kernels: out[m][r] = sum_k W[r][k] * X[m][k] for the 16 rows r of one block,
  * m < M tokens whose activations are rows of X (stride ldx elements), K a multiple of 64.
@@ -63,10 +63,17 @@ const ktk_ops* ktk_ops_amx(void);
 /* CPU features (CPUID + OS state; AMX also asks the kernel for tile-data permission). */
 int ktk_isa_supported(int isa);
 
-/* Packing (multithreaded, any source dtype): gate, up [E, I, H]; down [E, H, I], contiguous. */
+/* Packing (multithreaded, any source dtype): gate, up [E, I, H]; down [E, H, I], contiguous;
+ * or, where gate_e/up_e/down_e are set, one pointer per expert to its own [I, H] / [H, I]
+ * (tensors read straight from a memory-mapped checkpoint). KTK_DT_F8E4M3 sources (per expert
+ * only) carry fp32 block scales per expert, [ceil(rows / block_rows), ceil(cols / block_cols)]:
+ * w[r][c] = fp8(q[r][c]) * scale[r / block_rows][c / block_cols]. */
 typedef struct {
   int fmt, E, H, I, src_dtype, num_threads;
   const void *gate, *up, *down;
+  const void *const *gate_e, *const *up_e, *const *down_e;
+  const float *const *gate_s, *const *up_s, *const *down_s;
+  int block_rows, block_cols;
   void *w13, *w2;          /* packed weights */
   void *s13, *s2;          /* scales (int8: fp32 per row, int4: bf16 per group) */
   int32_t *r13, *r2;       /* int8 row sums of q */

@@ -12,13 +12,36 @@
 namespace {
 
 struct Matrix {
-  const void* src;  // [E, N, K] of src_dtype
-  int N, K;         // logical
-  int Kp;           // padded K
+  const void* src;                // [E, N, K] of src_dtype, or
+  const void* const* per_expert;  // E pointers to [N, K] (when set)
+  const float* const* scales;     // F8E4M3: E pointers to [ceil(N / br), ceil(K / bc)]
+  int N, K;                       // logical
+  int Kp;                         // padded K
 };
 
+size_t dtype_bytes(int dtype) { return dtype == KTK_DT_F32 ? 4 : dtype == KTK_DT_F8E4M3 ? 1 : 2; }
+
+// float8_e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, S.1111.111
+// is NaN) to fp32, exactly: a table of all 256 values.
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int v = 0; v < 256; ++v) {
+      int exp = (v >> 3) & 15, mant = v & 7;
+      float mag = exp == 0 ? std::ldexp(float(mant), -9) : std::ldexp(float(8 + mant), exp - 10);
+      if (exp == 15 && mant == 7) mag = NAN;
+      value[v] = (v & 128) ? -mag : mag;
+    }
+  }
+};
+const Fp8Table kFp8;
+
 // Reads 16 rows starting at row0 of expert e into dst[16][Kp] fp32, zero padded.
-void load_rows(const Matrix& m, int dtype, int e, int row0, float* dst) {
+void load_rows(const Matrix& m, const ktk_pack_args* a, int e, int row0, float* dst) {
+  const int dtype = a->src_dtype;
+  const char* base = m.per_expert ? static_cast<const char*>(m.per_expert[e])
+                                  : static_cast<const char*>(m.src) +
+                                        size_t(e) * m.N * m.K * dtype_bytes(dtype);
   for (int r = 0; r < 16; ++r) {
     float* d = dst + size_t(r) * m.Kp;
     int row = row0 + r;
@@ -26,15 +49,20 @@ void load_rows(const Matrix& m, int dtype, int e, int row0, float* dst) {
       memset(d, 0, sizeof(float) * m.Kp);
       continue;
     }
-    size_t off = (size_t(e) * m.N + row) * m.K;
+    size_t off = size_t(row) * m.K;
     if (dtype == KTK_DT_F32) {
-      memcpy(d, static_cast<const float*>(m.src) + off, sizeof(float) * m.K);
+      memcpy(d, reinterpret_cast<const float*>(base) + off, sizeof(float) * m.K);
     } else if (dtype == KTK_DT_BF16) {
-      const uint16_t* s = static_cast<const uint16_t*>(m.src) + off;
+      const uint16_t* s = reinterpret_cast<const uint16_t*>(base) + off;
       for (int k = 0; k < m.K; ++k) d[k] = ktk_bf16_to_f32(s[k]);
-    } else {
-      const uint16_t* s = static_cast<const uint16_t*>(m.src) + off;
+    } else if (dtype == KTK_DT_F16) {
+      const uint16_t* s = reinterpret_cast<const uint16_t*>(base) + off;
       for (int k = 0; k < m.K; ++k) d[k] = ktk_f16_to_f32(s[k]);
+    } else {
+      const uint8_t* s = reinterpret_cast<const uint8_t*>(base) + off;
+      const int bc = a->block_cols, scale_cols = (m.K + bc - 1) / bc;
+      const float* scale = m.scales[e] + size_t(row / a->block_rows) * scale_cols;
+      for (int k = 0; k < m.K; ++k) d[k] = kFp8.value[s[k]] * scale[k / bc];
     }
     for (int k = m.K; k < m.Kp; ++k) d[k] = 0.0f;
   }
@@ -126,7 +154,7 @@ void pack_unit(const Job& job, int e, int which, float* rows, uint8_t* q) {
   for (int j = 0; j < num_blocks; ++j) {
     const Matrix& m = which == 1 ? job.down : (j % 2 == 0 ? job.gate : job.up);
     int row0 = which == 1 ? j * 16 : (j / 2) * 16;
-    load_rows(m, a->src_dtype, e, row0, rows);
+    load_rows(m, a, e, row0, rows);
     void* wdst = which == 0 ? a->w13 : a->w2;
     void* sdst = which == 0 ? a->s13 : a->s2;
     if (a->fmt == KTK_FMT_BF16) {
@@ -151,13 +179,21 @@ void pack_unit(const Job& job, int e, int which, float* rows, uint8_t* q) {
 extern "C" int ktk_pack(const ktk_pack_args* a) {
   if (a->fmt < KTK_FMT_BF16 || a->fmt > KTK_FMT_INT4 || a->E <= 0 || a->H <= 0 || a->I <= 0)
     return KTK_ERR_BAD_ARG;
+  const bool per_expert = a->gate_e && a->up_e && a->down_e;
+  if (a->src_dtype < KTK_DT_F32 || a->src_dtype > KTK_DT_F8E4M3 ||
+      (!per_expert && (a->gate_e || a->up_e || a->down_e)))
+    return KTK_ERR_BAD_ARG;
+  if (a->src_dtype == KTK_DT_F8E4M3 &&
+      (!per_expert || !a->gate_s || !a->up_s || !a->down_s || a->block_rows <= 0 ||
+       a->block_cols <= 0))
+    return KTK_ERR_BAD_ARG;
   Job job;
   job.a = a;
   job.Hp = int(ktk_round_up(a->H, 64));
   job.Ip = int(ktk_round_up(a->I, 64));
-  job.gate = Matrix{a->gate, a->I, a->H, job.Hp};
-  job.up = Matrix{a->up, a->I, a->H, job.Hp};
-  job.down = Matrix{a->down, a->H, a->I, job.Ip};
+  job.gate = Matrix{a->gate, a->gate_e, a->gate_s, a->I, a->H, job.Hp};
+  job.up = Matrix{a->up, a->up_e, a->up_s, a->I, a->H, job.Hp};
+  job.down = Matrix{a->down, a->down_e, a->down_s, a->H, a->I, job.Ip};
   int units = 2 * a->E;
   int nt = a->num_threads > 0 ? a->num_threads : int(std::thread::hardware_concurrency());
   if (nt > units) nt = units;

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import functools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 from expert_service.kernels import _ext
 from expert_service.kernels.arrays import (
     DT_BF16,
+    DT_F8E4M3,
     DT_F16,
     DT_F32,
     aligned_empty,
@@ -158,6 +160,64 @@ def pack_experts(
         FORMAT_CODES[fmt], E, H, I, src_dtype, g.ptr, u.ptr, d.ptr,
         ptr["w13"], ptr["w2"], ptr.get("s13", 0), ptr.get("s2", 0), ptr.get("r13", 0),
         ptr.get("r2", 0), threads,
+    )  # fmt: skip
+    return PackedExperts(fmt, E, H, I, tensors)
+
+
+_SOURCE_DTYPES = {"f32": DT_F32, "bf16": DT_BF16, "f16": DT_F16, "f8e4m3": DT_F8E4M3}
+
+
+def pack_expert_list(
+    experts: Sequence[tuple[Any, Any, Any]],
+    fmt: WeightFormat | str,
+    *,
+    scales: Sequence[tuple[Any, Any, Any]] | None = None,
+    block: tuple[int, int] | None = None,
+    num_threads: int | None = None,
+) -> PackedExperts:
+    """Packs one (gate [I, H], up [I, H], down [H, I]) per expert, each read where it lies (a
+    tensor of a memory-mapped checkpoint: no stacked copy). All of one dtype: f32, bf16, f16, or
+    float8_e4m3fn with `scales` (fp32 per `block` of rows x cols, DeepSeek's weight_scale_inv),
+    dequantized while packing. Gives what pack_experts gives for the stacked float32 weights."""
+    fmt = WeightFormat(fmt)
+    if not experts:
+        raise ValueError("no experts to pack")
+    srcs = [tuple(raw(t, n) for t, n in zip(e, ("gate", "up", "down"))) for e in experts]
+    kinds = {s.kind for e in srcs for s in e}
+    if len(kinds) != 1 or next(iter(kinds)) not in _SOURCE_DTYPES:
+        raise ValueError(f"experts must share one of {sorted(_SOURCE_DTYPES)}, got {kinds}")
+    kind = kinds.pop()
+    I, H = srcs[0][0].shape  # noqa: E741
+    for g, u, d in srcs:
+        if g.shape != (I, H) or u.shape != (I, H) or d.shape != (H, I):
+            raise ValueError(
+                f"every expert needs gate, up [{I}, {H}] and down [{H}, {I}], got {g.shape}, "
+                f"{u.shape}, {d.shape}"
+            )
+    E = len(srcs)
+    pointers = np.array([[s.ptr for s in e] for e in srcs], dtype=np.uint64).T.copy()  # [3, E]
+    scale_ptrs, scale_arrays = np.zeros((3, E), dtype=np.uint64), []
+    if kind == "f8e4m3":
+        if scales is None or block is None or len(scales) != E:
+            raise ValueError("float8 experts need one (gate, up, down) scale triple each and block")
+        rows = [(I, H), (I, H), (H, I)]
+        for e, triple in enumerate(scales):
+            for m, (s, (r, c)) in enumerate(zip(triple, rows)):
+                want = (-(-r // block[0]), -(-c // block[1]))
+                rs = raw(np.ascontiguousarray(_to_f32(s)), "scale")  # NOTE: keeps its buffer
+                if rs.shape != want:
+                    raise ValueError(f"expert {e}: scales must be float32 {want}, got {rs}")
+                scale_ptrs[m, e] = rs.ptr
+                scale_arrays.append(rs)
+    tensors = {n: aligned_empty((E, k), dt) for n, (dt, k) in tensor_specs(fmt, H, I).items()}
+    ptr = {n: t.ctypes.data for n, t in tensors.items()}
+    br, bc = block or (0, 0)
+    _ext.pack(
+        FORMAT_CODES[fmt], E, H, I, _SOURCE_DTYPES[kind], 0, 0, 0,
+        ptr["w13"], ptr["w2"], ptr.get("s13", 0), ptr.get("s2", 0), ptr.get("r13", 0),
+        ptr.get("r2", 0), num_threads or len(os.sched_getaffinity(0)),
+        *(int(pointers[m].ctypes.data) for m in range(3)),
+        *(int(scale_ptrs[m].ctypes.data) if kind == "f8e4m3" else 0 for m in range(3)), br, bc,
     )  # fmt: skip
     return PackedExperts(fmt, E, H, I, tensors)
 

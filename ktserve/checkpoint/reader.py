@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,15 @@ _SUPPORTED_DTYPES = (*(d.safetensors for d in FLOAT_DTYPES), FP8_SAFETENSORS)
 # progress(done, total) after each expert read.
 ProgressCallback = Callable[[int, int], None]
 ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StoredExperts:
+    """Experts' weights as a checkpoint stores them (CheckpointReader.stored_experts)."""
+
+    weights: list[ExpertWeights]  # (gate [I, H], up [I, H], down [H, I]) per expert
+    scales: list[ExpertWeights] | None  # float8 only: float32 block scales, the same way
+    block: tuple[int, int]  # (rows, cols) of an FP8 scale block
 
 
 class CheckpointReader:
@@ -115,6 +125,37 @@ class CheckpointReader:
                 progress(i + 1, num)
         return gates, ups, downs
 
+    def stored_experts(self, layer: int, expert_ids: Sequence[int]) -> StoredExperts | None:
+        """Each expert's (gate [I, H], up [I, H], down [H, I]) as stored, for packing with no
+        float32 copy: bf16, f16 or f32, or float8_e4m3fn with its block scales as float32 (then
+        `scales` holds them, one triple per expert). None where the layer's experts are fused or
+        their tensors differ in dtype (read_experts reads those)."""
+        for expert in expert_ids:
+            self.spec.check_expert(layer, expert)
+        if self.expert_layout(layer) != "per_expert":
+            return None
+        hidden, inter = self.spec.hidden_size, self.spec.moe_intermediate_size
+        shapes = ((inter, hidden), (inter, hidden), (hidden, inter))
+        weights, scales = [], []
+        for expert in expert_ids:
+            names = self.spec.expert_tensor_names(layer, expert)
+            triple = tuple(self._read(n, s, dequantize=False) for n, s in zip(names, shapes))
+            if len({t.dtype for t in triple}) != 1:
+                return None
+            weights.append(triple)
+            if triple[0].dtype == torch.float8_e4m3fn:
+                scales.append(tuple(self._block_scale(n, s) for n, s in zip(names, shapes)))
+        return StoredExperts(weights, scales or None, self.block_size)
+
+    def _block_scale(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
+        """The float32 scale_inv [ceil(rows / bo), ceil(cols / bi)] of the FP8 weight `name`."""
+        scale_name = f"{name}_scale_inv"
+        scale_slice = self._handle(scale_name).get_slice(scale_name)
+        found, want = tuple(scale_slice.get_shape()), fp8_scale_shape(shape, self.block_size)
+        if found != want:
+            raise TensorShapeMismatch(self.model_dir, scale_name, want, found)
+        return scale_slice[:].float().contiguous()
+
     def _handle(self, name: str) -> Any:
         try:
             path = self._tensor_files[name]
@@ -125,9 +166,16 @@ class CheckpointReader:
         return self._handles[path]
 
     def _read(
-        self, name: str, shape: tuple[int, int], *, expert: int | None = None, halves: int = 1
+        self,
+        name: str,
+        shape: tuple[int, int],
+        *,
+        expert: int | None = None,
+        halves: int = 1,
+        dequantize: bool = True,
     ) -> torch.Tensor:
-        """One [rows, cols] weight from `name` or `name[expert]`; FP8 comes back as float32."""
+        """One [rows, cols] weight from `name` or `name[expert]`; FP8 comes back as float32
+        (as stored with dequantize=False)."""
         expected = shape if expert is None else (self.spec.num_experts, *shape)
         tensor_slice = self._handle(name).get_slice(name)
         found, stored = tuple(tensor_slice.get_shape()), tensor_slice.get_dtype()
@@ -136,7 +184,7 @@ class CheckpointReader:
         if stored not in _SUPPORTED_DTYPES:
             raise UnsupportedTensorDtype(self.model_dir, name, stored, _SUPPORTED_DTYPES)
         weight = tensor_slice[:] if expert is None else tensor_slice[expert : expert + 1][0]
-        if stored != FP8_SAFETENSORS:
+        if stored != FP8_SAFETENSORS or not dequantize:
             return weight
         return self._dequantize(name, weight, expert, halves)
 

@@ -519,3 +519,26 @@ def test_weights_reproduce_transformers_experts_forward(
         gates, ups, downs = reader.read_experts(layer, range(spec.num_experts))
         got = reference_moe(x, ids, weights, gates, ups, downs)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("per_expert_names", [True, False], ids=["per_expert", "fused"])
+def test_shard_packs_what_the_float32_experts_pack(
+    fp8: bool, per_expert_names: bool, seed: int, tmp_path: Path
+) -> None:
+    """load_shard packs the tensors as stored (FP8 dequantized while packing) where the layout
+    allows: the shard is bit for bit what packing the reader's float32 experts gives."""
+    from expert_service.kernels import pack_experts
+    from expert_service.shard import load_shard
+
+    path = make_tiny_checkpoint("deepseek_v3", tmp_path, seed=seed, fp8=fp8,
+                                per_expert_names=per_expert_names)  # fmt: skip
+    experts = range(1, 6)
+    shard = load_shard(path, experts, "int4")
+    reader = CheckpointReader(path)
+    stored = reader.stored_experts(reader.spec.moe_layers[0], list(experts))
+    assert (stored is not None) == per_expert_names
+    for layer in reader.spec.moe_layers:
+        want = pack_experts(*reader.read_experts(layer, list(experts)), "int4")
+        for name, tensor in want.tensors.items():
+            assert (shard.layers[layer].tensors[name] == tensor).all(), (layer, name)

@@ -32,8 +32,10 @@ from expert_service.kernels import (
     WeightFormat,
     available_isas,
     default_isa,
+    pack_expert_list,
     pack_experts,
 )
+from ktserve.checkpoint import dequantize_fp8_blocks
 from tests.support.reference_moe import reference_moe
 
 E, H, I = 6, 200, 72  # noqa: E741  (H and I not multiples of 64)
@@ -359,3 +361,53 @@ def test_stream_read_xors_every_word(seed, kernels, isa, words):
     )
     with pytest.raises(ValueError, match="multiple of 8"):
         kernels[isa].stream_read(np.zeros(13, np.uint8))
+
+
+@pytest.mark.parametrize("source", ["float32", "bfloat16", "float16", "float8"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packing_experts_where_they_lie_matches_the_stacked_float32(seed, source, fmt) -> None:
+    """pack_expert_list (one tensor per expert, as a memory-mapped checkpoint holds them; FP8
+    dequantized while packing) packs bit for bit what pack_experts packs from the stacked float32
+    weights (FP8: dequantized by the block formula), edge blocks of the scales partial."""
+    g = torch.Generator().manual_seed(seed + 71)
+    E, I, H, block = 3, 96, 200, (64, 128)  # noqa: E741
+    shapes = ((I, H), (I, H), (H, I))
+    weights = [tuple(torch.randn(s, generator=g) * 0.05 for s in shapes) for _ in range(E)]
+    scales = None
+    if source == "float8":
+        scales = [
+            tuple(torch.rand(-(-r // block[0]), -(-c // block[1]), generator=g) + 0.5
+                  for r, c in shapes)
+            for _ in range(E)
+        ]  # fmt: skip
+        weights = [
+            tuple((w / s.repeat_interleave(block[0], 0)[: w.shape[0]]
+                   .repeat_interleave(block[1], 1)[:, : w.shape[1]]).to(torch.float8_e4m3fn)
+                  for w, s in zip(e, sc))
+            for e, sc in zip(weights, scales)
+        ]  # fmt: skip
+        as_f32 = [
+            tuple(dequantize_fp8_blocks(w, s, block) for w, s in zip(e, sc))
+            for e, sc in zip(weights, scales)
+        ]  # fmt: skip
+    else:
+        weights = [tuple(w.to(getattr(torch, source)) for w in e) for e in weights]
+        as_f32 = [tuple(w.float() for w in e) for e in weights]
+    want = pack_experts(*(torch.stack([e[m] for e in as_f32]) for m in range(3)), fmt)
+    got = pack_expert_list(weights, fmt, scales=scales, block=block if scales else None)
+    assert set(got.tensors) == set(want.tensors)
+    for name in want.tensors:
+        np.testing.assert_array_equal(got.tensors[name], want.tensors[name], err_msg=name)
+
+
+def test_packing_experts_where_they_lie_refuses_what_it_cannot_pack() -> None:
+    gate, down = torch.zeros(64, 32), torch.zeros(32, 64)
+    with pytest.raises(ValueError, match="share one of"):
+        pack_expert_list([(gate, gate.bfloat16(), down)], "int8")
+    with pytest.raises(ValueError, match="gate, up"):
+        pack_expert_list([(gate, gate, gate)], "int8")
+    fp8 = tuple(t.to(torch.float8_e4m3fn) for t in (gate, gate, down))
+    with pytest.raises(ValueError, match="scale"):
+        pack_expert_list([fp8], "int4")
+    with pytest.raises(ValueError, match="scales must be"):
+        pack_expert_list([fp8], "int4", scales=[(torch.ones(1, 1),) * 3], block=(16, 16))
