@@ -5,7 +5,8 @@ calls it as the GPU service does (ShmExperts, here on the CPU: no device copies)
 of random top-k routings, layer after layer. In alternate phases (never both at once: each would
 take the other's cores) the same packed layers run in this process on a kernel with the same
 threads, called directly. Per call: the round trip, the kernel alone, and what is left, the
-hand-off (copy into the slot, the worker's wake-up and dispatch, the reply, the copy out).
+hand-off (copy into the slot, the worker's wake-up and dispatch, the reply, the copy out). This
+process's torch runs on one thread, as the GPU service's host side does on a GPU machine.
 Weights rotate over every layer, so with enough layers they come from DRAM, not the cache.
 
     python bench/bench_worker_call.py [--layers 8] [--format int4] [--threads 15] [--tokens 1,4]
@@ -56,6 +57,9 @@ def main() -> None:
     p.add_argument("--phases", type=int, default=3, help="alternations (default 3)")
     p.add_argument("--dir", help="where the checkpoint goes (default: a temporary directory)")
     args = p.parse_args()
+    # NOTE: the caller's torch ops (the copy into the slot) stay on this thread: a parallel copy
+    # leaves OpenMP threads spinning on the cores the worker's kernel pool needs.
+    torch.set_num_threads(1)
     shape = SHAPES["qwen3"]
     token_counts = [int(t) for t in args.tokens.split(",")]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
