@@ -137,8 +137,12 @@ class Supervisor:
 
     def start(self, timeout_s: float) -> None:
         """Spawn every worker and return once all serve; WorkerStartError otherwise."""
+        # NOTE: every worker is forked before the first health check opens a gRPC channel: a
+        # fork while gRPC's own threads run could leave a child stuck before it execs.
         for worker in self.workers:
-            self._spawn(worker)
+            self._spawn(worker, watch_health=False)
+        for worker in self.workers:
+            self._watch_health(worker, worker.proc)
         deadline = time.monotonic() + timeout_s
         for worker in self.workers:
             while not worker.serving.wait(POLL_S):
@@ -190,7 +194,7 @@ class Supervisor:
                 proc.wait()
 
     # ------------------------------------------------------------------ internals
-    def _spawn(self, worker: _Worker) -> None:
+    def _spawn(self, worker: _Worker, watch_health: bool = True) -> None:
         worker.serving.clear()
         with self._fork_lock:
             proc = subprocess.Popen(
@@ -221,6 +225,10 @@ class Supervisor:
             daemon=True,
             name=f"expert-{worker.spec.index}-stdout",
         ).start()
+        if watch_health:
+            self._watch_health(worker, proc)
+
+    def _watch_health(self, worker: _Worker, proc: subprocess.Popen) -> None:
         threading.Thread(
             target=self._await_serving,
             args=(worker, proc),
