@@ -152,19 +152,30 @@ def pack_experts(
     E, I, H = g.shape  # noqa: E741
     if d.shape != (E, H, I):
         raise ValueError(f"down must be [E, H, I] = {(E, H, I)}, got {d.shape}")
-    tensors = {n: aligned_empty((E, k), dt) for n, (dt, k) in tensor_specs(fmt, H, I).items()}
-    ptr = {n: t.ctypes.data for n, t in tensors.items()}
-    src_dtype = {"f32": DT_F32, "bf16": DT_BF16, "f16": DT_F16}[g.kind]
-    threads = num_threads or len(os.sched_getaffinity(0))
-    _ext.pack(
-        FORMAT_CODES[fmt], E, H, I, src_dtype, g.ptr, u.ptr, d.ptr,
-        ptr["w13"], ptr["w2"], ptr.get("s13", 0), ptr.get("s2", 0), ptr.get("r13", 0),
-        ptr.get("r2", 0), threads,
-    )  # fmt: skip
-    return PackedExperts(fmt, E, H, I, tensors)
+    return _pack(fmt, E, H, I, g.kind, num_threads, stacked=(g.ptr, u.ptr, d.ptr))
 
 
 _SOURCE_DTYPES = {"f32": DT_F32, "bf16": DT_BF16, "f16": DT_F16, "f8e4m3": DT_F8E4M3}
+
+
+Triple = tuple[int, int, int]
+
+
+def _pack(fmt: WeightFormat, E: int, H: int, I: int, kind: str, num_threads: int | None,  # noqa: E741
+          *, stacked: Triple = (0, 0, 0), per_expert: Triple = (0, 0, 0),
+          scales: Triple = (0, 0, 0), block: tuple[int, int] = (0, 0),
+          ) -> PackedExperts:  # fmt: skip
+    """The packed buffers, filled by ktk_pack from stacked sources or per-expert pointer arrays
+    (addresses; see ktk.h)."""
+    tensors = {n: aligned_empty((E, k), dt) for n, (dt, k) in tensor_specs(fmt, H, I).items()}
+    ptr = {n: t.ctypes.data for n, t in tensors.items()}
+    _ext.pack(
+        FORMAT_CODES[fmt], E, H, I, _SOURCE_DTYPES[kind], *stacked,
+        ptr["w13"], ptr["w2"], ptr.get("s13", 0), ptr.get("s2", 0), ptr.get("r13", 0),
+        ptr.get("r2", 0), num_threads or len(os.sched_getaffinity(0)), *per_expert, *scales,
+        *block,
+    )  # fmt: skip
+    return PackedExperts(fmt, E, H, I, tensors)
 
 
 def pack_expert_list(
@@ -209,17 +220,13 @@ def pack_expert_list(
                     raise ValueError(f"expert {e}: scales must be float32 {want}, got {rs}")
                 scale_ptrs[m, e] = rs.ptr
                 scale_arrays.append(rs)
-    tensors = {n: aligned_empty((E, k), dt) for n, (dt, k) in tensor_specs(fmt, H, I).items()}
-    ptr = {n: t.ctypes.data for n, t in tensors.items()}
-    br, bc = block or (0, 0)
-    _ext.pack(
-        FORMAT_CODES[fmt], E, H, I, _SOURCE_DTYPES[kind], 0, 0, 0,
-        ptr["w13"], ptr["w2"], ptr.get("s13", 0), ptr.get("s2", 0), ptr.get("r13", 0),
-        ptr.get("r2", 0), num_threads or len(os.sched_getaffinity(0)),
-        *(int(pointers[m].ctypes.data) for m in range(3)),
-        *(int(scale_ptrs[m].ctypes.data) if kind == "f8e4m3" else 0 for m in range(3)), br, bc,
+    fp8 = kind == "f8e4m3"
+    return _pack(
+        fmt, E, H, I, kind, num_threads,
+        per_expert=tuple(int(pointers[m].ctypes.data) for m in range(3)),
+        scales=tuple(int(scale_ptrs[m].ctypes.data) if fp8 else 0 for m in range(3)),
+        block=block if fp8 else (0, 0),
     )  # fmt: skip
-    return PackedExperts(fmt, E, H, I, tensors)
 
 
 def _to_f32(obj: Any) -> Any:
