@@ -10,6 +10,7 @@ from ktshm.channel import (
     cleanup_stale,
     name_prefix,
     new_channel_name,
+    wait_device_step,
 )
 from ktshm.config import ChannelConfig
 from ktshm.errors import (
@@ -50,4 +51,5 @@ __all__ = [
     "cleanup_stale",
     "name_prefix",
     "new_channel_name",
+    "wait_device_step",
 ]

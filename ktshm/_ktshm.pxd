@@ -20,6 +20,7 @@ cdef extern from "ktshm.h" nogil:
     uint32_t KT_ARRAY_ALIGN
     uint32_t KT_MAX_ARRAYS
     uint32_t KT_MAX_DIMS
+    uint32_t KT_FLAG_DEVICE
 
     enum kt_status:
         KT_OK
@@ -36,6 +37,11 @@ cdef extern from "ktshm.h" nogil:
         KT_SLOT_REQUEST
         KT_SLOT_BUSY
         KT_SLOT_REPLY
+
+    enum kt_bell:
+        KT_BELL_IDLE
+        KT_BELL_POSTED
+        KT_BELL_CLAIMED
 
     ctypedef struct kt_array_meta:
         uint8_t dtype
@@ -59,6 +65,8 @@ cdef extern from "ktshm.h" nogil:
         uint32_t epoch
         kt_meta request
         kt_meta reply
+        uint32_t request_bell
+        uint32_t reply_bell
 
     ctypedef struct kt_header:
         uint64_t magic
@@ -67,6 +75,7 @@ cdef extern from "ktshm.h" nogil:
         uint64_t region_bytes
         uint64_t slot_stride
         uint32_t creator_pid
+        uint32_t flags
         uint64_t created_ns
         uint64_t producer_heartbeat_ns
         uint64_t consumer_heartbeat_ns
@@ -74,10 +83,14 @@ cdef extern from "ktshm.h" nogil:
         uint32_t epoch
         uint32_t producer_sleeping
         uint32_t consumer_sleeping
+        uint32_t device_done
 
     ctypedef struct kt_wait_args:
         void* base
         int is_producer
+        int device
+        uint32_t* bell
+        uint32_t bell_value
         uint32_t slot_index
         uint64_t expect_word
         uint32_t known_epoch
@@ -87,6 +100,18 @@ cdef extern from "ktshm.h" nogil:
         sem_t* sem
         uint32_t found_index
         uint64_t found_word
+
+    ctypedef struct kt_step_args:
+        void** bases
+        sem_t** sems
+        uint32_t* epochs
+        uint32_t n
+        uint64_t deadline_ns
+        uint64_t peer_timeout_ns
+        int fail
+        int32_t fail_status
+        uint32_t found_channel
+        uint32_t found_slot
 
     ctypedef struct kt_heartbeat:
         pass
@@ -104,6 +129,10 @@ cdef extern from "ktshm.h" nogil:
     int kt_cas(uint64_t* p, uint64_t expected, uint64_t desired)
     void kt_notify(uint32_t* sleeping, sem_t* sem)
     int kt_wait(kt_wait_args* a)
+    int kt_wait_step(kt_step_args* a)
+    uint32_t kt_bell_load(uint32_t* p)
+    void kt_bell_store(uint32_t* p, uint32_t v)
+    int kt_bell_cas(uint32_t* p, uint32_t expected, uint32_t desired)
     uint32_t kt_attach_consumer(void* base, uint32_t pid)
     void kt_detach_consumer(void* base, uint32_t epoch)
     uint32_t kt_current_epoch(void* base)

@@ -39,6 +39,15 @@ least every 20 ms. Each side stamps its heartbeat from a pthread (no GIL involve
 `heartbeat_period_s`; a peer whose stamp is older than `peer_timeout_s` is dead. A consumer that
 attaches bumps the epoch; the producer's waits then raise PeerRestarted, and `resend_inflight()`
 re-stamps what was in flight so the new consumer runs it.
+
+Device channels (``Channel.create(device=True)``): the producer is a GPU stream, which can only
+write and wait for constant 32-bit values. Each slot then carries a request bell and a reply bell
+(ktshm.h draws their states) instead of the word; slot i serves one call site (a MoE layer of a
+decode step) and holds one call at a time. The host lays out a slot's request metadata with
+`device_layout` before it launches the device's work, hands the device the addresses from
+`device_slot`, and waits for the step with `wait_device_step`, which wakes sleeping consumers
+(a stream cannot post a semaphore) and watches their heartbeats. Consumers serve device
+channels through the same recv_request / reply calls as any other.
 """
 
 import atexit
@@ -195,6 +204,8 @@ cdef class Channel:
     cdef readonly object config
     cdef readonly uint32_t num_slots
     cdef readonly uint64_t region_bytes
+    cdef readonly bint device
+    cdef uint64_t _device_calls
     cdef uint32_t _known_epoch
     cdef uint64_t _next_seq
     cdef uint64_t _spin_ns
@@ -213,8 +224,9 @@ cdef class Channel:
 
     # ----------------------------------------------------------------------------- lifecycle
     @classmethod
-    def create(cls, config=None, name=None, cleanup_stale_segments=True):
-        """Create a channel as its producer; the segment and semaphores are owner-only (0600)."""
+    def create(cls, config=None, name=None, cleanup_stale_segments=True, device=False):
+        """Create a channel as its producer; the segment and semaphores are owner-only (0600).
+        device: a device channel (see the module docstring): slots rung by bells."""
         config = config or ChannelConfig()
         if cleanup_stale_segments:
             cleanup_stale()
@@ -233,7 +245,7 @@ cdef class Channel:
             shm.close_fd()
         ch._setup(name, mm, config, is_producer=True)
         try:
-            ch._init_header(config.num_slots, region, stride)
+            ch._init_header(config.num_slots, region, stride, KT_FLAG_DEVICE if device else 0)
             ch._open_semaphores(create=True)
             ch._next_seq = 0
             ch._known_epoch = 0
@@ -310,8 +322,11 @@ cdef class Channel:
         self._closed = False
         _live_channels.add(self)
 
-    cdef _init_header(self, uint32_t num_slots, uint64_t region, uint64_t stride):
+    cdef _init_header(self, uint32_t num_slots, uint64_t region, uint64_t stride,
+                      uint32_t flags):
         self._hdr.layout_version = KT_LAYOUT_VERSION
+        self._hdr.flags = flags
+        self.device = (flags & KT_FLAG_DEVICE) != 0
         self._hdr.num_slots = num_slots
         self._hdr.region_bytes = region
         self._hdr.slot_stride = stride
@@ -335,8 +350,13 @@ cdef class Channel:
             raise errors.LayoutMismatch(
                 f"channel {self.name!r} header is inconsistent: {n} slots of {region} bytes, "
                 f"stride {stride}, segment {size} bytes")
+        flags = self._hdr.flags
+        if flags & ~KT_FLAG_DEVICE:
+            raise errors.LayoutMismatch(
+                f"channel {self.name!r} has unknown header flags {flags:#x}")
         self.num_slots = n
         self.region_bytes = region
+        self.device = (flags & KT_FLAG_DEVICE) != 0
 
     cdef _open_semaphores(self, bint create):
         req, rep = _semaphore_names(self.name)
@@ -504,6 +524,8 @@ cdef class Channel:
         self._check_open()
         if not self.is_producer:
             raise errors.KtshmError("begin() is the producer's; this end is a consumer")
+        if self.device:
+            raise errors.KtshmError("a device channel's slots are rung by bells: device_layout()")
         cdef uint64_t seq = self._next_seq
         cdef uint32_t index = seq % self.num_slots
         cdef kt_slot_header* slot = kt_slot(self._base, index)
@@ -564,12 +586,16 @@ cdef class Channel:
         self._check_open()
         if not self.is_producer:
             raise errors.KtshmError("recv() is the producer's; the consumer uses recv_request()")
+        if self.device:
+            raise errors.KtshmError("a device channel's replies are awaited with await_reply()")
         if seq not in self._inflight:
             raise errors.KtshmError(f"request {seq} is not in flight on {self.name!r}")
         cdef uint32_t index = seq % self.num_slots
         cdef kt_wait_args a
         a.base = self._base
         a.is_producer = 1
+        a.device = 0
+        a.bell = NULL
         a.slot_index = index
         a.expect_word = kt_word(seq, self._inflight[seq], KT_SLOT_REPLY)
         a.known_epoch = self._known_epoch
@@ -676,6 +702,150 @@ cdef class Channel:
                 raise errors.ChannelTimeout(f"no consumer attached to {self.name!r} in time")
             time.sleep(0.001)
 
+    # ------------------------------------------------------------------------ device producer
+    cdef _check_device_producer(self, uint32_t index):
+        self._check_open()
+        if not (self.device and self.is_producer):
+            raise errors.KtshmError("the producer end of a device channel only")
+        if index >= self.num_slots:
+            raise IndexError(f"slot {index} of {self.num_slots}")
+
+    def device_layout(self, uint32_t index, uint32_t kind, uint32_t layer, specs, rows=None):
+        """Lay out slot `index`'s request: arrays [(shape, dtype name)] at their full shapes,
+        announced with only their first `rows` rows (None: all). The device fills the full
+        layout; returns each array's offset in the request region."""
+        self._check_device_producer(index)
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        codes = [_dtype_code(dt) for _, dt in specs]
+        shapes = [tuple(s) for s, _ in specs]
+        self._lay_out(&slot.request, codes, shapes, self._region_offset(index, False),
+                      f"device request in slot {index}")
+        cdef uint32_t i
+        cdef uint64_t row_bytes
+        offsets = []
+        for i in range(len(codes)):
+            offsets.append(slot.request.arrays[i].offset)
+            if rows is None:
+                continue
+            if not 0 <= rows <= shapes[i][0]:
+                raise ValueError(f"rows {rows} outside [0, {shapes[i][0]}] of array {i}")
+            row_bytes = slot.request.arrays[i].nbytes // shapes[i][0] if shapes[i][0] else 0
+            slot.request.arrays[i].shape[0] = rows
+            slot.request.arrays[i].nbytes = row_bytes * rows
+        slot.request.kind = kind
+        slot.request.layer = layer
+        slot.request.num_tokens = shapes[0][0] if rows is None else rows
+        slot.request.status = KT_OK
+        return offsets
+
+    def device_slot(self, uint32_t index):
+        """Host addresses of slot `index`: (request_bell, reply_bell, request region, reply
+        region). The bells are 32-bit words (ktshm.h: enum kt_bell)."""
+        self._check_device_producer(index)
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        base = <size_t>self._base
+        return (<size_t>&slot.request_bell, <size_t>&slot.reply_bell,
+                base + self._region_offset(index, False), base + self._region_offset(index, True))
+
+    @property
+    def done_address(self):
+        """Host address of the 32-bit word a device sets when its step has ended."""
+        self._check_open()
+        return <size_t>&self._hdr.device_done
+
+    def begin_step(self):
+        """Before the device's work is launched: clear the done word; adopt the current
+        consumer (one that attached since the last step is the one to serve this one)."""
+        self._check_device_producer(0)
+        kt_bell_store(&self._hdr.device_done, 0)
+        self._known_epoch = kt_current_epoch(self._base)
+
+    def ring(self, uint32_t index):
+        """Post slot `index` from the host (what the device does with a stream write)."""
+        self._check_device_producer(index)
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        if kt_bell_load(&slot.request_bell) != KT_BELL_IDLE or kt_bell_load(&slot.reply_bell):
+            raise errors.ChannelFull(f"device slot {index} still holds a call")
+        kt_bell_store(&slot.request_bell, KT_BELL_POSTED)
+        kt_notify(&self._hdr.consumer_sleeping, self._sem_req)
+
+    def await_reply(self, uint32_t index, timeout=None):
+        """Host side of the device's wait: block until slot `index` is answered; returns a
+        Message viewing the reply (RemoteError for an error reply). Raises PeerDied /
+        PeerRestarted like recv(); resend_claimed() then hands the call to the next consumer.
+        The slot stays answered until finish(index)."""
+        self._check_device_producer(index)
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_wait_args a
+        a.base = self._base
+        a.is_producer = 1
+        a.device = 0
+        a.bell = &slot.reply_bell
+        a.bell_value = 1
+        a.known_epoch = self._known_epoch
+        a.spin_ns = self._spin_ns
+        a.deadline_ns = self._deadline(timeout)
+        a.peer_timeout_ns = self._peer_timeout_ns
+        a.sem = self._sem_rep
+        cdef int st
+        with nogil:
+            st = kt_wait(&a)
+        if st != KT_OK:
+            self._raise_wait(st, f"waiting for the reply in device slot {index} of {self.name!r}")
+        return self.device_reply(index)
+
+    def device_reply(self, uint32_t index):
+        """The reply in slot `index` as a Message (RemoteError for an error reply)."""
+        self._check_device_producer(index)
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        roff = self._region_offset(index, True)
+        if slot.reply.status != KT_OK:
+            raise errors.RemoteError(slot.reply.status, self._message_text(&slot.reply, roff))
+        arrays, names = self._views(&slot.reply, roff, f"reply in device slot {index}")
+        return Message(0, index, slot.reply.kind, slot.reply.layer, slot.reply.num_tokens,
+                       KT_OK, arrays, names)
+
+    def finish(self, uint32_t index):
+        """Reset slot `index`'s bells after its reply was read (what the device does after its
+        wait), ready for the next call."""
+        self._check_device_producer(index)
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        kt_bell_store(&slot.reply_bell, 0)
+        kt_bell_store(&slot.request_bell, KT_BELL_IDLE)
+
+    def resend_claimed(self):
+        """After PeerDied / PeerRestarted: post again every slot a consumer claimed and did not
+        answer, so the next consumer runs it; adopt the current consumer. Returns the slots."""
+        self._check_device_producer(0)
+        cdef kt_slot_header* slot
+        cdef uint32_t i
+        resent = []
+        for i in range(self.num_slots):
+            slot = kt_slot(self._base, i)
+            if kt_bell_load(&slot.reply_bell) == 0 and kt_bell_cas(
+                    &slot.request_bell, KT_BELL_CLAIMED, KT_BELL_POSTED):
+                resent.append(i)
+        self._known_epoch = kt_current_epoch(self._base)
+        kt_notify(&self._hdr.consumer_sleeping, self._sem_req)
+        return resent
+
+    def reset_device(self):
+        """Every bell idle and the done word clear (before the first step, and after a step
+        the device abandoned)."""
+        self._check_device_producer(0)
+        cdef uint32_t i
+        for i in range(self.num_slots):
+            kt_bell_store(&kt_slot(self._base, i).reply_bell, 0)
+            kt_bell_store(&kt_slot(self._base, i).request_bell, KT_BELL_IDLE)
+            kt_slot(self._base, i).reply.status = KT_OK
+        kt_bell_store(&self._hdr.device_done, 0)
+
+    def bells(self, uint32_t index):
+        """(request_bell, reply_bell) of slot `index` now (for tests and diagnostics)."""
+        self._check_open()
+        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        return kt_bell_load(&slot.request_bell), kt_bell_load(&slot.reply_bell)
+
     # ----------------------------------------------------------------------------- consumer
     def recv_request(self, timeout=None):
         """Consumer: wait for the oldest request of this epoch and take it (state BUSY).
@@ -688,6 +858,8 @@ cdef class Channel:
         cdef kt_wait_args a
         a.base = self._base
         a.is_producer = 0
+        a.device = self.device
+        a.bell = NULL
         a.known_epoch = self._known_epoch
         a.spin_ns = self._spin_ns
         a.deadline_ns = self._deadline(timeout)
@@ -702,10 +874,18 @@ cdef class Channel:
             if st != KT_OK:
                 self._raise_wait(st, f"waiting for a request on {self.name!r}")
             slot = kt_slot(self._base, a.found_index)
+            if self.device:
+                if kt_bell_cas(&slot.request_bell, KT_BELL_POSTED, KT_BELL_CLAIMED):
+                    break
+                continue
             busy = kt_word(kt_word_seq32(a.found_word), kt_word_epoch(a.found_word), KT_SLOT_BUSY)
             if kt_cas(&slot.word, a.found_word, busy):
                 break  # else: the producer abandoned or re-stamped it meanwhile
-        seq = slot.seq
+        if self.device:
+            self._device_calls += 1
+            seq = self._device_calls
+        else:
+            seq = slot.seq
         index = a.found_index
         try:
             arrays, names = self._views(&slot.request, self._region_offset(index, False),
@@ -766,6 +946,12 @@ cdef class Channel:
 
     cdef bint _publish(self, uint32_t index, uint64_t seq):
         cdef kt_slot_header* slot = kt_slot(self._base, index)
+        if self.device:
+            if kt_current_epoch(self._base) != self._known_epoch:
+                return False  # superseded: the call was handed to the next consumer
+            kt_bell_store(&slot.reply_bell, 1)
+            kt_notify(&self._hdr.producer_sleeping, self._sem_rep)
+            return True
         cdef uint64_t busy = kt_word(seq, self._known_epoch, KT_SLOT_BUSY)
         ok = kt_cas(&slot.word, busy, kt_word(seq, self._known_epoch, KT_SLOT_REPLY))
         kt_notify(&self._hdr.producer_sleeping, self._sem_rep)
@@ -784,6 +970,50 @@ cdef class Channel:
         if st == KT_EPEER_RESTARTED and self.is_producer:
             exc.inflight = self.inflight()
         raise exc
+
+
+def wait_device_step(channels, timeout, fail_status=0):
+    """Host side of one device step over device channels (producer ends): wait until the
+    device sets channels[0]'s done word, waking consumers that sleep on a posted bell and
+    checking their heartbeats (see kt_wait_step in ktshm.h). Returns None when every call was
+    answered, else (status, channel index, slot): KT status codes EREMOTE (that slot's reply is
+    an error: device_reply() raises it), EPEER_DIED, EPEER_RESTARTED or ETIMEOUT. A non-zero
+    fail_status answers every posted bell with that error instead (the consumers are gone and
+    the device must get through the step)."""
+    cdef Channel ch
+    cdef uint32_t n = len(channels)
+    if n == 0:
+        raise ValueError("no channels")
+    if n > 64:
+        raise ValueError(f"at most 64 channels, got {n}")
+    cdef void* bases[64]
+    cdef sem_t* sems[64]
+    cdef uint32_t epochs[64]
+    cdef uint32_t i
+    for i in range(n):
+        ch = channels[i]
+        ch._check_device_producer(0)
+        bases[i] = ch._base
+        sems[i] = ch._sem_req
+        epochs[i] = ch._known_epoch
+    ch = channels[0]
+    cdef kt_step_args a
+    a.bases = bases
+    a.sems = sems
+    a.epochs = epochs
+    a.n = n
+    a.deadline_ns = ch._deadline(timeout)
+    a.peer_timeout_ns = ch._peer_timeout_ns
+    a.fail = fail_status != 0
+    a.fail_status = fail_status
+    a.found_channel = 0
+    a.found_slot = 0
+    cdef int st
+    with nogil:
+        st = kt_wait_step(&a)
+    if st == KT_OK:
+        return None
+    return st, a.found_channel, a.found_slot
 
 
 def cleanup_stale(max_age_s=10.0):

@@ -11,6 +11,8 @@
 #include <pthread.h>
 #include <semaphore.h>
 #include <stdatomic.h>
+#include <stddef.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -25,13 +27,14 @@
 #endif
 
 #define KT_MAGIC 0x314d485354534b4bULL /* "KKTSHM1" little-endian, plus '1' */
-#define KT_LAYOUT_VERSION 1u
+#define KT_LAYOUT_VERSION 2u
 #define KT_HEADER_BYTES 4096u
 #define KT_SLOT_HEADER_BYTES 512u
 #define KT_REGION_ALIGN 4096u
 #define KT_ARRAY_ALIGN 64u
 #define KT_MAX_ARRAYS 4u
 #define KT_MAX_DIMS 4u
+#define KT_FLAG_DEVICE 1u /* header flags: the slots are rung by their bells, not their words */
 
 /* Status codes: one table for C, the .pxd and Python (errors.py maps them to exceptions). */
 enum kt_status {
@@ -54,6 +57,22 @@ enum kt_slot_state {
     KT_SLOT_REQUEST = 1, /* producer -> consumer: request region valid */
     KT_SLOT_BUSY = 2,    /* consumer took it */
     KT_SLOT_REPLY = 3,   /* consumer -> producer: reply region valid */
+};
+
+/* Device channels (KT_FLAG_DEVICE): a GPU stream, not a CPU thread, produces, and it can only
+ * write constants (cuStreamWriteValue32) and wait for them (cuStreamWaitValue32). So each slot
+ * has two 32-bit bells instead of a seq/epoch word, and one call per slot is in flight at once:
+ *
+ *   request_bell  IDLE --device: post--> POSTED --consumer: CAS--> CLAIMED --device--> IDLE
+ *   reply_bell    0 --consumer: store-release after the reply--> 1 --device, after reading--> 0
+ *
+ * The device posts only after it reset both bells, so a consumer never sees a stale reply_bell.
+ * The request metadata is written by the host before it launches the device's work. A consumer
+ * that dies holding a CLAIMED slot is replaced by re-posting it (the inputs are still there). */
+enum kt_bell {
+    KT_BELL_IDLE = 0,
+    KT_BELL_POSTED = 1,
+    KT_BELL_CLAIMED = 2,
 };
 
 static inline uint64_t kt_word(uint64_t seq, uint32_t epoch, uint32_t state) {
@@ -91,6 +110,8 @@ typedef struct {
     uint32_t _pad;
     kt_meta request;
     kt_meta reply;
+    _Atomic uint32_t request_bell; /* device channels only (enum kt_bell) */
+    _Atomic uint32_t reply_bell;
 } kt_slot_header;
 
 typedef struct {
@@ -100,7 +121,7 @@ typedef struct {
     uint64_t region_bytes; /* payload bytes of one request or reply region */
     uint64_t slot_stride;
     uint32_t creator_pid;
-    uint32_t _pad0;
+    uint32_t flags; /* KT_FLAG_* */
     uint64_t created_ns;
     uint8_t _line0[16];
     _Atomic uint64_t producer_heartbeat_ns; /* offset 64 */
@@ -113,10 +134,14 @@ typedef struct {
     uint8_t _line3[60];
     _Atomic uint32_t consumer_sleeping; /* offset 256 */
     uint8_t _line4[60];
+    _Atomic uint32_t device_done; /* offset 320: the device's work of one step has ended */
+    uint8_t _line5[60];
 } kt_header;
 
 _Static_assert(sizeof(kt_slot_header) <= KT_SLOT_HEADER_BYTES, "slot header too large");
 _Static_assert(sizeof(kt_header) <= KT_HEADER_BYTES, "header too large");
+_Static_assert(offsetof(kt_slot_header, request_bell) == 448, "bells moved");
+_Static_assert(offsetof(kt_header, device_done) == 320, "device_done moved");
 
 static inline uint64_t kt_now_ns(void) {
     struct timespec ts;
@@ -147,6 +172,17 @@ static inline int kt_cas(_Atomic uint64_t *p, uint64_t expected, uint64_t desire
                                                    memory_order_acquire);
 }
 
+static inline uint32_t kt_bell_load(_Atomic uint32_t *p) {
+    return atomic_load_explicit(p, memory_order_acquire);
+}
+static inline void kt_bell_store(_Atomic uint32_t *p, uint32_t v) {
+    atomic_store_explicit(p, v, memory_order_release);
+}
+static inline int kt_bell_cas(_Atomic uint32_t *p, uint32_t expected, uint32_t desired) {
+    return atomic_compare_exchange_strong_explicit(p, &expected, desired, memory_order_acq_rel,
+                                                   memory_order_acquire);
+}
+
 /* Wake-up without lost wake-ups (Dekker-style, both sides seq_cst):
  *   waiter: sleeping = 1; fence; re-check condition; sem_timedwait; sleeping = 0
  *   poster: publish (release); fence; if (sleeping) sem_post
@@ -161,6 +197,9 @@ static inline void kt_notify(_Atomic uint32_t *sleeping, sem_t *sem) {
 typedef struct {
     void *base;
     int is_producer;
+    int device; /* consumer of a device channel: claim POSTED bells */
+    _Atomic uint32_t *bell; /* producer: wait for *bell == bell_value instead of a word */
+    uint32_t bell_value;
     /* producer: the slot and word it expects; consumer: scans all slots for its epoch */
     uint32_t slot_index;
     uint64_t expect_word;
@@ -177,11 +216,24 @@ typedef struct {
 /* Returns 1 when the condition holds (out fields set), 0 otherwise. */
 static inline int kt_check(kt_wait_args *a) {
     kt_header *h = (kt_header *)a->base;
+    if (a->is_producer && a->bell) {
+        return atomic_load_explicit(a->bell, memory_order_acquire) == a->bell_value;
+    }
     if (a->is_producer) {
         uint64_t w = kt_load_acquire(&kt_slot(a->base, a->slot_index)->word);
         if (w == a->expect_word) {
             a->found_word = w;
             return 1;
+        }
+        return 0;
+    }
+    if (a->device) {
+        for (uint32_t i = 0; i < h->num_slots; i++) {
+            if (atomic_load_explicit(&kt_slot(a->base, i)->request_bell, memory_order_acquire) ==
+                KT_BELL_POSTED) {
+                a->found_index = i;
+                return 1;
+            }
         }
         return 0;
     }
@@ -276,6 +328,87 @@ static inline int kt_wait(kt_wait_args *a) {
         atomic_store_explicit(sleeping, 0, memory_order_relaxed);
         if (rc != 0 && errno != ETIMEDOUT && errno != EINTR) return KT_ESYS;
         next_peer_check = 0; /* after a sleep, look at the peer straight away */
+    }
+}
+
+/* The host's side of one device step over n device channels: wait for channels[0]'s
+ * device_done while waking consumers that sleep on a posted bell (the device cannot post a
+ * semaphore) and watching their heartbeats. With fail set, answer every posted bell with an
+ * error reply instead (the consumer is gone for good: the device must still get through the
+ * step). Returns KT_OK, KT_EREMOTE (a slot's reply carries an error; found_* say which),
+ * KT_EPEER_DIED / KT_EPEER_RESTARTED (found_channel), or KT_ETIMEOUT. */
+typedef struct {
+    void **bases;
+    sem_t **sems; /* each channel's request semaphore */
+    uint32_t *epochs; /* the consumer epoch each channel's producer knows */
+    uint32_t n;
+    uint64_t deadline_ns;
+    uint64_t peer_timeout_ns;
+    int fail;
+    int32_t fail_status;
+    uint32_t found_channel;
+    uint32_t found_slot;
+} kt_step_args;
+
+static inline int kt_wait_step(kt_step_args *a) {
+    _Atomic uint32_t *done = &((kt_header *)a->bases[0])->device_done;
+    uint64_t next_check = 0;
+    uint32_t n = 0;
+    for (;;) {
+        if (atomic_load_explicit(done, memory_order_acquire)) {
+            for (uint32_t c = 0; c < a->n; c++) {
+                kt_header *h = (kt_header *)a->bases[c];
+                for (uint32_t i = 0; i < h->num_slots; i++) {
+                    if (kt_slot(a->bases[c], i)->reply.status != KT_OK) {
+                        a->found_channel = c;
+                        a->found_slot = i;
+                        return KT_EREMOTE;
+                    }
+                }
+            }
+            return KT_OK;
+        }
+        for (uint32_t c = 0; c < a->n; c++) {
+            kt_header *h = (kt_header *)a->bases[c];
+            for (uint32_t i = 0; i < h->num_slots; i++) {
+                kt_slot_header *s = kt_slot(a->bases[c], i);
+                if (atomic_load_explicit(&s->request_bell, memory_order_acquire) != KT_BELL_POSTED)
+                    continue;
+                if (!a->fail) {
+                    kt_notify(&h->consumer_sleeping, a->sems[c]);
+                    break;
+                }
+                uint32_t posted = KT_BELL_POSTED;
+                if (!atomic_compare_exchange_strong(&s->request_bell, &posted, KT_BELL_CLAIMED))
+                    continue;
+                s->reply.status = a->fail_status;
+                s->reply.num_arrays = 0;
+                s->reply.message_len = 0;
+                atomic_store_explicit(&s->reply_bell, 1, memory_order_release);
+            }
+        }
+        if ((++n % KT_SPIN_CLOCK_EVERY) != 0) {
+            KT_CPU_RELAX();
+            continue;
+        }
+        uint64_t now = kt_now_ns();
+        if (now >= a->deadline_ns) return KT_ETIMEOUT;
+        if (!a->fail && now >= next_check) {
+            for (uint32_t c = 0; c < a->n; c++) {
+                kt_wait_args peer = {0};
+                peer.base = a->bases[c];
+                peer.is_producer = 1;
+                peer.known_epoch = a->epochs[c];
+                peer.peer_timeout_ns = a->peer_timeout_ns;
+                int st = kt_check_peer(&peer, now);
+                if (st != KT_OK) {
+                    a->found_channel = c;
+                    return st;
+                }
+            }
+            next_check = now + 1000000ULL; /* 1 ms */
+        }
+        if ((n % (KT_SPIN_CLOCK_EVERY * 64)) == 0) sched_yield(); /* an oversubscribed host */
     }
 }
 
