@@ -24,6 +24,7 @@ import torch
 
 import ktshm
 from gpu_service.config import ExpertClientConfig
+from gpu_service.device_calls import DeviceCalls, region_bytes
 from gpu_service.engine.errors import ExpertsUnavailable
 from ktserve import wire
 from ktserve.names import float_dtype
@@ -35,6 +36,8 @@ log = logging.getLogger("ktserve.gpu")
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
              grpc.StatusCode.DEADLINE_EXCEEDED)  # fmt: skip
 
+
+PORTABLE_MAPPED = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 # A restarted worker is reconnected to within a second: gRPC's default backoff grows to minutes,
 # longer than requests wait for a worker (--worker-timeout).
@@ -53,16 +56,18 @@ class _Worker:
         self.grpc_channel = grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
         self.stub = pb_grpc.ExpertServiceStub(self.grpc_channel)
         self.channel = channel
+        self.device_channels: list[ktshm.Channel] = []
         self.info: pb.WorkerInfo | None = None
 
     def attach(self, deadline: float) -> None:
-        """Attach the channel, retrying while the worker is unreachable or still loading."""
+        """Attach the channels, retrying while the worker is unreachable or still loading."""
         while True:
             left = deadline - time.monotonic()
             try:
-                self.stub.Attach(
-                    pb.AttachRequest(channel_name=self.channel.name), timeout=max(left, 0.1)
-                )
+                for channel in (self.channel, *self.device_channels):
+                    self.stub.Attach(
+                        pb.AttachRequest(channel_name=channel.name), timeout=max(left, 0.1)
+                    )
                 self.info = self.stub.GetInfo(pb.GetInfoRequest(), timeout=max(left, 0.1))
                 return
             except grpc.RpcError as exc:
@@ -73,7 +78,8 @@ class _Worker:
             time.sleep(0.05)  # NOTE: a restarting worker takes seconds; poll its gRPC port
 
     def close(self) -> None:
-        self.channel.close()
+        for channel in (self.channel, *self.device_channels):
+            channel.close()
         self.grpc_channel.close()
 
 
@@ -117,16 +123,37 @@ class ShmExperts:
         self.on_round_trip: Callable[[float], None] | None = None
         self._staging: torch.Tensor | None = None  # [bytes] uint8 on the device
 
-    def _pin(self, channel: ktshm.Channel) -> None:
-        """Register the segment as pinned memory so GPU copies go straight to and from it."""
-        if self.device.type != "cuda" or not self.config.pin_memory:
+    def _pin(self, channel: ktshm.Channel, required: bool = False) -> None:
+        """Register the segment as pinned memory mapped into the device's address space, so
+        GPU copies (and a device channel's stream writes and waits) go straight to it."""
+        if self.device.type != "cuda" or not (self.config.pin_memory or required):
             return
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(channel.address, channel.size, 0)
+        err = cudart.cudaHostRegister(channel.address, channel.size, PORTABLE_MAPPED)
         if int(err) != 0:
+            if required:
+                raise RuntimeError(f"cudaHostRegister of channel {channel.name} failed: {err}")
             log.warning("cudaHostRegister failed (%s); copies will be staged", err)
             return
         self._registered.append(channel.address)
+
+    def device_calls(self, layers: tuple[int, ...], max_rows: int) -> DeviceCalls:
+        """A device channel per worker, one slot per MoE layer in `layers`, for decode steps of
+        up to max_rows sequences whose expert calls the device stream makes (device_calls.py)."""
+        region = region_bytes(max_rows, self.hidden_size, self.top_k)
+        config = ktshm.ChannelConfig(
+            num_slots=len(layers), region_bytes=region, spin_us=self.config.spin_us,
+            default_timeout_s=self.config.worker_timeout_s,
+        )  # fmt: skip
+        deadline = time.monotonic() + self.config.worker_timeout_s
+        channels = []
+        for worker in self.workers:
+            channel = ktshm.Channel.create(config, device=True)
+            worker.device_channels.append(channel)
+            channels.append(channel)
+            self._pin(channel, required=True)
+            worker.attach(deadline)
+        return DeviceCalls(self, channels, layers, max_rows, self.device)
 
     def submit(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

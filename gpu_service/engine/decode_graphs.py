@@ -12,6 +12,15 @@ each part one of the methods CausalLM.forward runs too (the layers are split the
     segment 1    h += m_0.mlp.combine(routed, shared); the layers up to m_1's route ...
     segment n    h += combine(...); the layers left; logits -> [B_pad, V] float32
 
+With expert calls in the graph (DecodeGraphConfig.experts_in_graph, where the experts offer
+device calls: gpu_service/device_calls.py), the device stream itself copies each MoE layer's
+inputs to the workers, rings them and waits for their replies, so the whole step is one graph
+and no host code runs per layer:
+
+    step graph   segment 0; per MoE layer j: calls.call(j, x, ids, weights); shared j;
+                 calls.collect(j, routed); segment j + 1 ...; calls.end_step()
+    host         calls.begin_step(B_pad, B); replay; calls.wait()
+
 The graphs of a bucket (B_pad sequences, K_pad cached positions at most) are captured on its first
 use, into one memory pool shared by every bucket. They read static inputs that each step fills
 with one host-to-device copy: tokens, positions, slot_mapping and kv_len [B_pad], and the block
@@ -42,11 +51,14 @@ log = logging.getLogger("ktserve.gpu")
 class DecodeGraphConfig:
     """max_batch: the largest decode batch run here (larger ones run eagerly). min_kv_bucket:
     the smallest K_pad, doubled as sequences grow. capture: record CUDA graphs (False runs the
-    same segments eagerly: for devices without graphs, and for tests)."""
+    same segments eagerly: for devices without graphs, and for tests). experts_in_graph: the
+    device makes the expert calls, one graph per step (where the experts can; else the host
+    calls them between segments)."""
 
     max_batch: int = 32
     min_kv_bucket: int = 256
     capture: bool = True
+    experts_in_graph: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.min_kv_bucket < 1:
@@ -159,6 +171,17 @@ class DecodeGraphs:
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.num_graphs = 0
+        self.calls = self._device_calls() if config.experts_in_graph and self.moes else None
+
+    def _device_calls(self):
+        experts = {id(moe.experts): moe.experts for moe in self.moes}
+        backend = next(iter(experts.values()))
+        if len(experts) != 1 or not hasattr(backend, "device_calls"):
+            log.info("decode steps call the experts between graph segments: %s makes no device "
+                     "calls", type(backend).__name__)  # fmt: skip
+            return None
+        layers = tuple(moe.layer for moe in self.moes)
+        return backend.device_calls(layers, self.config.max_batch)
 
     def warm_up(self, batch_sizes: tuple[int, ...] = (1,)) -> None:
         """Capture the buckets of these batch sizes at the shortest context now, not mid-request."""
@@ -193,6 +216,15 @@ class DecodeGraphs:
     def _run(self, bucket: _Bucket, b: int) -> torch.Tensor:
         """The stages in the order _capture records them: with capture on each replays its graph,
         with capture off it computes."""
+        if self.calls is not None:
+            self.calls.begin_step(bucket.batch, b)
+            if self.config.capture:
+                bucket.graphs[0].replay()
+                logits = bucket.outputs[0]
+            else:
+                logits = self._step(bucket)
+            self.calls.wait()
+            return logits
         run = bucket.replayer() if self.config.capture else _compute
         out = run(self._segment, bucket, 0, None, None)
         for j, moe in enumerate(self.moes):
@@ -203,6 +235,19 @@ class DecodeGraphs:
             shared = run(moe.shared_out, x) if moe.shared is not None else None
             bucket.routed[:b].copy_(pending.wait())
             out = run(self._segment, bucket, j + 1, out, shared)
+        return out
+
+    def _step(self, bucket: _Bucket) -> torch.Tensor:
+        """The whole step with the device's expert calls: logits [B_pad, V] float32."""
+        calls = self.calls
+        out = self._segment(bucket, 0, None, None)
+        for j, moe in enumerate(self.moes):
+            x, ids, weights = out.moe_in
+            calls.call(j, x, ids, weights)
+            shared = moe.shared_out(x) if moe.shared is not None else None
+            calls.collect(j, bucket.routed)
+            out = self._segment(bucket, j + 1, out, shared)
+        calls.end_step()
         return out
 
     def _segment(self, bucket: _Bucket, j: int, prev: _SegmentOut | None,
@@ -240,7 +285,11 @@ class DecodeGraphs:
         if bucket is None:
             hidden = self.model.config.hidden_size
             bucket = _Bucket(b_pad, k_pad, cache.block_size, hidden, self.model.device)
-            if cfg.capture:
+            if self.calls is not None:
+                self.calls.layout(b_pad)
+            if cfg.capture and self.calls is not None:
+                self._capture_step(bucket)
+            elif cfg.capture:
                 self._capture(bucket)
             self._buckets[(b_pad, k_pad)] = bucket
         return bucket
@@ -263,6 +312,40 @@ class DecodeGraphs:
             "captured %d CUDA graphs for decode batches of %d (context up to %d) in %.2f s",
             len(bucket.graphs), bucket.batch, bucket.kv_pad, time.perf_counter() - start,
         )  # fmt: skip
+
+    def _capture_step(self, bucket: _Bucket) -> None:
+        """The whole step as one graph: warm up (a real step, the workers answer it), capture,
+        replay once; each run's expert calls seen through by the host."""
+        start = time.perf_counter()
+        calls = self.calls
+        bucket.fill(None, self.model.kv_cache.scratch_slot)
+        bucket.upload()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        calls.begin_step(bucket.batch, bucket.batch)
+        with torch.cuda.stream(stream):
+            self._step(bucket)
+        calls.wait()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._step(bucket)
+        calls.begin_step(bucket.batch, bucket.batch)
+        graph.replay()
+        calls.wait()
+        torch.cuda.synchronize(self.model.device)
+        bucket.graphs.append(graph)
+        bucket.outputs.append(out)
+        self.num_graphs += 1
+        log.info(
+            "captured the decode step of batch %d (context up to %d) as one CUDA graph, its "
+            "expert calls inside, in %.2f s", bucket.batch, bucket.kv_pad,
+            time.perf_counter() - start,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        if self.calls is not None:
+            self.calls.close()
 
     def _record(self, bucket: _Bucket, stage: Callable, *args):
         """Warm up on a side stream, capture, replay once (so the outputs hold real values)."""

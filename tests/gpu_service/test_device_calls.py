@@ -1,0 +1,150 @@
+"""Decode steps whose expert calls the device makes (device_calls.py), against a real worker.
+
+On the CPU the same calls run from the host (HostStream), in the order the CUDA graph records
+them: post layer j's inputs to its device slot, compute the shared expert, collect the reply.
+The oracle is the step with the calls made between segments (the path test_decode_graphs checks
+against the eager forward) on the same worker, and the eager forward with torch experts.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from gpu_service.config import ExpertClientConfig
+from gpu_service.device_calls import DeviceCalls, HostStream
+from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
+from gpu_service.engine.errors import ExpertsUnavailable
+from gpu_service.models import Batch, SeqInput, TorchExperts, load_model
+from gpu_service.moe_client import ShmExperts
+from ktserve.checkpoint import CheckpointReader
+from tests.support.checkpoints import available_families, make_tiny_checkpoint
+from tests.support.expert_procs import ExpertProcess
+
+FAMILIES = [f for f in ("deepseek_v3", "qwen3_moe") if f in available_families()]
+BLOCK = 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(path, port: int) -> ExpertProcess:
+    return ExpertProcess("--model", str(path), "--format", "bf16", "--listen",
+                         f"127.0.0.1:{port}")  # fmt: skip
+
+
+def load(path, experts):
+    return load_model(path, "cpu", torch.float32, experts=experts, max_num_tokens_in_cache=512,
+                      block_size=BLOCK)  # fmt: skip
+
+
+class Decoder:
+    """Greedy decode of a few sequences in `model` through `graphs`, step by step."""
+
+    def __init__(self, model, graphs: DecodeGraphs, prompts: list[list[int]]) -> None:
+        self.model, self.graphs = model, graphs
+        self.caches = [model.kv_cache.allocate(len(p)) for p in prompts]
+        self.pos = [len(p) for p in prompts]
+        logits = model.forward(Batch(tuple(SeqInput(p, c, 0) for p, c in
+                                           zip(prompts, self.caches))))  # fmt: skip
+        self.tokens = logits.argmax(-1).tolist()
+
+    def step(self, tokens: list[int] | None = None) -> torch.Tensor:
+        tokens = self.tokens if tokens is None else tokens
+        for cache, p in zip(self.caches, self.pos):
+            self.model.kv_cache.extend(cache, p + 1)
+        batch = Batch(tuple(SeqInput([t], c, p) for t, c, p in
+                            zip(tokens, self.caches, self.pos)))  # fmt: skip
+        logits = self.graphs.forward(batch).clone()
+        self.pos = [p + 1 for p in self.pos]
+        self.tokens = logits.argmax(-1).tolist()
+        return logits
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory, seed):
+    return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=seed)
+
+
+def test_device_calls_give_the_logits_of_calls_between_segments(checkpoint, seed):
+    worker = start_worker(checkpoint, free_port())
+    reader = CheckpointReader(checkpoint)
+    spec = reader.spec
+    experts = ShmExperts(
+        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
+        hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
+    )  # fmt: skip
+    try:
+        in_graph, between = load(checkpoint, experts), load(checkpoint, experts)
+        eager = load(checkpoint, TorchExperts(reader, "cpu", torch.float32))
+        config = DecodeGraphConfig(max_batch=4, min_kv_bucket=8, capture=False)
+        graphs = DecodeGraphs(in_graph, config)
+        assert isinstance(graphs.calls, DeviceCalls)
+        assert isinstance(graphs.calls.stream, HostStream)
+        segmented = DecodeGraphs(
+            between,
+            DecodeGraphConfig(max_batch=4, min_kv_bucket=8, capture=False, experts_in_graph=False),
+        )
+        assert segmented.calls is None
+        reference = DecodeGraphs(eager, DecodeGraphConfig(max_batch=4, min_kv_bucket=8,
+                                                          capture=False))  # fmt: skip
+        assert reference.calls is None  # torch experts make no device calls
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, 101, (n,), generator=g).tolist() for n in (5, 9, 2)]
+        decoders = [Decoder(m, d, prompts) for m, d in
+                    ((in_graph, graphs), (between, segmented), (eager, reference))]  # fmt: skip
+        worst = 0.0
+        for step in range(10):  # batch 3 in bucket 4: one padding row per step
+            tokens = decoders[2].tokens
+            got, want, oracle = (d.step(tokens) for d in decoders)
+            assert torch.equal(got, want), f"step {step}: device calls changed the logits"
+            worst = max(worst, float((got - oracle).abs().max() / oracle.abs().max()))
+        print(f"[device calls] max rel err against torch experts: {worst:.2e}")
+        assert worst < 2e-2  # bf16 expert weights against float32 torch experts
+        req_bells = [graphs.calls.channels[0].bells(j) for j in range(len(graphs.moes))]
+        assert req_bells == [(0, 0)] * len(graphs.moes), "every slot is idle between steps"
+    finally:
+        experts.close()
+        worker.close()
+
+
+def test_a_worker_restarted_between_steps_serves_the_next_one(checkpoint, seed):
+    port = free_port()
+    worker = start_worker(checkpoint, port)
+    reader = CheckpointReader(checkpoint)
+    spec = reader.spec
+    experts = ShmExperts(
+        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=30),
+        hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
+    )  # fmt: skip
+    try:
+        model = load(checkpoint, experts)
+        graphs = DecodeGraphs(model, DecodeGraphConfig(max_batch=2, min_kv_bucket=8,
+                                                       capture=False))  # fmt: skip
+        eager = load(checkpoint, TorchExperts(reader, "cpu", torch.float32))
+        reference = DecodeGraphs(eager, DecodeGraphConfig(max_batch=2, min_kv_bucket=8,
+                                                          capture=False))  # fmt: skip
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, 101, (7,), generator=g).tolist()]
+        ours, theirs = Decoder(model, graphs, prompts), Decoder(eager, reference, prompts)
+        for _ in range(2):
+            tokens = theirs.tokens
+            ours.step(tokens), theirs.step(tokens)
+        worker.close()  # killed: its heartbeat stops
+        worker = start_worker(checkpoint, port)
+        tokens = theirs.tokens
+        got, want = ours.step(tokens), theirs.step(tokens)
+        assert float((got - want).abs().max() / want.abs().max()) < 2e-2
+        worker.close()
+        with pytest.raises(ExpertsUnavailable):  # gone for good: the step fails, clearly
+            graphs.calls.timeout_s = 1.0
+            graphs.calls.stream.timeout_s = 1.0
+            ours.step()
+    finally:
+        experts.close()
+        worker.close()
