@@ -145,6 +145,10 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
                            if s.name.endswith("_total"))),
             calls_in_flight=self.worker.in_flight,
             busy_seconds=m.busy_seconds,
+            dispatch_seconds=self.worker.phase_seconds[0],
+            kernel_seconds=self.worker.phase_seconds[1],
+            publish_seconds=self.worker.phase_seconds[2],
+            bookkeeping_seconds=self.worker.phase_seconds[3],
             activations=[
                 pb.ExpertCount(layer=layer, expert=expert, count=count)
                 for layer, expert, count in m.activations.nonzero()

@@ -70,6 +70,8 @@ class ExpertWorker:
         self._idle = threading.Condition()
         self._in_flight = 0
         self.calls_completed = 0
+        # seconds summed over MoE calls: dispatch, kernel, publish, bookkeeping (WorkerStats)
+        self.phase_seconds = [0.0, 0.0, 0.0, 0.0]
         # Replies committed, and of those the ones already in the metrics (GetStats waits for the
         # second to catch up with the first, so stats include every call a client has seen).
         self._stats_cv = threading.Condition()
@@ -233,13 +235,21 @@ class ExpertWorker:
         out_dtype = wire.OUT_DTYPES[req.kind]
         (out,) = channel.begin_reply(req, [(x.shape, out_dtype)])
         with self._kernel_lock:
+            kernel_start = time.perf_counter()
             self.kernel.forward(packed, x, local, weights, out)
+            kernel_end = time.perf_counter()
         channel.commit_reply(req)
+        published = time.perf_counter()
         with self._stats_cv:
             self._replied += 1
         try:
-            self.metrics.observe_call(shard, req.layer, local, time.perf_counter() - start)
+            self.metrics.observe_call(shard, req.layer, local, published - start)
         finally:
+            phases = self.phase_seconds
+            phases[0] += kernel_start - start
+            phases[1] += kernel_end - kernel_start
+            phases[2] += published - kernel_end
+            phases[3] += time.perf_counter() - published
             with self._stats_cv:
                 self._counted += 1
                 self._stats_cv.notify_all()

@@ -93,6 +93,10 @@ def stats_after_calls(worker: ExpertProcess, calls: int) -> pb.WorkerStats:
     (the worker counts a call just after publishing its reply, and GetStats waits for that)."""
     stats = worker.stub.GetStats(pb.StatsRequest(), timeout=10)
     assert stats.calls == calls
+    phases = (stats.dispatch_seconds, stats.kernel_seconds, stats.publish_seconds)
+    assert all(p >= 0 for p in phases) and (calls == 0 or stats.kernel_seconds > 0)
+    # busy_seconds runs from taking a request to publishing its reply: the three phases
+    assert sum(phases) == pytest.approx(stats.busy_seconds, rel=1e-6, abs=1e-9)
     return stats
 
 
