@@ -137,6 +137,14 @@ class GPUServiceConfig:
         "segments between MoE calls are captured once per batch size and replayed as CUDA "
         "graphs)",
     )
+    graph_expert_calls: bool = flag(
+        True,
+        name="--no-graph-expert-calls",
+        help="with CUDA graphs, call the expert workers from the host between the graphs of a "
+        "decode step's segments (by default the GPU stream itself hands each MoE layer's "
+        "hidden states to the workers and waits for their replies, so a step is one graph; "
+        "--gpu-experts and --expert-placement always use segments)",
+    )
     cuda_graph_max_batch: int = flag(
         32,
         help="largest decode batch run with CUDA graphs; larger ones run eagerly (default "

@@ -80,7 +80,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         graphs = None
         if device.type == "cuda" and config.cuda_graphs:
             max_batch = min(config.cuda_graph_max_batch, scheduler.max_num_seqs)
-            graphs = DecodeGraphConfig(max_batch=max_batch)
+            graphs = DecodeGraphConfig(max_batch=max_batch,
+                                       experts_in_graph=config.graph_expert_calls)  # fmt: skip
         metrics = EngineMetrics()
         experts.on_round_trip = metrics.moe_round_trip.observe
         engine = Engine(model, scheduler, eos_token_ids=eos_token_ids, decode=decode,

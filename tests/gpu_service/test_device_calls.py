@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpu_service.config import ExpertClientConfig
-from gpu_service.device_calls import DeviceCalls, HostStream
+from gpu_service.device_calls import CudaStream, DeviceCalls, HostStream
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.engine.errors import ExpertsUnavailable
 from gpu_service.models import Batch, SeqInput, TorchExperts, load_model
@@ -24,6 +24,7 @@ from tests.support.checkpoints import available_families, make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess
 
 FAMILIES = [f for f in ("deepseek_v3", "qwen3_moe") if f in available_families()]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BLOCK = 4
 
 
@@ -38,8 +39,8 @@ def start_worker(path, port: int) -> ExpertProcess:
                          f"127.0.0.1:{port}")  # fmt: skip
 
 
-def load(path, experts):
-    return load_model(path, "cpu", torch.float32, experts=experts, max_num_tokens_in_cache=512,
+def load(path, experts, device: str = "cpu"):
+    return load_model(path, device, torch.float32, experts=experts, max_num_tokens_in_cache=512,
                       block_size=BLOCK)  # fmt: skip
 
 
@@ -71,28 +72,28 @@ def checkpoint(request, tmp_path_factory, seed):
     return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=seed)
 
 
-def test_device_calls_give_the_logits_of_calls_between_segments(checkpoint, seed):
+@pytest.mark.parametrize("device", DEVICES)
+def test_device_calls_give_the_logits_of_calls_between_segments(checkpoint, seed, device):
+    """On CUDA the step is one captured graph, its calls stream writes and waits; the oracle's
+    steps are graphs of the segments between host calls."""
     worker = start_worker(checkpoint, free_port())
     reader = CheckpointReader(checkpoint)
     spec = reader.spec
     experts = ShmExperts(
         ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
         hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
+        device=device,
     )  # fmt: skip
     try:
-        in_graph, between = load(checkpoint, experts), load(checkpoint, experts)
-        eager = load(checkpoint, TorchExperts(reader, "cpu", torch.float32))
-        config = DecodeGraphConfig(max_batch=4, min_kv_bucket=8, capture=False)
-        graphs = DecodeGraphs(in_graph, config)
+        in_graph, between = load(checkpoint, experts, device), load(checkpoint, experts, device)
+        eager = load(checkpoint, TorchExperts(reader, device, torch.float32), device)
+        capture = device == "cuda"
+        graphs = DecodeGraphs(in_graph, DecodeGraphConfig(4, 8, capture))
         assert isinstance(graphs.calls, DeviceCalls)
-        assert isinstance(graphs.calls.stream, HostStream)
-        segmented = DecodeGraphs(
-            between,
-            DecodeGraphConfig(max_batch=4, min_kv_bucket=8, capture=False, experts_in_graph=False),
-        )
+        assert isinstance(graphs.calls.stream, CudaStream if capture else HostStream)
+        segmented = DecodeGraphs(between, DecodeGraphConfig(4, 8, capture, experts_in_graph=False))
         assert segmented.calls is None
-        reference = DecodeGraphs(eager, DecodeGraphConfig(max_batch=4, min_kv_bucket=8,
-                                                          capture=False))  # fmt: skip
+        reference = DecodeGraphs(eager, DecodeGraphConfig(4, 8, capture=False))
         assert reference.calls is None  # torch experts make no device calls
         g = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(0, 101, (n,), generator=g).tolist() for n in (5, 9, 2)]
@@ -104,7 +105,9 @@ def test_device_calls_give_the_logits_of_calls_between_segments(checkpoint, seed
             got, want, oracle = (d.step(tokens) for d in decoders)
             assert torch.equal(got, want), f"step {step}: device calls changed the logits"
             worst = max(worst, float((got - oracle).abs().max() / oracle.abs().max()))
-        print(f"[device calls] max rel err against torch experts: {worst:.2e}")
+        print(f"[device calls {device}] max rel err against torch experts: {worst:.2e}")
+        if capture:
+            assert graphs.num_graphs >= 1  # each (batch, context) bucket: one graph
         assert worst < 2e-2  # bf16 expert weights against float32 torch experts
         req_bells = [graphs.calls.channels[0].bells(j) for j in range(len(graphs.moes))]
         assert req_bells == [(0, 0)] * len(graphs.moes), "every slot is idle between steps"
