@@ -72,7 +72,8 @@ def config_json(shape: Shape, layers: int, dense_layers: int, fp8: bool) -> dict
         common.update({
             "architectures": ["Qwen3MoeForCausalLM"], "num_experts": shape.experts,
             "head_dim": shape.head_dim, "norm_topk_prob": True, "decoder_sparse_step": 1,
-            "mlp_only_layers": list(range(dense_layers)), "rope_theta": 1000000.0, "attention_bias": False,
+            "mlp_only_layers": list(range(dense_layers)), "rope_theta": 1000000.0,
+            "attention_bias": False,
         })  # fmt: skip
     else:
         common.update({

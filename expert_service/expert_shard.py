@@ -35,6 +35,11 @@ class ExpertShard:
     def expert_nbytes(self) -> int:
         return next(iter(self.layers.values())).expert_nbytes
 
+    @property
+    def holds_all(self) -> bool:
+        """Every expert of the model: global ids are local ones."""
+        return self.experts.start == 0 and self.experts.stop == self.spec.num_experts
+
     def localize(self, ids: np.ndarray) -> np.ndarray:
         """Global expert ids [T, k] -> ids local to this shard, -1 where not held (or -1)."""
         local = ids.astype(np.int32, copy=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -77,6 +78,12 @@ class ExpertWorker:
         self._stats_cv = threading.Condition()
         self._replied = 0
         self._counted = 0
+        # NOTE: a call's metrics are counted on a thread of their own, while the channel thread
+        # already waits for the next call (and the next kernel runs without the GIL).
+        self._bookkeeping: queue.SimpleQueue = queue.SimpleQueue()
+        self._bookkeeper = threading.Thread(target=self._count_calls, name="call-metrics",
+                                            daemon=True)  # fmt: skip
+        self._bookkeeper.start()
         self.drained = threading.Event()
         self.exit_requested = threading.Event()
 
@@ -225,34 +232,47 @@ class ExpertWorker:
                 f"{shard.spec.moe_layers[0]}..{shard.spec.moe_layers[-1]})",
             )
         x, ids, weights = _check_arrays(req, shard.spec.hidden_size)
-        if ids.size and (ids.min() < -1 or ids.max() >= shard.spec.num_experts):
-            raise BadCall(
-                wire.STATUS_BAD_REQUEST,
-                f"expert ids must be in [-1, {shard.spec.num_experts}), got "
-                f"[{ids.min()}, {ids.max()}]",
-            )
-        local = shard.localize(ids)
+        num_experts = shard.spec.num_experts
+        if shard.holds_all:
+            local = ids  # NOTE: the kernel rejects ids outside [-1, E) before it writes
+        else:
+            _check_ids(ids, num_experts)
+            local = shard.localize(ids)
         out_dtype = wire.OUT_DTYPES[req.kind]
         (out,) = channel.begin_reply(req, [(x.shape, out_dtype)])
         with self._kernel_lock:
             kernel_start = time.perf_counter()
-            self.kernel.forward(packed, x, local, weights, out)
+            try:
+                self.kernel.forward(packed, x, local, weights, out)
+            except ValueError:
+                _check_ids(ids, num_experts)
+                raise
             kernel_end = time.perf_counter()
         channel.commit_reply(req)
         published = time.perf_counter()
         with self._stats_cv:
             self._replied += 1
-        try:
-            self.metrics.observe_call(shard, req.layer, local, published - start)
-        finally:
-            phases = self.phase_seconds
-            phases[0] += kernel_start - start
-            phases[1] += kernel_end - kernel_start
-            phases[2] += published - kernel_end
-            phases[3] += time.perf_counter() - published
-            with self._stats_cv:
-                self._counted += 1
-                self._stats_cv.notify_all()
+        # local may view the request region, which the next call overwrites: copied
+        times = (kernel_start - start, kernel_end - kernel_start, published - kernel_end)
+        self._bookkeeping.put((shard, req.layer, local.copy(), published - start, times,
+                               published))  # fmt: skip
+
+    def _count_calls(self) -> None:
+        while True:
+            item = self._bookkeeping.get()
+            if item is None:
+                return
+            shard, layer, local, seconds, times, published = item
+            try:
+                self.metrics.observe_call(shard, layer, local, seconds)
+            finally:
+                phases = self.phase_seconds
+                for i, t in enumerate(times):
+                    phases[i] += t
+                phases[3] += time.perf_counter() - published
+                with self._stats_cv:
+                    self._counted += 1
+                    self._stats_cv.notify_all()
 
     def wait_for_stats(self, timeout: float = 1.0) -> bool:
         """Returns once every call replied so far is in the metrics (a client may ask for stats
@@ -286,6 +306,8 @@ class ExpertWorker:
             a.stop.set()
         for a in attached:
             a.thread.join(5)
+        self._bookkeeping.put(None)
+        self._bookkeeper.join(5)
         self.kernel.close()
 
     @property
@@ -295,6 +317,14 @@ class ExpertWorker:
     @property
     def pid(self) -> int:
         return os.getpid()
+
+
+def _check_ids(ids: np.ndarray, num_experts: int) -> None:
+    if ids.size and (ids.min() < -1 or ids.max() >= num_experts):
+        raise BadCall(
+            wire.STATUS_BAD_REQUEST,
+            f"expert ids must be in [-1, {num_experts}), got [{ids.min()}, {ids.max()}]",
+        )
 
 
 def _check_arrays(req: ktshm.Message, hidden: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

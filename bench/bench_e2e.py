@@ -1,0 +1,276 @@
+"""Decode and prefill at a real model's shapes through the serving path, beside llama.cpp.
+
+One expert worker (`ktserve expert`, a subprocess) on CHECKPOINT (bench/real_checkpoint.py
+writes them) and the GPU service in this process, once per mode:
+  graph     CUDA graphs, the expert calls inside them (the whole decode step is one graph)
+  segments  CUDA graphs of the segments between MoE layers, the host calls the experts
+For each: decode tok/s at each batch size (greedy, ignore_eos, 16-token prompts), the per-MoE-
+layer split of a step (the GPU's part is the segments mode's measured GPU time; the worker's
+dispatch, kernel, publish and bookkeeping come from its GetStats; hand-off is what is left of the
+step), prefill tok/s and time to first token for one long prompt, and the CPU bound: the bytes
+of the experts the worker read per step (its weight_bytes_read) over the DRAM read bandwidth,
+sampled at the start, between modes and at the end (medians). With --llama-build and --gguf,
+llama.cpp's llama-bench and llama-batched-bench run on the same checkpoint (GGUF, converted by
+../shared/peers/llamacpp/run_peer.sh) after ktserve, with the same threads, and the tables show
+the ratios.
+
+    python bench/bench_e2e.py CHECKPOINT [--format int4] [--threads 15] [--batch 1,4,16,64]
+        [--prefill 512,2048,8192] [--tokens 64] [--modes graph,segments]
+        [--llama-build DIR --gguf FILE --peer-script run_peer.sh]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
+
+import grpc  # noqa: E402
+
+from bench.bench_decode import histogram_sum, run_batch  # noqa: E402
+from bench.common import Column, DramMeter, default_device, print_table  # noqa: E402
+from bench.worker_process import expert_worker  # noqa: E402
+from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig  # noqa: E402
+from gpu_service.engine import SamplingParams  # noqa: E402
+from gpu_service.service import build_gpu_service  # noqa: E402
+from ktserve.checkpoint import ModelSpec  # noqa: E402
+from ktserve.protocol import expert_pb2 as pb  # noqa: E402
+from ktserve.protocol import expert_pb2_grpc as pb_grpc  # noqa: E402
+
+MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
+         "segments": dict(cuda_graphs=True, graph_expert_calls=False),
+         "eager": dict(cuda_graphs=False)}  # fmt: skip
+PHASES = ("dispatch", "kernel", "publish", "bookkeeping")
+
+
+def expert_tensor_bytes(checkpoint: Path) -> int:
+    """Bytes of the routed experts' tensors (scales included), from the safetensors headers."""
+    total = 0
+    for file in checkpoint.glob("*.safetensors"):
+        with open(file, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for name, meta in header.items():
+            if ".mlp.experts." in name:
+                total += meta["data_offsets"][1] - meta["data_offsets"][0]
+    return total
+
+
+def worker_stats(stub) -> dict[str, float]:
+    s = stub.GetStats(pb.StatsRequest(), timeout=30)
+    return {"calls": s.calls, "bytes": s.weight_bytes_read,
+            **{p: getattr(s, f"{p}_seconds") for p in PHASES}}  # fmt: skip
+
+
+def decode(service, stub, batch: int, tokens: int) -> dict[str, float]:
+    before = worker_stats(stub)
+    got = run_batch(service, batch, tokens)
+    after = worker_stats(stub)
+    delta = {k: after[k] - before[k] for k in before}
+    got["worker"] = delta
+    return got
+
+
+def prefill(service, n: int, seed: int) -> float:
+    """Seconds to the first token of one n-token prompt (its whole prefill)."""
+    first = threading.Event()
+    prompt = [(seed * 31 + 7 * j) % 1000 + 3 for j in range(n)]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    service.engine.add_request(prompt, params, lambda e: first.set() if e.tokens else None)
+    if not first.wait(600):
+        raise SystemExit(f"no first token for a {n}-token prompt in 600 s")
+    return time.perf_counter() - start
+
+
+def run_mode(mode: str, args, address: str, stub, dram: DramMeter) -> dict:
+    batches, prompts = args.batches, args.prefills
+    longest = max(prompts, default=0)
+    scheduler = SchedulerConfig(max_num_seqs=max(batches), max_model_len=longest + args.tokens + 64)
+    config = GPUServiceConfig(
+        model_dir=str(args.checkpoint), device=args.device, dtype="bfloat16",
+        cuda_graph_max_batch=max(batches), scheduler=scheduler,
+        experts=ExpertClientConfig((address,), wire_dtype="bfloat16"), **MODES[mode],
+    )  # fmt: skip
+    start = time.perf_counter()
+    service = build_gpu_service(config)
+    built = time.perf_counter() - start
+    out: dict = {"decode": {}, "prefill": {}, "build_s": built}
+    try:
+        run_batch(service, 1, 8)  # warm-up
+        for b in batches:
+            run_batch(service, b, 8)  # captures this batch size's graph(s)
+            out["decode"][b] = decode(service, stub, b, args.tokens)
+            r = out["decode"][b]
+            print(f"[{mode}] batch {b}: {r['tok/s']:.1f} tok/s", flush=True)
+        if mode == "graph" and MODES[mode]["cuda_graphs"]:
+            graph_steps = service.metrics.steps.labels(mode="graph")._value.get()
+            if not graph_steps:
+                raise SystemExit("CUDA graphs were asked for but no step ran as graphs")
+        if prompts:
+            prefill(service, min(prompts), 0)  # warm-up
+        for n in prompts:
+            ttft = min(prefill(service, n, rep + 1) for rep in range(args.prefill_reps))
+            out["prefill"][n] = ttft
+            print(f"[{mode}] prefill {n}: {n / ttft:.0f} tok/s, first token {ttft:.3f} s",
+                  flush=True)  # fmt: skip
+        _, steps = histogram_sum(service.metrics.step_seconds, phase="gpu")
+        out["steps"] = steps
+    finally:
+        service.close()
+    dram.sample(f"after {mode}")
+    return out
+
+
+# ---------------------------------------------------------------------------- llama.cpp
+def run_llama(args) -> dict:
+    """llama-bench (prefill at --prefill, decode --tokens) and llama-batched-bench (batches)."""
+    env = dict(os.environ, THREADS=str(args.threads), NGEN=str(args.tokens),
+               PROMPTS=",".join(map(str, args.prefills)) or "512",
+               NPL=",".join(map(str, args.batches)), REPS="2")  # fmt: skip
+    script = str(args.peer_script)
+    found: dict = {"decode": {}, "prefill": {}}
+    bench = subprocess.run(["bash", script, "bench", str(args.llama_build), str(args.gguf)],
+                           capture_output=True, text=True, env=env, timeout=1800)  # fmt: skip
+    print(bench.stdout[-4000:], bench.stderr[-2000:] if bench.returncode else "", flush=True)
+    for line in bench.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3:
+            continue
+        test, speed = cells[-2], cells[-1]
+        m = re.fullmatch(r"(pp|tg)(\d+)", test)
+        if m and re.match(r"[\d.]+", speed):
+            value = float(speed.split()[0])
+            if m.group(1) == "pp":
+                found["prefill"][int(m.group(2))] = value
+            else:
+                found["tg"] = value
+    batched = subprocess.run(["bash", script, "batched", str(args.llama_build), str(args.gguf)],
+                             capture_output=True, text=True, env=env, timeout=1800)  # fmt: skip
+    print(batched.stdout[-4000:], batched.stderr[-2000:] if batched.returncode else "", flush=True)
+    for line in batched.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+        if len(cells) == 10 and cells[2].isdigit():
+            found["decode"][int(cells[2])] = float(cells[7])
+    return found
+
+
+# ---------------------------------------------------------------------------- tables
+def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramMeter,
+                  load: dict) -> None:  # fmt: skip
+    layers = len(spec.moe_layers)
+    bw = dram.gbs * 1e9
+    print(f"\n{args.checkpoint.name}: {spec.family}, {layers} MoE layers of "
+          f"{spec.num_experts} experts (top {spec.num_experts_per_tok}), experts {args.format} "
+          f"on 1 worker x {args.threads} threads, GPU part bf16; {args.tokens} new tokens per "
+          f"request")  # fmt: skip
+    print(f"worker load + convert: {load['seconds']:.1f} s for {load['bytes'] / 1e9:.1f} GB of "
+          f"expert tensors = {load['bytes'] / load['seconds'] / 1e9:.2f} GB/s")  # fmt: skip
+    print(dram.summary())
+    print("\ndecode (tok/s; bound: the experts' bytes the worker read per step over DRAM bw)")
+    cols = [Column("mode", 8, "<"), Column("batch", 5), Column("tok/s", 7), Column("ms/step", 7),
+            Column("bound tok/s", 11), Column("% bound", 7), Column("llama.cpp", 9),
+            Column("vs llama", 8), Column("vs b1", 5)]  # fmt: skip
+    rows = []
+    for mode, res in results.items():
+        b1 = res["decode"].get(1, {}).get("tok/s")
+        for b, r in res["decode"].items():
+            step_s = 1 / (r["tok/s"] / b)
+            per_step = r["worker"]["bytes"] / max(r["steps"], 1)
+            bound = b / (per_step / bw) if per_step else float("nan")
+            peer = llama.get("decode", {}).get(b) or (llama.get("tg") if b == 1 else None)
+            rows.append([mode, str(b), f"{r['tok/s']:.1f}", f"{step_s * 1e3:.2f}",
+                         f"{bound:.1f}", f"{100 * r['tok/s'] / bound:.0f}%",
+                         f"{peer:.1f}" if peer else "-",
+                         f"{r['tok/s'] / peer:.2f}x" if peer else "-",
+                         f"{r['tok/s'] / b1:.2f}" if b1 else "-"])  # fmt: skip
+    print_table(cols, rows)
+    print("\nper MoE layer and step (ms): gpu = the segments mode's GPU time; worker phases "
+          "from GetStats; hand-off = the rest of the step (transfers, wake-ups, launches, idle)")
+    cols = [Column("mode", 8, "<"), Column("batch", 5), Column("layer", 6), Column("gpu", 6),
+            *[Column(p, len(p)) for p in PHASES], Column("hand-off", 8)]  # fmt: skip
+    rows = []
+    seg = results.get("segments", {}).get("decode", {})
+    for mode, res in results.items():
+        for b, r in res["decode"].items():
+            per_layer = 1e3 / (r["tok/s"] / b) / layers
+            calls = max(r["worker"]["calls"], 1)
+            phase = {p: r["worker"][p] / calls * 1e3 for p in PHASES}
+            gpu = seg[b]["gpu"] / layers if b in seg else float("nan")
+            rest = per_layer - gpu - phase["dispatch"] - phase["kernel"] - phase["publish"]
+            rows.append([mode, str(b), f"{per_layer:.3f}", f"{gpu:.3f}",
+                         *[f"{phase[p]:.3f}" for p in PHASES], f"{rest:.3f}"])  # fmt: skip
+    print_table(cols, rows)
+    if args.prefills:
+        print("\nprefill (one prompt; time to first token)")
+        cols = [Column("mode", 8, "<"), Column("tokens", 6), Column("TTFT s", 7),
+                Column("tok/s", 7), Column("llama.cpp", 9), Column("vs llama", 8)]  # fmt: skip
+        rows = []
+        for mode, res in results.items():
+            for n, ttft in res["prefill"].items():
+                peer = llama.get("prefill", {}).get(n)
+                rows.append([mode, str(n), f"{ttft:.3f}", f"{n / ttft:.0f}",
+                             f"{peer:.0f}" if peer else "-",
+                             f"{n / ttft / peer:.2f}x" if peer else "-"])  # fmt: skip
+        print_table(cols, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--format", default="int4", choices=("int4", "int8", "bf16"))
+    parser.add_argument("--threads", type=int, default=15, help="expert worker threads")
+    parser.add_argument("--batch", default="1,4,16,64")
+    parser.add_argument("--prefill", default="512,2048,8192", help="prompt lengths ('' none)")
+    parser.add_argument("--prefill-reps", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per decode request")
+    parser.add_argument("--modes", default="graph,segments")
+    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--dram-gb", type=float, default=4.0)
+    parser.add_argument("--llama-build", type=Path)
+    parser.add_argument("--gguf", type=Path)
+    parser.add_argument("--peer-script", type=Path,
+                        default=Path(__file__).resolve().parent.parent / ".peer" / "run_peer.sh")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    args.batches = [int(b) for b in args.batch.split(",")]
+    args.prefills = [int(n) for n in args.prefill.split(",") if n]
+    modes = args.modes.split(",")
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
+    spec = ModelSpec.from_config_dir(args.checkpoint)
+    dram = DramMeter(args.threads, args.dram_gb)
+    dram.sample("start")
+    expert_bytes = expert_tensor_bytes(args.checkpoint)
+    start = time.perf_counter()
+    results = {}
+    with expert_worker(args.checkpoint, args.format, args.threads) as address:
+        load = {"seconds": time.perf_counter() - start, "bytes": expert_bytes}
+        print(f"worker serving after {load['seconds']:.1f} s", flush=True)
+        channel = grpc.insecure_channel(address)
+        stub = pb_grpc.ExpertServiceStub(channel)
+        try:
+            for mode in modes:
+                results[mode] = run_mode(mode, args, address, stub, dram)
+        finally:
+            channel.close()
+    llama = run_llama(args) if args.llama_build and args.gguf else {}
+    if llama:
+        dram.sample("after llama.cpp")
+    print_results(args, spec, results, llama, dram, load)
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "llama": llama, "load": load,
+                                         "dram": dram.samples}, default=str))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
