@@ -193,8 +193,10 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
                          f"{r['tok/s'] / peer:.2f}x" if peer else "-",
                          f"{r['tok/s'] / b1:.2f}" if b1 else "-"])  # fmt: skip
     print_table(cols, rows)
-    print("\nper MoE layer and step (ms): gpu = the segments mode's GPU time; worker phases "
-          "from GetStats; hand-off = the rest of the step (transfers, wake-ups, launches, idle)")
+    print(
+        "\nper MoE layer and step (ms): gpu = the segments mode's GPU time; worker phases "
+        "from GetStats; hand-off = the rest of the step (transfers, wake-ups, launches, idle)"
+    )
     cols = [Column("mode", 8, "<"), Column("batch", 5), Column("layer", 6), Column("gpu", 6),
             *[Column(p, len(p)) for p in PHASES], Column("hand-off", 8)]  # fmt: skip
     rows = []
@@ -237,8 +239,11 @@ def main() -> None:
     parser.add_argument("--dram-gb", type=float, default=4.0)
     parser.add_argument("--llama-build", type=Path)
     parser.add_argument("--gguf", type=Path)
-    parser.add_argument("--peer-script", type=Path,
-                        default=Path(__file__).resolve().parent.parent / ".peer" / "run_peer.sh")
+    parser.add_argument(
+        "--peer-script",
+        type=Path,
+        default=Path(__file__).resolve().parent.parent / ".peer" / "run_peer.sh",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batch.split(",")]

@@ -192,9 +192,14 @@ def write(out: Path, shape: Shape, layers: int, experts: str = "bf16", seed: int
         total += sum(v.numel() * v.element_size() for v in tensors.values())
         index.update(dict.fromkeys(tensors, file))
 
-    save({"model.embed_tokens.weight": t.normal(shape.vocab, shape.hidden),
-          "model.norm.weight": t.ones(shape.hidden),
-          "lm_head.weight": t.normal(shape.vocab, shape.hidden)}, "model-head.safetensors")
+    save(
+        {
+            "model.embed_tokens.weight": t.normal(shape.vocab, shape.hidden),
+            "model.norm.weight": t.ones(shape.hidden),
+            "lm_head.weight": t.normal(shape.vocab, shape.hidden),
+        },
+        "model-head.safetensors",
+    )
     for layer in range(layers):
         tensors = layer_tensors(t, shape, layer, layer < dense, fp8)
         expert_bytes += sum(v.numel() * v.element_size() for k, v in tensors.items()
