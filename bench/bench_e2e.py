@@ -65,8 +65,8 @@ def expert_tensor_bytes(checkpoint: Path) -> int:
 
 def worker_stats(stub) -> dict[str, float]:
     s = stub.GetStats(pb.StatsRequest(), timeout=30)
-    return {"calls": s.calls, "bytes": s.weight_bytes_read,
-            **{p: getattr(s, f"{p}_seconds") for p in PHASES}}  # fmt: skip
+    return {"calls": s.calls, "bytes": s.weight_bytes_read, "idle": s.idle_seconds,
+            "gaps": s.idle_gaps, **{p: getattr(s, f"{p}_seconds") for p in PHASES}}  # fmt: skip
 
 
 def decode(service, stub, batch: int, tokens: int) -> dict[str, float]:
@@ -134,7 +134,7 @@ def run_llama(args) -> dict:
     """llama-bench (prefill at --prefill, decode --tokens) and llama-batched-bench (batches)."""
     env = dict(os.environ, THREADS=str(args.threads), NGEN=str(args.tokens),
                PROMPTS=",".join(map(str, args.prefills)) or "512",
-               NPL=",".join(map(str, args.batches)), REPS="2")  # fmt: skip
+               NPL=",".join(map(str, args.batches)), REPS=str(args.llama_reps))  # fmt: skip
     script = str(args.peer_script)
     found: dict = {"decode": {}, "prefill": {}}
     bench = subprocess.run(["bash", script, "bench", str(args.llama_build), str(args.gguf)],
@@ -168,10 +168,11 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
                   load: dict) -> None:  # fmt: skip
     layers = len(spec.moe_layers)
     bw = dram.gbs * 1e9
+    spin = "default" if args.spin_us is None else f"{args.spin_us:g} us"
     print(f"\n{args.checkpoint.name}: {spec.family}, {layers} MoE layers of "
           f"{spec.num_experts} experts (top {spec.num_experts_per_tok}), experts {args.format} "
-          f"on 1 worker x {args.threads} threads, GPU part bf16; {args.tokens} new tokens per "
-          f"request")  # fmt: skip
+          f"on 1 worker x {args.threads} threads (spin {spin}), GPU part bf16; {args.tokens} new "
+          f"tokens per request")  # fmt: skip
     print(f"worker load + convert: {load['seconds']:.1f} s for {load['bytes'] / 1e9:.1f} GB of "
           f"expert tensors = {load['bytes'] / load['seconds'] / 1e9:.2f} GB/s")  # fmt: skip
     print(dram.summary())
@@ -195,10 +196,13 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
     print_table(cols, rows)
     print(
         "\nper MoE layer and step (ms): gpu = the segments mode's GPU time; worker phases "
-        "from GetStats; hand-off = the rest of the step (transfers, wake-ups, launches, idle)"
+        "from GetStats; hand-off = the rest of the step (transfers, wake-ups, launches); idle = "
+        "the worker's mean gap from a reply to the next request (the caller's time between "
+        "two calls: gpu + hand-off)"
     )
     cols = [Column("mode", 8, "<"), Column("batch", 5), Column("layer", 6), Column("gpu", 6),
-            *[Column(p, len(p)) for p in PHASES], Column("hand-off", 8)]  # fmt: skip
+            *[Column(p, len(p)) for p in PHASES], Column("hand-off", 8),
+            Column("idle", 6)]  # fmt: skip
     rows = []
     seg = results.get("segments", {}).get("decode", {})
     for mode, res in results.items():
@@ -208,8 +212,11 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
             phase = {p: r["worker"][p] / calls * 1e3 for p in PHASES}
             gpu = seg[b]["gpu"] / layers if b in seg else float("nan")
             rest = per_layer - gpu - phase["dispatch"] - phase["kernel"] - phase["publish"]
+            gaps = r["worker"].get("gaps", 0)
+            idle = r["worker"]["idle"] / gaps * 1e3 if gaps else float("nan")
             rows.append([mode, str(b), f"{per_layer:.3f}", f"{gpu:.3f}",
-                         *[f"{phase[p]:.3f}" for p in PHASES], f"{rest:.3f}"])  # fmt: skip
+                         *[f"{phase[p]:.3f}" for p in PHASES], f"{rest:.3f}",
+                         f"{idle:.3f}"])  # fmt: skip
     print_table(cols, rows)
     if args.prefills:
         print("\nprefill (one prompt; time to first token)")
@@ -225,11 +232,34 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
         print_table(cols, rows)
 
 
+def run_ktserve(args, modes: list[str], dram: DramMeter) -> tuple[dict, dict]:
+    expert_bytes = expert_tensor_bytes(args.checkpoint)
+    start = time.perf_counter()
+    results = {}
+    with expert_worker(args.checkpoint, args.format, args.threads, args.spin_us) as address:
+        load = {"seconds": time.perf_counter() - start, "bytes": expert_bytes}
+        print(f"worker serving after {load['seconds']:.1f} s", flush=True)
+        channel = grpc.insecure_channel(address)
+        stub = pb_grpc.ExpertServiceStub(channel)
+        try:
+            for mode in modes:
+                results[mode] = run_mode(mode, args, address, stub, dram)
+        finally:
+            channel.close()
+    return results, load
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--format", default="int4", choices=("int4", "int8", "bf16"))
     parser.add_argument("--threads", type=int, default=15, help="expert worker threads")
+    parser.add_argument(
+        "--spin-us",
+        type=float,
+        help="how long the worker's channel thread and kernel pool spin for work "
+        "(default: the worker's)",
+    )
     parser.add_argument("--batch", default="1,4,16,64")
     parser.add_argument("--prefill", default="512,2048,8192", help="prompt lengths ('' none)")
     parser.add_argument("--prefill-reps", type=int, default=2)
@@ -245,6 +275,13 @@ def main() -> None:
         default=Path(__file__).resolve().parent.parent / ".peer" / "run_peer.sh",
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        help="take ktserve's figures from this --json file of an earlier run of "
+        "the same machine session (then run llama.cpp only, and print both)",
+    )
+    parser.add_argument("--llama-reps", type=int, default=2)
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batch.split(",")]
     args.prefills = [int(n) for n in args.prefill.split(",") if n]
@@ -254,20 +291,16 @@ def main() -> None:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
     spec = ModelSpec.from_config_dir(args.checkpoint)
     dram = DramMeter(args.threads, args.dram_gb)
-    dram.sample("start")
-    expert_bytes = expert_tensor_bytes(args.checkpoint)
-    start = time.perf_counter()
-    results = {}
-    with expert_worker(args.checkpoint, args.format, args.threads) as address:
-        load = {"seconds": time.perf_counter() - start, "bytes": expert_bytes}
-        print(f"worker serving after {load['seconds']:.1f} s", flush=True)
-        channel = grpc.insecure_channel(address)
-        stub = pb_grpc.ExpertServiceStub(channel)
-        try:
-            for mode in modes:
-                results[mode] = run_mode(mode, args, address, stub, dram)
-        finally:
-            channel.close()
+    if args.resume:
+        earlier = json.loads(args.resume.read_text())
+        results, load = earlier["results"], earlier["load"]
+        for mode in results.values():  # JSON keys are strings
+            mode["decode"] = {int(b): r for b, r in mode["decode"].items()}
+            mode["prefill"] = {int(n): t for n, t in mode["prefill"].items()}
+        dram.samples = [tuple(s) for s in earlier["dram"]]
+    else:
+        dram.sample("start")
+        results, load = run_ktserve(args, modes, dram)
     llama = run_llama(args) if args.llama_build and args.gguf else {}
     if llama:
         dram.sample("after llama.cpp")

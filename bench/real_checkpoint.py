@@ -219,9 +219,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="default: the model's")
     parser.add_argument("--experts", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dense-layers",
+        type=int,
+        help="leading dense layers (default: the model's, at most layers - 1)",
+    )
     args = parser.parse_args()
     shape = SHAPES[args.shape]
-    got = write(args.out, shape, args.layers or shape.full_layers, args.experts, args.seed)
+    got = write(args.out, shape, args.layers or shape.full_layers, args.experts, args.seed,
+                args.dense_layers)  # fmt: skip
     print(f"wrote {args.out}: {got['bytes'] / 1e9:.1f} GB ({got['expert_bytes'] / 1e9:.1f} GB "
           f"routed experts) in {got['seconds']:.0f} s")  # fmt: skip
 

@@ -33,11 +33,14 @@ class _Activations:
             self.counts = np.zeros((len(self.row), len(shard.experts)), dtype=np.int64)
             self.first_expert = shard.experts.start
 
-    def add(self, layer: int, local_ids: np.ndarray) -> None:
+    def add(self, layer: int, local_ids: np.ndarray) -> int:
+        """Count the call's tokens per expert; returns how many distinct experts it used."""
         used = local_ids[local_ids >= 0]
         with self.lock:
             row = self.counts[self.row[layer]]
-            row += np.bincount(used, minlength=row.shape[0])
+            counts = np.bincount(used, minlength=row.shape[0])
+            row += counts
+        return int(np.count_nonzero(counts))
 
     def nonzero(self) -> list[tuple[int, int, int]]:
         with self.lock:
@@ -100,14 +103,13 @@ class WorkerMetrics:
     def observe_call(
         self, shard: ExpertShard, layer: int, local_ids: np.ndarray, seconds: float
     ) -> None:
-        touched = np.unique(local_ids[local_ids >= 0]).size
+        touched = self.activations.add(layer, local_ids)
         nbytes = touched * shard.expert_nbytes
         num_tokens = local_ids.shape[0]
         self.call_seconds.labels(layer=str(layer)).observe(seconds)
         self.tokens.inc(num_tokens)
         self.calls.inc()
         self.weight_bytes_read.inc(nbytes)
-        self.activations.add(layer, local_ids)
         with self._lock:
             self.num_calls += 1
             self.num_tokens += num_tokens

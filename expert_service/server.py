@@ -149,6 +149,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             kernel_seconds=self.worker.phase_seconds[1],
             publish_seconds=self.worker.phase_seconds[2],
             bookkeeping_seconds=self.worker.phase_seconds[3],
+            idle_seconds=self.worker.idle_seconds,
+            idle_gaps=self.worker.idle_gaps,
             activations=[
                 pb.ExpertCount(layer=layer, expert=expert, count=count)
                 for layer, expert, count in m.activations.nonzero()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from ktserve import wire
 log = logging.getLogger("ktserve.expert")
 
 POLL_S = 0.2  # how often an idle channel thread looks at the stop flag
+IDLE_GAP_S = 0.005  # gaps between calls counted as idle (longer: between steps or requests)
 
 
 class WorkerState(enum.IntEnum):
@@ -78,12 +78,8 @@ class ExpertWorker:
         self._stats_cv = threading.Condition()
         self._replied = 0
         self._counted = 0
-        # NOTE: a call's metrics are counted on a thread of their own, while the channel thread
-        # already waits for the next call (and the next kernel runs without the GIL).
-        self._bookkeeping: queue.SimpleQueue = queue.SimpleQueue()
-        self._bookkeeper = threading.Thread(target=self._count_calls, name="call-metrics",
-                                            daemon=True)  # fmt: skip
-        self._bookkeeper.start()
+        # the gaps between a reply and the next request on the same channel, under IDLE_GAP_S
+        self.idle_seconds, self.idle_gaps = 0.0, 0
         self.drained = threading.Event()
         self.exit_requested = threading.Event()
 
@@ -162,6 +158,7 @@ class ExpertWorker:
             return sorted(n for n, a in self._channels.items() if a.thread.is_alive())
 
     def _serve_channel(self, channel: ktshm.Channel, stop: threading.Event) -> None:
+        replied = None  # when this channel's last call was answered
         try:
             while True:
                 draining = self.state == WorkerState.DRAINING
@@ -183,7 +180,13 @@ class ExpertWorker:
                     self.metrics.errors.labels(status="BAD_MESSAGE").inc()
                     log.warning("channel %s: %s", channel.name, exc)
                     continue
+                if replied is not None:
+                    gap = time.perf_counter() - replied
+                    if gap < IDLE_GAP_S:
+                        self.idle_seconds += gap
+                        self.idle_gaps += 1
                 self._execute(channel, req)
+                replied = time.perf_counter()
         finally:
             channel.close()
             with self._lock:
@@ -252,27 +255,19 @@ class ExpertWorker:
         published = time.perf_counter()
         with self._stats_cv:
             self._replied += 1
-        # local may view the request region, which the next call overwrites: copied
-        times = (kernel_start - start, kernel_end - kernel_start, published - kernel_end)
-        self._bookkeeping.put((shard, req.layer, local.copy(), published - start, times,
-                               published))  # fmt: skip
-
-    def _count_calls(self) -> None:
-        while True:
-            item = self._bookkeeping.get()
-            if item is None:
-                return
-            shard, layer, local, seconds, times, published = item
-            try:
-                self.metrics.observe_call(shard, layer, local, seconds)
-            finally:
-                phases = self.phase_seconds
-                for i, t in enumerate(times):
-                    phases[i] += t
-                phases[3] += time.perf_counter() - published
-                with self._stats_cv:
-                    self._counted += 1
-                    self._stats_cv.notify_all()
+        # NOTE: counted after the reply is out, while the caller computes its next layer; a
+        # thread of its own was tried: it held the GIL when the next request came (GPU host).
+        try:
+            self.metrics.observe_call(shard, req.layer, local, published - start)
+        finally:
+            phases = self.phase_seconds
+            phases[0] += kernel_start - start
+            phases[1] += kernel_end - kernel_start
+            phases[2] += published - kernel_end
+            phases[3] += time.perf_counter() - published
+            with self._stats_cv:
+                self._counted += 1
+                self._stats_cv.notify_all()
 
     def wait_for_stats(self, timeout: float = 1.0) -> bool:
         """Returns once every call replied so far is in the metrics (a client may ask for stats
@@ -306,8 +301,6 @@ class ExpertWorker:
             a.stop.set()
         for a in attached:
             a.thread.join(5)
-        self._bookkeeping.put(None)
-        self._bookkeeper.join(5)
         self.kernel.close()
 
     @property

@@ -350,9 +350,13 @@ typedef struct {
     uint32_t found_slot;
 } kt_step_args;
 
+#define KT_STEP_SPIN_NS 20000ULL /* then poll every KT_STEP_POLL_NS, leaving the core */
+#define KT_STEP_POLL_NS 20000L
+
 static inline int kt_wait_step(kt_step_args *a) {
     _Atomic uint32_t *done = &((kt_header *)a->bases[0])->device_done;
     uint64_t next_check = 0;
+    uint64_t spin_until = kt_now_ns() + KT_STEP_SPIN_NS;
     uint32_t n = 0;
     for (;;) {
         if (atomic_load_explicit(done, memory_order_acquire)) {
@@ -408,7 +412,13 @@ static inline int kt_wait_step(kt_step_args *a) {
             }
             next_check = now + 1000000ULL; /* 1 ms */
         }
-        if ((n % (KT_SPIN_CLOCK_EVERY * 64)) == 0) sched_yield(); /* an oversubscribed host */
+        /* NOTE: a step lasts milliseconds and the consumers spin between its calls: the host
+         * only has to see the end, and the rare sleeping consumer, within a poll period; the
+         * core goes to the consumers' kernel threads meanwhile. */
+        if (now >= spin_until) {
+            struct timespec ts = {0, KT_STEP_POLL_NS};
+            nanosleep(&ts, NULL);
+        }
     }
 }
 
