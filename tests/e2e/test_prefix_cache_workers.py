@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
 from gpu_service.engine import FinishReason, SamplingParams
@@ -43,12 +44,21 @@ def test_hits_through_an_expert_worker_give_the_same_tokens_and_skip_its_calls(
             config = GPUServiceConfig(
                 model_dir=str(checkpoints[family]), device="cpu", dtype="float32",
                 kv_cache_tokens=1024, prefix_caching=caching,
+                kv_host_cache_gib=0.001 if caching else 0.0,
                 scheduler=SchedulerConfig(max_model_len=128),
                 experts=ExpertClientConfig((worker.address,), wire_dtype="float32",
                                            worker_timeout_s=20),
             )  # fmt: skip
             service = build_gpu_service(config)
             try:
+                cache = service.engine.model.kv_cache
+                assert cache.prefix_caching == caching
+                per_token = cache.config.bytes_per_token(torch.float32)
+                host_blocks = int(0.001 * 2**30) // per_token // cache.block_size
+                if caching:
+                    assert cache.host is not None and cache.host.num_blocks == host_blocks
+                else:
+                    assert cache.host is None
                 params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
                 out = []
                 for prompt in (a, a, b):

@@ -11,11 +11,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from gpu_service.cli import DEMO_MODEL_DIR, serve_config
+from gpu_service.config import GPUServiceConfig
 from gpu_service.engine import Engine, FinishReason, SamplingParams, SchedulerConfig
 from gpu_service.engine.decode_graphs import DecodeGraphConfig
 from gpu_service.models import KVCache, KVCacheConfig, TorchExperts, load_model
 from gpu_service.models.block_pool import BlockPool, extend_block_hashes
 from ktserve.checkpoint import CheckpointReader
+from ktserve.cli import build_parser
 from tests.support.checkpoints import available_families, make_tiny_checkpoint
 
 BLOCK = 4
@@ -52,6 +55,19 @@ def generate(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], int]
     events = engine.generate(prompt, SamplingParams(max_tokens=n, **GREEDY))
     assert events[-1].finish_reason == FinishReason.LENGTH, events[-1].error
     return [t.token_id for e in events for t in e.tokens], events[-1].num_cached_tokens
+
+
+def test_flags_turn_prefix_caching_off_and_give_it_a_host_tier():
+    def gpu(*flags: str) -> GPUServiceConfig:
+        return serve_config(build_parser().parse_args(["serve", str(DEMO_MODEL_DIR), *flags])).gpu
+
+    assert gpu().prefix_caching and gpu().kv_host_cache_gib == 0
+    assert not gpu("--no-prefix-caching").prefix_caching
+    assert gpu("--kv-host-cache-gib", "1.5").kv_host_cache_gib == 1.5
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        GPUServiceConfig(model_dir="m", prefix_caching=False, kv_host_cache_gib=1.0)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        GPUServiceConfig(model_dir="m", kv_host_cache_gib=-1.0)
 
 
 # ------------------------------------------------------------------------- block pool, cache
