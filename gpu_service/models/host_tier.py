@@ -43,10 +43,11 @@ class HostTier:
     def num_stored(self) -> int:
         return len(self._block_of)
 
-    def lookup(self, block_hash: bytes) -> int | None:
-        """The host block holding this prefix block (now the most recently used), or None."""
+    def lookup(self, block_hash: bytes, touch: bool = True) -> int | None:
+        """The host block holding this prefix block (with touch, now the most recently used),
+        or None."""
         block = self._block_of.get(block_hash)
-        if block is not None:
+        if block is not None and touch:
             self._block_of.move_to_end(block_hash)
         return block
 

@@ -161,19 +161,19 @@ class KVCache:
         return math.ceil(num_tokens / self.block_size)
 
     # ------------------------------------------------------------------ sequences
-    def can_allocate(self, num_tokens: int, block_hashes: Sequence[bytes] = ()) -> bool:
+    def can_allocate(self, num_tokens: int, block_hashes: Sequence[bytes] | None = None) -> bool:
         """Whether a sequence of num_tokens fits, reusing the cached prefix of block_hashes."""
         if num_tokens <= 0:
             return False
-        return self._blocks_short(num_tokens, self._match(num_tokens, block_hashes)) <= 0
+        return self._blocks_short(num_tokens, self._match(num_tokens, block_hashes or ())) <= 0
 
-    def allocate(self, num_tokens: int, block_hashes: Sequence[bytes] = ()) -> SeqCache:
+    def allocate(self, num_tokens: int, block_hashes: Sequence[bytes] | None = None) -> SeqCache:
         """A new sequence with room for `num_tokens` tokens. block_hashes (extend_block_hashes of
-        its tokens): its first blocks are the longest prefix of them cached, and num_tokens of
-        the result counts the tokens they hold."""
+        its tokens; None: no lookup, and none counted): its first blocks are the longest prefix
+        of them cached, and num_tokens of the result counts the tokens they hold."""
         if num_tokens <= 0:
             raise ValueError(f"a sequence needs at least one token, got {num_tokens}")
-        hits = self._match(num_tokens, block_hashes)
+        hits = self._match(num_tokens, block_hashes or (), touch=True)
         if self._blocks_short(num_tokens, hits) > 0:
             needed = self._blocks_for(num_tokens) - sum(on_device for on_device, _ in hits)
             raise KVCacheFull(num_tokens, needed, self.num_free_blocks, self.block_size)
@@ -187,7 +187,7 @@ class KVCache:
         finally:
             self._reading = set()
         seq = SeqCache(seq_id=self._next_seq_id, block_size=self.block_size)
-        for (on_device, block), block_hash in zip(hits, block_hashes):
+        for (on_device, block), block_hash in zip(hits, block_hashes or ()):
             if not on_device:  # NOTE: queued after the evictions _take queued
                 host_block, block = block, next(fresh)
                 self.pool.register(block, block_hash)
@@ -195,7 +195,7 @@ class KVCache:
             seq.block_ids.append(block)
         seq.block_ids.extend(fresh)
         seq.num_hashed_blocks, seq.num_tokens = len(hits), len(hits) * self.block_size
-        if self.prefix_caching and block_hashes:
+        if self.prefix_caching and block_hashes is not None:
             self.stats.queries += num_tokens
             host_hits = sum(not on_device for on_device, _ in hits)
             self.stats.device_hits += (len(hits) - host_hits) * self.block_size
@@ -261,9 +261,11 @@ class KVCache:
         if self.host is not None:
             self.host.reset()
 
-    def _match(self, num_tokens: int, block_hashes: Sequence[bytes]) -> list[tuple[bool, int]]:
+    def _match(self, num_tokens: int, block_hashes: Sequence[bytes],
+               touch: bool = False) -> list[tuple[bool, int]]:  # fmt: skip
         """The longest cached prefix: (on the device, block) per block, at most num_tokens - 1
-        tokens (the last token is always computed: its logits are what the step needs)."""
+        tokens (the last token is always computed: its logits are what the step needs). touch:
+        the host blocks found become the host tier's most recently used."""
         if not self.prefix_caching:
             return []
         hits = []
@@ -272,7 +274,7 @@ class KVCache:
             if block is not None:
                 hits.append((True, block))
                 continue
-            host_block = self.host.lookup(block_hash) if self.host is not None else None
+            host_block = self.host.lookup(block_hash, touch) if self.host is not None else None
             if host_block is None:
                 break
             hits.append((False, host_block))
