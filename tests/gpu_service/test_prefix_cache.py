@@ -183,6 +183,9 @@ def test_evicted_blocks_go_to_host_ram_and_come_back_with_their_contents():
     cache.free(b)
     c = cache.allocate(9, hashes)  # back on the device now: no copy
     assert c.num_tokens == 8 and cache.stats.device_hits == 8 and cache.take_copies() == ()
+    cache.free(c)
+    cache.reset_prefix_cache()  # what the engine does when a step with copies fails
+    assert cache.allocate(9, hashes).num_tokens == 0 and cache.host.num_stored == 0
 
 
 # ------------------------------------------------------------------------- the engine
@@ -309,4 +312,32 @@ def test_stress_shared_prefixes_aborts_and_preemption_never_free_a_used_block(ch
                 assert reason == FinishReason.LENGTH, results[i][-1].error
                 assert tokens == generate(plain, prompt, n)[0], f"request {i}"
     finally:
+        plain.stop()
+
+
+def test_a_failed_step_with_tier_copies_forgets_the_cached_prefixes(checkpoints, seed):
+    """A step whose copies between tiers may not have run fails its requests and empties the
+    prefix cache: nothing later reads a block a failed copy left."""
+    g = random.Random(seed + 3)
+    prompts = [rand_ids(g, 14) for _ in range(4)]
+    eng = make_engine(checkpoints["deepseek_v3"], cache_tokens=40, host_tokens=256)
+    plain = make_engine(checkpoints["deepseek_v3"], prefix_caching=False, cache_tokens=40)
+    run = eng.runner.run
+
+    def failing_run(step):
+        if step.block_copies:
+            raise RuntimeError("copy failed")
+        return run(step)
+
+    try:
+        for p in prompts:
+            generate(eng, p, 4)
+        eng.runner.run = failing_run
+        events = eng.generate(prompts[0], SamplingParams(max_tokens=4, **GREEDY))
+        eng.runner.run = run
+        assert events[-1].finish_reason == FinishReason.ERROR
+        assert eng.model.kv_cache.pool.num_cached == 0 and eng.model.kv_cache.host.num_stored == 0
+        assert generate(eng, prompts[0], 4) == (generate(plain, prompts[0], 4)[0], 0)
+    finally:
+        eng.stop()
         plain.stop()
