@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from prometheus_client import generate_latest
 
 from gpu_service.cli import DEMO_MODEL_DIR, serve_config
 from gpu_service.config import GPUServiceConfig
@@ -219,6 +220,12 @@ def test_greedy_outputs_with_cache_hits_equal_those_without(family, checkpoints,
     assert metrics.prefix_cache_hits.labels(tier="gpu")._value.get() == sum(hits)
     assert metrics.prefix_cache_hit_rate["gpu"]._value.get() == sum(hits) / stats.queries
     assert plain.model.kv_cache.stats.queries == 0
+    exported = generate_latest(metrics.registry).decode()
+    for line in (f"ktserve_prefix_cache_queries_total {float(stats.queries)}",
+                 f'ktserve_prefix_cache_hits_total{{tier="gpu"}} {float(sum(hits))}',
+                 'ktserve_prefix_cache_hits_total{tier="cpu"} 0.0',
+                 "ktserve_cpu_prefix_cache_hit_rate 0.0"):  # fmt: skip
+        assert line in exported
     for eng in (cached, plain):
         assert eng.model.kv_cache.num_free_blocks == eng.model.kv_cache.config.num_blocks
 
