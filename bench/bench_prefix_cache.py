@@ -49,6 +49,12 @@ def text_of(tokenizer, rng: random.Random, num_tokens: int, kind: str) -> str:
     return "\n".join(lines)
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def render(tokenizer, messages: list[dict]) -> list[int]:
     """The prompt's token ids, through the checkpoint's chat template."""
     ids = tokenizer.apply_chat_template(
@@ -87,7 +93,14 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=250, help="user/tool text per turn")
     parser.add_argument("--reply-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="threads of this process's torch (the GPU part on the CPU); 0: "
+                        "torch's default")  # fmt: skip
     args = parser.parse_args()
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -120,7 +133,8 @@ def main() -> None:
             for service in services.values():
                 service.close()
     print(f"\nagent conversation replay: {Path(args.model).name}, GPU part on {args.device}, "
-          f"1 expert worker ({args.format}, {args.threads} threads), {args.system_tokens}-token "
+          f"{torch_threads()} torch threads, 1 expert worker ({args.format}, {args.threads} "
+          f"threads), {args.system_tokens}-token "
           f"system prompt, ~{args.turn_tokens} tokens of tool output and a {args.reply_tokens}-"
           "token reply per turn; TTFT with prefix caching and without, alternated")  # fmt: skip
     columns = [Column("turn", 4), Column("prompt", 6), Column("cached", 6), Column("cached %", 8),
