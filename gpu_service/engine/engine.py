@@ -157,8 +157,6 @@ class Engine:
         self._update_gauges()
         self.metrics.observe_prefix_cache(self.model.kv_cache.stats)
         if not step.seqs:
-            if step.block_copies:
-                self.runner.run(step)  # copies only
             if self.scheduler.waiting and not self.scheduler.running:
                 # nothing can ever run it: its prompt fit, but prompt + output outgrew the cache
                 first = self._tracked[self.scheduler.waiting[0].request_id]

@@ -43,7 +43,9 @@ class ScheduledSeq:
 class ScheduledStep:
     seqs: tuple[ScheduledSeq, ...]
     preempted: tuple[Request, ...] = ()
-    block_copies: tuple[BlockCopy, ...] = ()  # between cache tiers, run before the forward
+    # between cache tiers, run before the forward. NOTE: only allocate/extend queue copies, and
+    # each call schedules its sequence: a step with copies always has seqs
+    block_copies: tuple[BlockCopy, ...] = ()
 
     @property
     def num_tokens(self) -> int:
