@@ -112,6 +112,19 @@ class GPUServiceConfig:
         "on the CPU)",
     )
     gpu_memory_fraction: float = 0.9
+    prefix_caching: bool = flag(
+        True,
+        name="--no-prefix-caching",
+        help="compute every prompt in full (by default KV-cache blocks are reused across "
+        "requests that share a prefix: the prefill, and its expert calls, start after it)",
+    )
+    kv_host_cache_gib: float = flag(
+        0.0,
+        metavar="GIB",
+        help="host RAM for a second tier of the prefix cache: KV blocks evicted from the GPU "
+        "cache are copied there and brought back when a prompt reuses them (default "
+        "%(default)s: none)",
+    )
     gpu_experts: int = flag(
         0,
         help="hot routed experts per MoE layer to keep on the GPU, computed there while the CPU "
@@ -158,6 +171,10 @@ class GPUServiceConfig:
             raise ValueError(f"--dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 16:
             raise ValueError(f"--kv-cache-tokens must be >= 16, got {self.kv_cache_tokens}")
+        if self.kv_host_cache_gib < 0:
+            raise ValueError(f"--kv-host-cache-gib must be >= 0, got {self.kv_host_cache_gib}")
+        if self.kv_host_cache_gib and not self.prefix_caching:
+            raise ValueError("--kv-host-cache-gib needs prefix caching (drop --no-prefix-caching)")
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ValueError(
                 f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"

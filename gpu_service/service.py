@@ -72,11 +72,15 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         model = load_model(config.model_dir, device, dtype, experts=backend,
                            max_num_tokens_in_cache=16, hf=hf)  # fmt: skip
         tokens = config.kv_cache_tokens or _cache_tokens(model.kv_cache, dtype, device, config)
-        model.kv_cache = KVCache(
-            replace(model.kv_cache.config, max_num_tokens=tokens), dtype, device
-        )
-        log.info("KV cache: %d tokens (%.2f GiB)", tokens,
-                 tokens * model.kv_cache.config.bytes_per_token(dtype) / 2**30)  # fmt: skip
+        per_token = model.kv_cache.config.bytes_per_token(dtype)
+        host_tokens = int(config.kv_host_cache_gib * 2**30) // per_token
+        cache_config = replace(model.kv_cache.config, max_num_tokens=tokens,
+                               enable_prefix_caching=config.prefix_caching,
+                               max_num_host_tokens=host_tokens)  # fmt: skip
+        model.kv_cache = KVCache(cache_config, dtype, device)
+        log.info("KV cache: %d tokens (%.2f GiB), prefix caching %s%s", tokens,
+                 tokens * per_token / 2**30, "on" if config.prefix_caching else "off",
+                 f", host tier {host_tokens} tokens" if host_tokens else "")  # fmt: skip
         graphs = None
         if device.type == "cuda" and config.cuda_graphs:
             max_batch = min(config.cuda_graph_max_batch, scheduler.max_num_seqs)

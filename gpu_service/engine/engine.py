@@ -155,6 +155,7 @@ class Engine:
         """One scheduling decision and its execution (the engine thread's unit of work)."""
         step = self.scheduler.schedule()
         self._update_gauges()
+        self.metrics.observe_prefix_cache(self.model.kv_cache.stats)
         if not step.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
                 # nothing can ever run it: its prompt fit, but prompt + output outgrew the cache
@@ -171,6 +172,8 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
             log.exception("step failed")
             error = step_error(exc)
+            if step.block_copies:  # NOTE: a block brought back may hold what a failed copy left
+                self.model.kv_cache.reset_prefix_cache()
             for s in step.seqs:
                 tracked = self._tracked.get(s.request.request_id)
                 if tracked is not None:
@@ -223,8 +226,7 @@ class Engine:
                 reason = FinishReason.LENGTH
         if reason is not None and tracked.detok is not None and not tracked.detok.stopped:
             text += tracked.detok.flush()
-        tracked.on_event(TokenEvent(request.request_id, (token,), text=text,
-                                    num_prompt_tokens=len(request.prompt_ids)))  # fmt: skip
+        tracked.on_event(_event(request, (token,), text=text))
         if reason is not None:
             self._finish(tracked, reason, None)
 
@@ -235,5 +237,10 @@ class Engine:
         self.metrics.e2e.observe(time.monotonic() - request.arrival)
         self.metrics.finished.labels(reason=reason.value).inc()
         self._update_gauges()
-        tracked.on_event(TokenEvent(request.request_id, (), finish_reason=reason, error=error,
-                                    num_prompt_tokens=len(request.prompt_ids)))  # fmt: skip
+        tracked.on_event(_event(request, (), finish_reason=reason, error=error))
+
+
+def _event(request: Request, tokens: tuple, **fields) -> TokenEvent:
+    return TokenEvent(request.request_id, tokens, num_prompt_tokens=len(request.prompt_ids),
+                      num_cached_tokens=request.num_cached_prompt_tokens or 0,
+                      **fields)  # fmt: skip

@@ -1,8 +1,16 @@
-"""The GPU service's Prometheus metrics (prefix ktserve_), on a registry of its own."""
+"""The GPU service's Prometheus metrics (prefix ktserve_), on a registry of its own.
+
+Prefix cache, named as vLLM names them: ktserve_prefix_cache_queries (prompt tokens looked up at
+admission) and ktserve_prefix_cache_hits (tokens found; label tier: gpu for the device KV cache,
+cpu for the host-RAM tier), and ktserve_{gpu,cpu}_prefix_cache_hit_rate, each tier's hits over
+all queried tokens since the start (the two add up to the overall hit rate).
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gpu_service.models.kv_cache import PrefixCacheStats
 
 LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 FAST = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 12.8e-3, 25.6e-3,
@@ -50,6 +58,35 @@ class EngineMetrics:
             "One MoE call: submit to the expert workers until their summed reply",
             buckets=FAST, registry=r,
         )  # fmt: skip
+        self.prefix_cache_queries = Counter(
+            "ktserve_prefix_cache_queries",
+            "Prefix cache queries: tokens looked up in the prefix cache at admission",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "ktserve_prefix_cache_hits",
+            "Prefix cache hits: tokens found in the prefix cache, by tier (gpu: the device KV "
+            "cache, cpu: the host-RAM tier)",
+            ["tier"], registry=r,
+        )  # fmt: skip
+        self.prefix_cache_hit_rate = {
+            tier: Gauge(f"ktserve_{tier}_prefix_cache_hit_rate",
+                        f"Tokens found in the {where} over tokens looked up, since the start",
+                        registry=r)
+            for tier, where in (("gpu", "device KV cache"), ("cpu", "host-RAM tier"))
+        }  # fmt: skip
+        self._prefix_seen = PrefixCacheStats()
+
+    def observe_prefix_cache(self, stats: PrefixCacheStats) -> None:
+        """Bring the prefix-cache metrics up to the cache's running totals."""
+        seen = self._prefix_seen
+        self.prefix_cache_queries.inc(stats.queries - seen.queries)
+        self.prefix_cache_hits.labels(tier="gpu").inc(stats.device_hits - seen.device_hits)
+        self.prefix_cache_hits.labels(tier="cpu").inc(stats.host_hits - seen.host_hits)
+        if stats.queries:
+            self.prefix_cache_hit_rate["gpu"].set(stats.device_hits / stats.queries)
+            self.prefix_cache_hit_rate["cpu"].set(stats.host_hits / stats.queries)
+        self._prefix_seen = PrefixCacheStats(stats.queries, stats.device_hits, stats.host_hits)
 
     def observe_step(self, total: float, transfer: float, wait: float, num_tokens: int,
                      graphed: bool = False) -> None:  # fmt: skip

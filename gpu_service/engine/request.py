@@ -43,6 +43,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     error: EngineError | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache (not computed)
 
 
 @dataclass(eq=False)
@@ -57,6 +58,8 @@ class Request:
     finish_reason: FinishReason | None = None
     error: EngineError | None = None
     first_token_time: float | None = None
+    num_cached_prompt_tokens: int | None = None  # found in the prefix cache at first admission
+    block_hashes: list[bytes] = field(default_factory=list)  # of all_ids's full blocks, chained
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:

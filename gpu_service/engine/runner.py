@@ -1,6 +1,8 @@
 """The runner executes what the scheduler decided: one forward step, then sampling. Given a
 DecodeGraphConfig it builds DecodeGraphs (capturing batch 1's graphs now, the others on first
-use), and decode steps that fit go through them; everything else runs the model's forward."""
+use), and decode steps that fit go through them; everything else runs the model's forward.
+A step's copies between KV-cache tiers (prefix blocks evicted to host RAM or brought back) run
+first, on the same stream, so the forward reads and overwrites those blocks after them."""
 
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ class Runner:
 
     def run(self, step: ScheduledStep) -> StepResult:
         start = time.perf_counter()
+        self.model.kv_cache.copy_blocks(step.block_copies)
+        if not step.seqs:
+            return StepResult((), time.perf_counter() - start)
         batch = Batch(tuple(SeqInput(s.token_ids, s.request.cache, s.start_pos) for s in step.seqs))
         graphs = self.decode_graphs
         graphed = graphs is not None and graphs.supports(batch)

@@ -7,6 +7,11 @@ tokens: a prompt longer than what is left is fed in chunks over several steps (c
 and only the step that feeds its last token samples. A running request whose next tokens find no
 KV block preempts the youngest running request, which goes back to the front of the queue and
 is recomputed from its prompt and output later.
+
+With prefix caching (the KV cache's), a request is admitted with the longest cached prefix of its
+tokens (prompt and, after a preemption, output) and its prefill starts after it: those tokens
+never run through the model, nor through the experts. Each step first offers the blocks the last
+step filled to the prefix cache, and so does a request's end or preemption before it frees them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from dataclasses import dataclass
 from gpu_service.config import SchedulerConfig
 from gpu_service.engine.errors import EngineError
 from gpu_service.engine.request import FinishReason, Request, RequestState
+from gpu_service.models.block_pool import extend_block_hashes
+from gpu_service.models.host_tier import BlockCopy
 from gpu_service.models.kv_cache import KVCache
 
 
@@ -36,6 +43,9 @@ class ScheduledSeq:
 class ScheduledStep:
     seqs: tuple[ScheduledSeq, ...]
     preempted: tuple[Request, ...] = ()
+    # between cache tiers, run before the forward. NOTE: only allocate/extend queue copies, and
+    # each call schedules its sequence: a step with copies always has seqs
+    block_copies: tuple[BlockCopy, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -59,6 +69,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledStep:
+        for request in self.running:
+            self._cache_computed(request)
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
         budget = self.config.max_num_batched_tokens
@@ -88,19 +100,42 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):  # fmt: skip
             request = self.waiting[0]
             ids = request.all_ids
-            if not self.kv_cache.can_allocate(len(ids)):
+            hashes = self._block_hashes(request, ids)
+            if not self.kv_cache.can_allocate(len(ids), hashes):
                 break
             self.waiting.popleft()
-            request.cache = self.kv_cache.allocate(len(ids))
+            request.cache = self.kv_cache.allocate(len(ids), hashes)
             request.state = RequestState.RUNNING
             self.running.append(request)
-            n = min(len(ids), budget)
-            seqs.append(ScheduledSeq(request, ids[:n], 0))
+            start = request.cache.num_tokens  # the cached prefix
+            if request.num_cached_prompt_tokens is None:
+                request.num_cached_prompt_tokens = start
+            n = min(len(ids) - start, budget)
+            seqs.append(ScheduledSeq(request, ids[start : start + n], start))
             budget -= n
-        return ScheduledStep(tuple(seqs), tuple(preempted))
+        copies = self.kv_cache.take_copies()
+        return ScheduledStep(tuple(seqs), tuple(preempted), copies)
+
+    def _block_hashes(self, request: Request, ids: list[int] | None = None) -> list[bytes]:
+        """The chained hashes of the request's full blocks (kept on it, extended as it grows)."""
+        if not self.kv_cache.prefix_caching:
+            return []
+        bs = self.kv_cache.block_size
+        if len(request.block_hashes) < request.num_tokens // bs:
+            extend_block_hashes(request.block_hashes, ids or request.all_ids, bs)
+        return request.block_hashes
+
+    def _cache_computed(self, request: Request) -> None:
+        """Offer the request's blocks that are full of computed tokens to the prefix cache."""
+        cache = request.cache
+        if cache is None or not self.kv_cache.prefix_caching:
+            return
+        if cache.num_tokens // self.kv_cache.block_size > cache.num_hashed_blocks:
+            self.kv_cache.cache_blocks(cache, self._block_hashes(request))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._cache_computed(request)
         self.kv_cache.free(request.cache)
         request.cache = None
         request.state = RequestState.WAITING
@@ -115,6 +150,7 @@ class Scheduler:
         elif request.state == RequestState.WAITING and request in self.waiting:
             self.waiting.remove(request)
         if request.cache is not None:
+            self._cache_computed(request)
             self.kv_cache.free(request.cache)
             request.cache = None
         request.state = RequestState.FINISHED

@@ -1,0 +1,150 @@
+"""Time to first token of an agent conversation replayed turn by turn, with and without prefix
+caching, in one run.
+
+An agent harness resends the whole conversation every turn: a long system prompt (tool
+descriptions), then per turn a user or tool message and the model's reply, rendered with the
+checkpoint's chat template. Two GPU services on one `ktserve expert` worker (a subprocess), one
+with prefix caching and one with --no-prefix-caching, get each turn's prompt alternately (so the
+machine's drift hits both alike); the replies (greedy) come from the cached service and go into
+the history as text, as a harness would send them. Prints per turn the prompt length, the tokens
+served from the prefix cache, both TTFTs and their ratio.
+
+    python bench/bench_prefix_cache.py [--model demo_model] [--turns 8] [--system-tokens 1900]
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
+
+from bench.common import DEMO_MODEL, Column, default_device, print_table
+from bench.worker_process import expert_worker
+from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
+from gpu_service.engine import SamplingParams
+from gpu_service.service import build_gpu_service
+
+WORDS = ("path", "file", "read", "write", "search", "query", "result", "error", "line", "code",
+         "function", "return", "value", "string", "number", "list", "object", "patch", "test",
+         "build", "shell", "command", "output", "status", "diff", "commit", "branch",
+         "config")  # fmt: skip
+
+
+def text_of(tokenizer, rng: random.Random, num_tokens: int, kind: str) -> str:
+    """Tool-schema or tool-output-like text of about num_tokens tokens."""
+    lines: list[str] = []
+    while len(tokenizer.encode("\n".join(lines), add_special_tokens=False)) < num_tokens:
+        a, b, c, d = rng.sample(WORDS, 4)
+        if kind == "tools":
+            params = f'{{"{c}": "string", "{d}": "integer"}}'
+            lines.append(f'{{"name": "{a}_{b}", "description": "{a} {b} {c} {d}", '
+                         f'"parameters": {params}}}')  # fmt: skip
+        else:
+            lines.append(f"{rng.randrange(1000):4d}: {a}({b}, {c}) -> {d} = {rng.randrange(10**6)}")
+    return "\n".join(lines)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def render(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt's token ids, through the checkpoint's chat template."""
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return list(getattr(ids, "input_ids", ids))
+
+
+def first_token_seconds(service, prompt: list[int], max_tokens: int) -> tuple[float, list, int]:
+    """(seconds to the first token, the generated token ids, prompt tokens from the cache)."""
+    events: queue.Queue = queue.Queue()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    service.engine.add_request(prompt, params, events.put)
+    ttft, tokens = None, []
+    while True:
+        event = events.get(timeout=900)
+        if event.tokens and ttft is None:
+            ttft = time.perf_counter() - start
+        tokens.extend(t.token_id for t in event.tokens)
+        if event.finish_reason is not None:
+            if event.error is not None:
+                raise SystemExit(f"request failed: {event.error}")
+            return ttft, tokens, event.num_cached_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(DEMO_MODEL))
+    parser.add_argument("--format", default="int8")
+    parser.add_argument("--threads", type=int, default=1, help="expert worker threads")
+    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--system-tokens", type=int, default=1900)
+    parser.add_argument("--turn-tokens", type=int, default=250, help="user/tool text per turn")
+    parser.add_argument("--reply-tokens", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="threads of this process's torch (the GPU part on the CPU); 0: "
+                        "torch's default")  # fmt: skip
+    args = parser.parse_args()
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    rng = random.Random(args.seed)
+    messages = [{"role": "system", "content": text_of(tokenizer, rng, args.system_tokens, "tools")}]
+    rows = []
+    with expert_worker(args.model, args.format, args.threads) as address:
+        services = {}
+        try:
+            for caching in (True, False):
+                services[caching] = build_gpu_service(GPUServiceConfig(
+                    model_dir=args.model, device=args.device, dtype=args.dtype,
+                    prefix_caching=caching, scheduler=SchedulerConfig(max_model_len=8192),
+                    experts=ExpertClientConfig((address,))))  # fmt: skip
+                first_token_seconds(services[caching], [rng.randrange(3, 4000) for _ in range(64)],
+                                    2)  # fmt: skip # warm-up, shares no prefix
+            for turn in range(1, args.turns + 1):
+                content = text_of(tokenizer, rng, args.turn_tokens, "output")
+                messages.append({"role": "user" if turn == 1 else "tool", "content": content})
+                prompt = render(tokenizer, messages)
+                cached_s, reply, hit = first_token_seconds(services[True], prompt,
+                                                           args.reply_tokens)  # fmt: skip
+                plain_s, _, _ = first_token_seconds(services[False], prompt, 1)
+                rows.append((turn, len(prompt), hit, cached_s, plain_s))
+                print(f"turn {turn}: {len(prompt)} tokens, {hit} cached, TTFT {cached_s:.2f} s "
+                      f"vs {plain_s:.2f} s", flush=True)  # fmt: skip
+                reply_text = tokenizer.decode(reply, skip_special_tokens=True)
+                messages.append({"role": "assistant", "content": reply_text})
+        finally:
+            for service in services.values():
+                service.close()
+    print(f"\nagent conversation replay: {Path(args.model).name}, GPU part on {args.device}, "
+          f"{torch_threads()} torch threads, 1 expert worker ({args.format}, {args.threads} "
+          f"threads), {args.system_tokens}-token "
+          f"system prompt, ~{args.turn_tokens} tokens of tool output and a {args.reply_tokens}-"
+          "token reply per turn; TTFT with prefix caching and without, alternated")  # fmt: skip
+    columns = [Column("turn", 4), Column("prompt", 6), Column("cached", 6), Column("cached %", 8),
+               Column("TTFT cached s", 13), Column("TTFT uncached s", 15),
+               Column("cached/uncached", 15)]  # fmt: skip
+    print_table(columns, [
+        [str(t), str(n), str(hit), f"{100 * hit / n:.1f}", f"{c:.3f}", f"{p:.3f}",
+         f"{100 * c / p:.1f}%"] for t, n, hit, c, p in rows
+    ], rule=False)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
