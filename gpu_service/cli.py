@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from gpu_service.config import DEMO_MODEL_DIR
-from gpu_service.serve_config import API_KEY_ENV, ServeConfig, WorkersConfig
+from gpu_service.serve_config import API_KEY_ENV, API_KEY_FILE_ENV, ServeConfig, WorkersConfig
 from ktserve.config_flags import add_flags, flag_name, from_args
 
 SPAWN_FIELDS = ("expert_workers", "experts_per_worker", "weight_format", "threads")
@@ -36,7 +38,22 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
         "running)."
     )
     add_flags(parser, ServeConfig)
+    parser.add_argument(
+        "--api-key",
+        action=RefuseSecret,
+        nargs="?",
+        metavar="KEY",
+        help=f"not accepted: a key on the command line is visible to every local user (ps); "
+        f"use --api-key-file, {API_KEY_FILE_ENV} or {API_KEY_ENV}",
+    )
     parser.set_defaults(run=run_serve)
+
+
+class RefuseSecret(argparse.Action):
+    """A flag that would put a secret on the command line: refused, its value never echoed."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"argument {option_string}: {self.help}")
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -54,7 +71,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"{args.model_dir} is not a checkpoint directory: it has no config.json")
     if args.expert_addresses is not None:
         check_no_spawn_flags(args)
-    return from_args(ServeConfig, args)
+    config = from_args(ServeConfig, args)
+    return replace(config, http=config.http.with_api_key(os.environ))
 
 
 def check_no_spawn_flags(args: argparse.Namespace) -> None:
@@ -103,7 +121,9 @@ def print_ready(url: str, config: ServeConfig) -> None:
     body = json.dumps(
         {"model": config.model_name, "messages": [{"role": "user", "content": "Hello!"}]}
     )
-    auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if config.http.api_key else ""
+    http = config.http
+    key = f"$(cat {http.api_key_file})" if http.api_key_file else f"${API_KEY_ENV}"
+    auth = f' -H "Authorization: Bearer {key}"' if http.api_key else ""
     print(
         f"ktserve serve: serving {config.model_name!r} at {url}/v1 (OpenAI API; health at "
         f"{url}/health, metrics at {url}/metrics)\n  try: curl {url}/v1/chat/completions "
