@@ -91,6 +91,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
                 "waiting": engine.num_waiting,
             },
             "workers": workers,
+            "requests_in_flight": ctx.admission.in_flight,
         }
         return JSONResponse(body, status_code=200 if healthy else 503)
 
