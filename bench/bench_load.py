@@ -127,12 +127,22 @@ def main() -> None:
     parser.add_argument("--format", default="int8")
     parser.add_argument("--threads", type=int, default=1, help="expert worker threads")
     parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--kill-worker", action="store_true",
-                        help="one more run at the last concurrency, the worker killed mid-way")
+    parser.add_argument(
+        "--kill-worker",
+        action="store_true",
+        help="one more run at the last concurrency, the worker killed mid-way",
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
-    body = json.dumps({"model": Path(args.model).name, "prompt": "The history of the city",
-                       "max_tokens": args.tokens, "stream": True, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {
+            "model": Path(args.model).name,
+            "prompt": "The history of the city",
+            "max_tokens": args.tokens,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    ).encode()
     flags = ["--device", args.device, "--format", args.format, "--threads", str(args.threads),
              "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "256",
              "--max-waiting-requests", str(max(levels))]  # fmt: skip

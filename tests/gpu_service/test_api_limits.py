@@ -312,3 +312,28 @@ def test_sigterm_with_nothing_running_exits_at_once(checkpoint):
         assert time.monotonic() - start < 30  # not the 60 s of --shutdown-timeout
     finally:
         server.close()
+
+
+# -------------------------------------------------------------------- config (in process)
+def test_the_key_comes_from_a_file_or_the_environment(tmp_path, api_key, caplog):
+    from gpu_service.serve_config import HTTPConfig
+
+    env = {"KTSERVE_API_KEY": "from-env"}
+    assert HTTPConfig().with_api_key(env).api_key == "from-env"
+    assert HTTPConfig().with_api_key({}).api_key is None
+    key_file = tmp_path / "key"
+    key_file.write_text(f"  {api_key}  \nsecond line\n")
+    key_file.chmod(0o644)
+    http = HTTPConfig(api_key_file=str(key_file)).with_api_key(env)
+    assert http.api_key == api_key  # the flag's file wins over the environment
+    assert api_key not in repr(http)
+    assert "readable by other users" in caplog.text
+    key_file.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        HTTPConfig(api_key_file=str(key_file)).with_api_key({})
+    with pytest.raises(ValueError, match="cannot read the API key file"):
+        HTTPConfig(api_key_file=str(tmp_path / "absent")).with_api_key({})
+    for bad in ({"max_request_bytes": 10}, {"max_waiting_requests": -1},
+                {"request_timeout_s": 0.0}, {"shutdown_timeout_s": -1.0}):  # fmt: skip
+        with pytest.raises(ValueError):
+            HTTPConfig(**bad)
