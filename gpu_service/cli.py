@@ -3,8 +3,10 @@
 `ktserve serve MODEL_DIR` binds the HTTP port first (a busy port fails at once), loads the
 tokenizer, starts the expert workers (supervised subprocesses; or, with --expert-address, connects
 to workers running on their own) and waits until they serve, builds the GPU service on them, then
-serves HTTP until SIGINT/SIGTERM, after which it stops uvicorn, the engine (closing its ktshm
-channels) and the workers it started (SIGTERM: they drain), in that order.
+serves HTTP until SIGINT/SIGTERM, after which it drains (new requests 503, running ones finish
+within --shutdown-timeout, then are ended: gpu_service/api/shutdown.py) and stops uvicorn, the
+engine (closing its ktshm channels) and the workers it started (SIGTERM: they drain), in that
+order.
 """
 
 from __future__ import annotations
