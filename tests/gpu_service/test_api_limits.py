@@ -48,8 +48,8 @@ def server(checkpoint, api_key, tmp_path_factory):
     key_file.write_text(api_key + "\n")
     key_file.chmod(0o600)
     before = shm_entries()
-    proc = ServerProcess(checkpoint, *FLAGS, "--max-model-len", "256", "--kv-cache-tokens",
-                         "4096", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests",
+    proc = ServerProcess(checkpoint, *FLAGS, "--max-model-len", "1024", "--kv-cache-tokens",
+                         "8192", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests",
                          str(MAX_WAITING), "--api-key-file", str(key_file))  # fmt: skip
     proc.auth = {"Authorization": f"Bearer {api_key}"}
     yield proc
@@ -177,7 +177,7 @@ def test_huge_body_is_413_while_a_stream_keeps_its_pace(server, client):
 def test_past_the_queue_bound_is_429_with_retry_after(server, client):
     """max_num_seqs running + max_waiting waiting: one more is refused at once, and served
     again once they are done."""
-    streams = [Stream(server, 200) for _ in range(MAX_NUM_SEQS)]
+    streams = [Stream(server, 1000) for _ in range(MAX_NUM_SEQS)]
     assert all(s.started.wait(60) for s in streams)
     # NOTE: a waiting stream's response starts only once it runs: not read here
     body = {"model": "tiny", "prompt": "wait", "max_tokens": 4, "stream": True}
@@ -254,13 +254,14 @@ SHUTDOWN_TIMEOUT_S = 4
 
 
 def test_sigterm_ends_every_stream_with_its_tokens_and_done(checkpoint, api_key):
-    """8 long streams and a short one run at SIGTERM: a new request gets 503 in OpenAI's JSON,
-    the short one finishes, each long one ends after --shutdown-timeout with the tokens so far,
-    an error event and [DONE]; exit 0, with no process and no segment left. The key comes from
+    """8 long streams, a short one and a long non-streamed request run at SIGTERM: a new request
+    gets 503 in OpenAI's JSON, the short one finishes, each long stream ends after
+    --shutdown-timeout with the tokens so far, an error event and [DONE], the non-streamed one
+    gets 503 JSON; exit 0, with no process and no segment left. The key comes from
     the environment, and --metrics-public opens /metrics (not /health's details)."""
     before = shm_entries()
     server = ServerProcess(checkpoint, *FLAGS, "--max-model-len", "1024", "--kv-cache-tokens",
-                           "16384", "--max-num-seqs", str(NUM_STREAMS + 1), "--shutdown-timeout",
+                           "16384", "--max-num-seqs", str(NUM_STREAMS + 2), "--shutdown-timeout",
                            str(SHUTDOWN_TIMEOUT_S), "--metrics-public",
                            env={"KTSERVE_API_KEY": api_key})  # fmt: skip
     try:
@@ -271,6 +272,14 @@ def test_sigterm_ends_every_stream_with_its_tokens_and_done(checkpoint, api_key)
         assert all(s.started.wait(60) for s in streams)
         short = Stream(server, 6)
         assert short.started.wait(60)
+        whole: list = []  # a non-streamed request, running too
+        body = {"model": "tiny", "prompt": "Story", "max_tokens": 1000, **NO_EOS}
+        poster = threading.Thread(
+            target=lambda: whole.append(server.post("/v1/completions", body, server.auth))
+        )
+        poster.start()
+        server.wait_until(lambda: server.health()[1]["engine"]["running"] >= NUM_STREAMS + 1,
+                          timeout=30, what="the non-streamed request running")  # fmt: skip
         signal_time = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         server.wait_until(lambda: server.get("/health")[0] == 503, timeout=10,
@@ -282,6 +291,9 @@ def test_sigterm_ends_every_stream_with_its_tokens_and_done(checkpoint, api_key)
         for s in [*streams, short]:
             s.join(SHUTDOWN_TIMEOUT_S + 30)
             assert not s.is_alive()
+        poster.join(30)
+        [(status, err)] = whole
+        assert status == 503 and err["error"]["code"] == "shutting_down"
         assert server.proc.wait(60) == 0, server.stderr()[-3000:]
         short_payloads = short.payloads()
         assert short_payloads[-1] == "[DONE]"
@@ -297,7 +309,7 @@ def test_sigterm_ends_every_stream_with_its_tokens_and_done(checkpoint, api_key)
             s.close()
         short.close()
         assert not pid_alive(worker_pid)
-        assert "ended 8 request(s) still running" in server.stderr()
+        assert f"ended {NUM_STREAMS + 1} request(s) still running" in server.stderr()
     finally:
         server.close()
     assert not shm_entries() - before
