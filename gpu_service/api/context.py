@@ -27,12 +27,12 @@ from gpu_service.engine.errors import EngineStopped
 @dataclass
 class ApiContext:
     """engine: a started Engine. model_name: the `model` clients must send. max_model_len: the
-    context length. api_key: required on /v1/* when set. registries: Prometheus registries served
-    on /metrics (the engine's first). worker_status: each expert worker's state for /health
-    (dicts with at least "address" and "alive"). request_timeout_s: every request's deadline
-    (None: only those that send `timeout` have one). max_request_bytes: the body's bound (413).
-    metrics_public: /metrics needs no key. admission: the in-flight bound and the draining flag
-    (admission.py). generations: those not yet closed."""
+    context length. api_key: required when set (auth.py says where). registries: Prometheus
+    registries served on /metrics (the engine's first). worker_status: each expert worker's
+    state for /health (dicts with at least "address" and "alive"). request_timeout_s: every
+    request's deadline (None: only those that send `timeout` have one). max_request_bytes: the
+    body's bound (413). metrics_public: /metrics needs no key. admission: the in-flight bound and
+    the draining flag (admission.py). generations: those not yet closed."""
 
     engine: Engine
     tokenizer: ServedTokenizer
