@@ -100,8 +100,8 @@ def run_serve(args: argparse.Namespace) -> int:
         signals.append(signum)
         raise Shutdown(signal.Signals(signum).name)
 
-    # NOTE: while loading, a signal unwinds through the cleanups; uvicorn installs its own
-    # handlers while it serves (and re-raises the signal once it has stopped: Shutdown again).
+    # NOTE: while loading, a signal unwinds through the cleanups; while it serves, uvicorn's
+    # handlers are DrainingServer's (api/shutdown.py): it drains, then serve() returns.
     # Raised inside a C extension (torch), Shutdown may come out as another exception: after a
     # signal, any exception is the shutdown.
     for sig in (signal.SIGINT, signal.SIGTERM):
