@@ -270,16 +270,16 @@ def test_sigterm_ends_every_stream_with_its_tokens_and_done(checkpoint, api_key)
         worker_pid = server.health()[1]["workers"][0]["pid"]
         streams = [Stream(server, 1000) for _ in range(NUM_STREAMS)]
         assert all(s.started.wait(60) for s in streams)
-        short = Stream(server, 6)
-        assert short.started.wait(60)
         whole: list = []  # a non-streamed request, running too
         body = {"model": "tiny", "prompt": "Story", "max_tokens": 1000, **NO_EOS}
         poster = threading.Thread(
             target=lambda: whole.append(server.post("/v1/completions", body, server.auth))
         )
         poster.start()
-        server.wait_until(lambda: server.health()[1]["engine"]["running"] >= NUM_STREAMS + 1,
+        server.wait_until(lambda: server.health()[1]["engine"]["running"] == NUM_STREAMS + 1,
                           timeout=30, what="the non-streamed request running")  # fmt: skip
+        short = Stream(server, 6)  # NOTE: last: the one request that finishes while draining
+        assert short.started.wait(60)
         signal_time = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         server.wait_until(lambda: server.get("/health")[0] == 503, timeout=10,
