@@ -3,20 +3,24 @@
 `ktserve serve MODEL_DIR` binds the HTTP port first (a busy port fails at once), loads the
 tokenizer, starts the expert workers (supervised subprocesses; or, with --expert-address, connects
 to workers running on their own) and waits until they serve, builds the GPU service on them, then
-serves HTTP until SIGINT/SIGTERM, after which it stops uvicorn, the engine (closing its ktshm
-channels) and the workers it started (SIGTERM: they drain), in that order.
+serves HTTP until SIGINT/SIGTERM, after which it drains (new requests 503, running ones finish
+within --shutdown-timeout, then are ended: gpu_service/api/shutdown.py) and stops uvicorn, the
+engine (closing its ktshm channels) and the workers it started (SIGTERM: they drain), in that
+order.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from gpu_service.config import DEMO_MODEL_DIR
-from gpu_service.serve_config import API_KEY_ENV, ServeConfig, WorkersConfig
+from gpu_service.serve_config import API_KEY_ENV, API_KEY_FILE_ENV, ServeConfig, WorkersConfig
 from ktserve.config_flags import add_flags, flag_name, from_args
 
 SPAWN_FIELDS = ("expert_workers", "experts_per_worker", "weight_format", "threads")
@@ -36,7 +40,22 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
         "running)."
     )
     add_flags(parser, ServeConfig)
+    parser.add_argument(
+        "--api-key",
+        action=RefuseSecret,
+        nargs="?",
+        metavar="KEY",
+        help=f"not accepted: a key on the command line is visible to every local user (ps); "
+        f"use --api-key-file, {API_KEY_FILE_ENV} or {API_KEY_ENV}",
+    )
     parser.set_defaults(run=run_serve)
+
+
+class RefuseSecret(argparse.Action):
+    """A flag that would put a secret on the command line: refused, its value never echoed."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"argument {option_string}: {self.help}")
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -54,7 +73,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"{args.model_dir} is not a checkpoint directory: it has no config.json")
     if args.expert_addresses is not None:
         check_no_spawn_flags(args)
-    return from_args(ServeConfig, args)
+    config = from_args(ServeConfig, args)
+    return replace(config, http=config.http.with_api_key(os.environ))
 
 
 def check_no_spawn_flags(args: argparse.Namespace) -> None:
@@ -80,8 +100,8 @@ def run_serve(args: argparse.Namespace) -> int:
         signals.append(signum)
         raise Shutdown(signal.Signals(signum).name)
 
-    # NOTE: while loading, a signal unwinds through the cleanups; uvicorn installs its own
-    # handlers while it serves (and re-raises the signal once it has stopped: Shutdown again).
+    # NOTE: while loading, a signal unwinds through the cleanups; while it serves, uvicorn's
+    # handlers are DrainingServer's (api/shutdown.py): it drains, then serve() returns.
     # Raised inside a C extension (torch), Shutdown may come out as another exception: after a
     # signal, any exception is the shutdown.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -103,7 +123,9 @@ def print_ready(url: str, config: ServeConfig) -> None:
     body = json.dumps(
         {"model": config.model_name, "messages": [{"role": "user", "content": "Hello!"}]}
     )
-    auth = f' -H "Authorization: Bearer ${API_KEY_ENV}"' if config.http.api_key else ""
+    http = config.http
+    key = f"$(cat {http.api_key_file})" if http.api_key_file else f"${API_KEY_ENV}"
+    auth = f' -H "Authorization: Bearer {key}"' if http.api_key else ""
     print(
         f"ktserve serve: serving {config.model_name!r} at {url}/v1 (OpenAI API; health at "
         f"{url}/health, metrics at {url}/metrics)\n  try: curl {url}/v1/chat/completions "

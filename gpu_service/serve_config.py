@@ -3,19 +3,27 @@ dataclass each; its flags are their fields'."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+import os
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpu_service.config import GPUServiceConfig
 from ktserve.config_flags import comma_list, flag
 from ktserve.names import WEIGHT_FORMATS
 
+log = logging.getLogger("ktserve.serve")
+
 API_KEY_ENV = "KTSERVE_API_KEY"
+API_KEY_FILE_ENV = "KTSERVE_API_KEY_FILE"
+MiB = 1 << 20
 
 
 @dataclass(frozen=True)
 class HTTPConfig:
-    """HTTP API: where it listens and who may use it."""
+    """HTTP API: where it listens, who may use it, and how much it takes on."""
 
     host: str = flag(
         "127.0.0.1",
@@ -23,20 +31,98 @@ class HTTPConfig:
         "network)",
     )
     port: int = flag(8000, help="HTTP port (default %(default)s; 0 picks a free one)")
-    api_key: str | None = flag(
+    api_key_file: str | None = flag(
         None,
-        env=API_KEY_ENV,
-        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: the {API_KEY_ENV} "
-        "environment variable; unset: no key)",
+        env=API_KEY_FILE_ENV,
+        metavar="PATH",
+        help="require 'Authorization: Bearer KEY' on every route but /health (which then "
+        "tells others only ok or not), KEY being this file's first line (default: the "
+        f"{API_KEY_FILE_ENV} environment variable; without either, the key in {API_KEY_ENV}; "
+        "without that, no key). The key itself is never a flag: a command line is visible to "
+        "every local user (ps, /proc/PID/cmdline)",
+    )
+    metrics_public: bool = flag(
+        False,
+        name="--metrics-public",
+        help="serve /metrics without the API key (for a Prometheus that cannot send it)",
     )
     served_model_name: str | None = flag(
         None,
         help="the model name clients send and /v1/models lists (default: the directory's name)",
     )
+    max_request_bytes: int = flag(
+        8 * MiB,
+        metavar="BYTES",
+        help="largest request body in bytes; a larger one is answered 413 before it is read "
+        "whole (default %(default)s)",
+    )
+    max_waiting_requests: int = flag(
+        256,
+        metavar="N",
+        help="requests that may wait for the engine (being tokenized or queued) beyond those it "
+        "runs; more are answered 429 with Retry-After (default %(default)s)",
+    )
+    request_timeout_s: float | None = flag(
+        None,
+        name="--request-timeout",
+        metavar="SECONDS",
+        help="seconds a request may take from the moment it is queued; later it ends with a "
+        "504 (a stream: an error event) whose code is deadline_exceeded. A request's own "
+        "`timeout` field can only shorten it (default: no limit)",
+    )
+    shutdown_timeout_s: float = flag(
+        30.0,
+        name="--shutdown-timeout",
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, seconds the running requests may take to finish while new ones "
+        "get 503; then each is ended with an error (a stream: an error event and [DONE]) "
+        "(default %(default)s)",
+    )
+    # NOTE: never a flag; read from api_key_file or API_KEY_ENV by with_api_key().
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.max_waiting_requests < 0:
+            raise ValueError(
+                f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}"
+            )
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"--request-timeout must be positive, got {self.request_timeout_s}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("the API key is empty")
+
+    def with_api_key(self, environ: Mapping[str, str]) -> HTTPConfig:
+        """This config with api_key read from api_key_file, else from environ[API_KEY_ENV]."""
+        if self.api_key is not None:
+            return self
+        if self.api_key_file is not None:
+            return replace(self, api_key=read_api_key(self.api_key_file))
+        return replace(self, api_key=environ.get(API_KEY_ENV) or None)
+
+
+def read_api_key(path: str) -> str:
+    """The first line of the file at path, stripped (ValueError for a missing or empty one; the
+    messages never quote the file's content)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the API key file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"the API key file {path} is not UTF-8 text") from None
+    if not key:
+        raise ValueError(f"the API key file {path} is empty; its first line must be the key")
+    mode = os.stat(path).st_mode
+    if mode & 0o077:
+        log.warning("the API key file %s is readable by other users (mode %o): chmod 600 it",
+                    path, stat.S_IMODE(mode))  # fmt: skip
+    return key
 
 
 @dataclass(frozen=True)

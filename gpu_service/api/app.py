@@ -1,4 +1,7 @@
-"""The FastAPI application: OpenAI-compatible /v1 routes, /health and /metrics."""
+"""The FastAPI application: OpenAI-compatible /v1 routes, /health and /metrics.
+
+Middlewares, outermost first: count (by route and status), API key (auth.py), admission (429
+past the in-flight bound, 503 while draining: admission.py), body bound (413: limits.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +12,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gpu_service.api import errors
-from gpu_service.api.auth import ApiKeyMiddleware
+from gpu_service.api.admission import AdmissionMiddleware
+from gpu_service.api.auth import ApiKeyMiddleware, is_authorized
 from gpu_service.api.chat import create_chat_completion
 from gpu_service.api.completions import create_completion
 from gpu_service.api.context import ApiContext
 from gpu_service.api.generation import ClientGone
+from gpu_service.api.limits import BodyLimit
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
@@ -66,13 +71,19 @@ def create_app(ctx: ApiContext) -> FastAPI:
         )
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        """ok or not for anyone; the engine and the workers only with the API key."""
         workers = ctx.worker_status()
         engine = ctx.engine
         engine_alive = engine._thread is not None and engine._thread.is_alive()
         healthy = engine_alive and all(w["alive"] for w in workers)
+        status = "ok" if healthy else "unavailable"
+        if ctx.admission.draining:
+            healthy, status = False, "shutting_down"
+        if not is_authorized(request.headers.get("authorization"), ctx.api_key):
+            return JSONResponse({"status": status}, status_code=200 if healthy else 503)
         body = {
-            "status": "ok" if healthy else "unavailable",
+            "status": status,
             "model": ctx.model_name,
             "engine": {
                 "alive": engine_alive,
@@ -80,6 +91,7 @@ def create_app(ctx: ApiContext) -> FastAPI:
                 "waiting": engine.num_waiting,
             },
             "workers": workers,
+            "requests_in_flight": ctx.admission.in_flight,
         }
         return JSONResponse(body, status_code=200 if healthy else 503)
 
@@ -88,9 +100,12 @@ def create_app(ctx: ApiContext) -> FastAPI:
         text = b"".join(generate_latest(r) for r in (*ctx.registries, http_registry))
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-    # NOTE: the last added runs first: requests are counted, refused ones (401) included.
+    # NOTE: the last added runs first: requests are counted, refused ones (401, 429) included.
+    app.add_middleware(BodyLimit, max_bytes=ctx.max_request_bytes)
+    app.add_middleware(AdmissionMiddleware, admission=ctx.admission)
     if ctx.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=ctx.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=ctx.api_key,
+                           metrics_public=ctx.metrics_public)  # fmt: skip
     app.add_middleware(_CountRequests, counter=requests_total)
     return app
 

@@ -1,5 +1,6 @@
-"""API keys: with one configured, /v1/* needs `Authorization: Bearer <key>` (/health and /metrics
-stay open for probes and scrapers). A plain ASGI middleware, so streaming is left untouched."""
+"""API keys: with one configured, every route needs `Authorization: Bearer <key>` but the public
+ones: /health (which then says only ok or not: no worker addresses or pids), and /metrics with
+--metrics-public. A plain ASGI middleware, so streaming is left untouched."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gpu_service.api.errors import ApiError
 
-PROTECTED_PREFIX = "/v1"
+HEALTH = "/health"
+METRICS = "/metrics"
 
 
 def check_authorization(header: str | None, api_key: str) -> None:
@@ -25,13 +27,25 @@ def check_authorization(header: str | None, api_key: str) -> None:
         raise ApiError(401, "incorrect API key", code="invalid_api_key")
 
 
+def is_authorized(header: str | None, api_key: str | None) -> bool:
+    """Whether a request with this Authorization header may see everything (no key: anyone)."""
+    if api_key is None:
+        return True
+    try:
+        check_authorization(header, api_key)
+    except ApiError:
+        return False
+    return True
+
+
 class ApiKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, metrics_public: bool = False) -> None:
         self.app = app
         self.api_key = api_key
+        self.public = {HEALTH, METRICS} if metrics_public else {HEALTH}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["type"] == "http" and scope["path"] not in self.public:
             try:
                 check_authorization(Headers(scope=scope).get("authorization"), self.api_key)
             except ApiError as exc:

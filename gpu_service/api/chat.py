@@ -10,7 +10,7 @@ from starlette.requests import Request
 
 from gpu_service.api.context import ApiContext
 from gpu_service.api.errors import invalid
-from gpu_service.api.generation import Generation, collect, unless_disconnected
+from gpu_service.api.generation import collect, unless_disconnected
 from gpu_service.api.logprobs import chat_logprobs
 from gpu_service.api.parsing import check_request, parse_body, sampling_params
 from gpu_service.api.schemas import ChatCompletionRequest
@@ -24,7 +24,7 @@ async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
     check_request(ctx, body)
     try:
         messages = [m.to_template() for m in body.messages]
-        prompt_ids = ctx.tokenizer.render_chat(messages)
+        prompt_ids = await ctx.render_chat(messages)
     except (TokenizerError, ValueError) as exc:
         raise invalid(str(exc), param="messages") from exc
     want_logprobs = body.logprobs
@@ -35,7 +35,7 @@ async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
         body.top_logprobs or 0,
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generation = Generation(ctx.engine, prompt_ids, params, request_id, prompt_param="messages")
+    generation = ctx.generation(body, prompt_ids, params, request_id, prompt_param="messages")
     writer = ChatChunks(ctx, request_id, want_logprobs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

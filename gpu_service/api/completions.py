@@ -10,7 +10,7 @@ from starlette.requests import Request
 
 from gpu_service.api.chat import usage
 from gpu_service.api.context import ApiContext
-from gpu_service.api.generation import Generation, collect, unless_disconnected
+from gpu_service.api.generation import collect, unless_disconnected
 from gpu_service.api.logprobs import CompletionLogprobs
 from gpu_service.api.parsing import check_request, parse_body, sampling_params
 from gpu_service.api.schemas import CompletionRequest
@@ -22,13 +22,13 @@ async def create_completion(request: Request, ctx: ApiContext) -> Response:
     body = await parse_body(request, CompletionRequest)
     check_request(ctx, body)
     prompt = body.single_prompt()
-    prompt_ids = ctx.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    prompt_ids = await ctx.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
     want_logprobs = body.logprobs is not None
     params = sampling_params(
         body, ctx.max_tokens_for(prompt_ids, body.max_tokens), want_logprobs, body.logprobs or 0
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = Generation(ctx.engine, prompt_ids, params, request_id, prompt_param="prompt")
+    generation = ctx.generation(body, prompt_ids, params, request_id, prompt_param="prompt")
     writer = CompletionChunks(ctx, request_id, want_logprobs)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -1,26 +1,38 @@
 """What the HTTP handlers need from the server: the engine, the tokenizer, limits, health.
 
-Prompts are checked by the engine itself (engine/validation.py) when a Generation adds them."""
+Prompts are checked by the engine itself (engine/validation.py) when a Generation adds them; text
+is tokenized on one thread of its own (never the event loop's), after a bound on its length that
+costs nothing has refused what cannot fit."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from gpu_service.api.errors import ApiError
+from gpu_service.api.admission import Admission
+from gpu_service.api.errors import ApiError, from_engine
+from gpu_service.api.generation import Generation
 from gpu_service.api.tokenizer import ServedTokenizer
-from gpu_service.engine import Engine
+from gpu_service.engine import Engine, EngineError, SamplingParams
+from gpu_service.engine.errors import EngineStopped
 
 
 @dataclass
 class ApiContext:
     """engine: a started Engine. model_name: the `model` clients must send. max_model_len: the
-    context length. api_key: required on /v1/* when set. registries: Prometheus registries served
-    on /metrics (the engine's first). worker_status: each expert worker's state for /health
-    (dicts with at least "address" and "alive")."""
+    context length. api_key: required when set (auth.py says where). registries: Prometheus
+    registries served on /metrics (the engine's first). worker_status: each expert worker's
+    state for /health (dicts with at least "address" and "alive"). request_timeout_s: every
+    request's deadline (None: only those that send `timeout` have one). max_request_bytes: the
+    body's bound (413). metrics_public: /metrics needs no key. admission: the in-flight bound and
+    the draining flag (admission.py). generations: those not yet closed."""
 
     engine: Engine
     tokenizer: ServedTokenizer
@@ -29,7 +41,52 @@ class ApiContext:
     worker_status: Callable[[], list[dict]]
     api_key: str | None = None
     registries: Sequence[CollectorRegistry] = ()
+    request_timeout_s: float | None = None
+    max_request_bytes: int = 8 << 20
+    metrics_public: bool = False
+    admission: Admission = field(default_factory=Admission)
     created: int = field(default_factory=lambda: int(time.time()))
+    generations: weakref.WeakSet[Generation] = field(default_factory=weakref.WeakSet)
+    _tokenize: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="ktserve-tokenize")
+    )
+
+    async def encode_prompt(self, text: str, param: str = "prompt") -> list[int]:
+        """text's ids, tokenized off the event loop once the length bound let it through."""
+        try:
+            self.tokenizer.check_length(len(text), self.max_model_len)
+        except EngineError as exc:
+            raise from_engine(exc, param) from exc
+        return await self._off_loop(self.tokenizer.encode, text)
+
+    async def render_chat(self, messages: list[dict], param: str = "messages") -> list[int]:
+        """The conversation's prompt ids (ServedTokenizer.render_chat) off the event loop."""
+        try:
+            return await self._off_loop(self.tokenizer.render_chat, messages, self.max_model_len)
+        except EngineError as exc:
+            raise from_engine(exc, param) from exc
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, *args)
+
+    def generation(self, body: Any, prompt_ids: Sequence[int], params: SamplingParams,
+                   request_id: str, prompt_param: str) -> Generation:  # fmt: skip
+        """The request in the engine, with its deadline: the body's `timeout` or the server's,
+        whichever is shorter."""
+        if self.admission.draining:
+            raise from_engine(EngineStopped("the server is shutting down"))
+        timeouts = [t for t in (getattr(body, "timeout", None), self.request_timeout_s) if t]
+        generation = Generation(self.engine, prompt_ids, params, request_id, prompt_param,
+                                timeout_s=min(timeouts, default=None))  # fmt: skip
+        self.generations.add(generation)
+        return generation
+
+    def end_generations(self, error: EngineError) -> int:
+        """End every generation still open with `error` (Generation.end); how many there were."""
+        open_ = [g for g in list(self.generations) if not g.finished]
+        for generation in open_:
+            generation.end(error)
+        return len(open_)
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:

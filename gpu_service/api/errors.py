@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from gpu_service.engine.errors import (
+    DeadlineExceeded,
     EngineError,
     EngineStopped,
     ExpertsUnavailable,
@@ -32,7 +33,10 @@ TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
 
 # NOTE: looked up along the error's MRO: the most derived class listed wins.
@@ -41,6 +45,7 @@ ENGINE_ERRORS: dict[type[EngineError], tuple[int, str | None]] = {  # -> (status
     InvalidRequest: (400, None),
     EngineStopped: (503, "shutting_down"),
     RequestAborted: (503, "aborted"),
+    DeadlineExceeded: (504, "deadline_exceeded"),
     ExpertsUnavailable: (503, "experts_unavailable"),
     EngineError: (500, None),
 }
@@ -54,6 +59,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -61,6 +67,7 @@ class ApiError(Exception):
         self.param = param
         self.code = code
         self.type = type or TYPES.get(status, "server_error")
+        self.headers = headers
 
     def body(self) -> dict:
         return {
@@ -73,7 +80,7 @@ class ApiError(Exception):
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -2,7 +2,9 @@
 
 The engine calls back on its own thread; each request gets an asyncio.Queue that those callbacks
 fill through loop.call_soon_threadsafe. A request whose consumer goes away (client disconnect,
-cancelled handler) is aborted in the engine, which frees its slot and KV blocks.
+cancelled handler) is aborted in the engine, which frees its slot and KV blocks. `end(error)`
+finishes one from the event loop (its deadline passed, the server shuts down): its consumer reads
+the events already queued, then an end carrying the error, as if the engine had sent it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from starlette.requests import Request
 
 from gpu_service.api.errors import ApiError, from_engine
 from gpu_service.engine import Engine, EngineError, SampledToken, SamplingParams
-from gpu_service.engine.request import TokenEvent
+from gpu_service.engine.errors import DeadlineExceeded
+from gpu_service.engine.request import FinishReason, TokenEvent
 
 T = TypeVar("T")
 
@@ -28,7 +31,8 @@ class ClientGone(Exception):
 
 class Generation:
     """One engine request: iterate its events; `close()` aborts it unless it finished. A request
-    the engine refuses raises its ApiError here (prompt_param: the body's field of the prompt)."""
+    the engine refuses raises its ApiError here (prompt_param: the body's field of the prompt).
+    timeout_s: seconds from now after which it ends with DeadlineExceeded (None: never)."""
 
     def __init__(
         self,
@@ -37,12 +41,15 @@ class Generation:
         params: SamplingParams,
         request_id: str,
         prompt_param: str,
+        timeout_s: float | None = None,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
         self.num_prompt_tokens = len(prompt_ids)
         self.finished = False
+        self._ended = False
         self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._deadline: asyncio.TimerHandle | None = None
         loop = asyncio.get_running_loop()
 
         def on_event(event: TokenEvent) -> None:  # engine thread
@@ -54,6 +61,11 @@ class Generation:
             engine.add_request(prompt_ids, params, on_event, request_id)
         except EngineError as exc:
             raise from_engine(exc, prompt_param) from exc
+        if timeout_s is not None:
+            expired = DeadlineExceeded(
+                f"the request did not finish within its timeout of {timeout_s:g} s"
+            )
+            self._deadline = loop.call_later(timeout_s, self.end, expired)
 
     async def next_event(self) -> TokenEvent:
         event = await self._queue.get()
@@ -65,10 +77,24 @@ class Generation:
         while not self.finished:
             yield await self.next_event()
 
+    def end(self, error: EngineError) -> None:
+        """Finish it now (event loop only): aborted in the engine; its consumer reads what was
+        queued, then an end with FinishReason.ERROR carrying `error`."""
+        if self.finished or self._ended:
+            return
+        self._ended = True
+        self.engine.abort(self.request_id)
+        end = TokenEvent(self.request_id, (), finish_reason=FinishReason.ERROR, error=error,
+                         num_prompt_tokens=self.num_prompt_tokens)  # fmt: skip
+        self._queue.put_nowait(end)
+
     def close(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
         if not self.finished:
             self.finished = True
-            self.engine.abort(self.request_id)
+            if not self._ended:
+                self.engine.abort(self.request_id)
 
 
 def finish_error(event: TokenEvent) -> ApiError | None:

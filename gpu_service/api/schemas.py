@@ -66,6 +66,7 @@ class _Sampling(_Body):
     # extensions (vLLM's names)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    timeout: float | None = Field(None, gt=0, description="extension: seconds until it ends")
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

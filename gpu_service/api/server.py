@@ -9,6 +9,7 @@ Order of start (each step fails with a clear error before the next one costs tim
                                   until each serves; their shards must cover every expert)
     build the GPU service         (model, KV cache, engine; ktshm channels attached to the workers)
     serve HTTP until SIGINT/SIGTERM
+    drain: new requests 503, running ones finish (--shutdown-timeout; then ended: shutdown.py)
     stop: uvicorn -> engine + channels -> workers started here (SIGTERM, they drain)
 """
 
@@ -21,8 +22,10 @@ from collections.abc import Callable
 
 import uvicorn
 
+from gpu_service.api.admission import Admission
 from gpu_service.api.app import create_app
 from gpu_service.api.context import ApiContext
+from gpu_service.api.shutdown import DrainingServer
 from gpu_service.api.tokenizer import load_tokenizer
 from gpu_service.api.worker_metrics import worker_registry
 from gpu_service.external_workers import ExternalWorkers
@@ -33,7 +36,7 @@ from ktserve.checkpoint.spec import ModelSpec
 
 log = logging.getLogger("ktserve.serve")
 
-GRACEFUL_SHUTDOWN_S = 5.0
+GRACEFUL_SHUTDOWN_S = 5.0  # uvicorn's, after DrainingServer.drain: connections left open
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -71,23 +74,31 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
             decode=tokenizer.decode,
         )
         worker_status = _worker_status(workers, service)
+        http = config.http
+        max_in_flight = service.config.scheduler.max_num_seqs + http.max_waiting_requests
         ctx = ApiContext(
             engine=service.engine,
             tokenizer=tokenizer,
             model_name=config.model_name,
             max_model_len=service.max_model_len,
             worker_status=worker_status,
-            api_key=config.http.api_key,
+            api_key=http.api_key,
             registries=(service.metrics.registry, worker_registry(worker_status)),
+            request_timeout_s=http.request_timeout_s,
+            max_request_bytes=http.max_request_bytes,
+            metrics_public=http.metrics_public,
+            admission=Admission(max_in_flight),
         )
-        server = uvicorn.Server(
+        server = DrainingServer(
             uvicorn.Config(
                 create_app(ctx),
                 log_level="info",
                 access_log=False,
                 lifespan="off",
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-            )
+            ),
+            ctx,
+            http.shutdown_timeout_s,
         )
         on_ready(url_of(sock), config)
         server.run(sockets=[sock])

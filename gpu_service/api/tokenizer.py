@@ -1,16 +1,20 @@
 """The checkpoint's tokenizer as the API uses it: encode, decode, chat template, EOS ids.
 
-NOTE: one lock around every call: Hugging Face fast tokenizers are not safe to use from two threads
-at once (the event loop encodes while the engine thread decodes).
+NOTE: two copies of the tokenizer, each behind its own lock: Hugging Face fast tokenizers are not
+safe to use from two threads at once, and prompts (encode, render_chat: the API's tokenizing
+thread) must never make the engine thread wait in decode (a long prompt froze every stream).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from gpu_service.engine.errors import PromptTooLong
 
 
 class TokenizerError(ValueError):
@@ -18,18 +22,37 @@ class TokenizerError(ValueError):
 
 
 class ServedTokenizer:
-    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int]) -> None:
+    """tokenizer: decodes (the engine's detokenizer, logprobs); encoder: a copy of it for prompts
+    (default: a deep copy)."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], encoder: Any = None) -> None:
         self.tokenizer = tokenizer
+        self.encoder = encoder if encoder is not None else copy.deepcopy(tokenizer)
         self.eos_token_ids = tuple(eos_token_ids)
         self._lock = threading.Lock()
+        self._encode_lock = threading.Lock()
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        # NOTE: a byte-level token's name has one character per byte, so no token's text is
+        # longer: a text longer than n * max_token_chars has more than n tokens.
+        self.max_token_chars = max(map(len, vocab), default=1) or 1
+
+    def check_length(self, num_chars: int, max_tokens: int, param: str = "prompt") -> None:
+        """Raise PromptTooLong when a text of num_chars characters surely has max_tokens tokens
+        or more (a bound that costs nothing: no tokenizing)."""
+        if num_chars >= max_tokens * self.max_token_chars:
+            raise PromptTooLong(
+                f"this model's maximum context length is {max_tokens} tokens; the {param} has "
+                f"{num_chars} characters, so at least {-(-num_chars // self.max_token_chars)} "
+                f"tokens (no token of this tokenizer has more than {self.max_token_chars})"
+            )
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        with self._lock:
-            return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        with self._encode_lock:
+            return list(self.encoder(text, add_special_tokens=add_special_tokens).input_ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text shown to users: special tokens left out."""
@@ -41,22 +64,25 @@ class ServedTokenizer:
         with self._lock:
             return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
+    def render_chat(self, messages: list[dict], max_tokens: int | None = None) -> list[int]:
         """Prompt ids of a conversation through the checkpoint's chat template, ending with the
-        assistant's turn opened (add_generation_prompt)."""
+        assistant's turn opened (add_generation_prompt). max_tokens: PromptTooLong, before
+        tokenizing, for a rendered text that surely has that many tokens (check_length)."""
         if not self.has_chat_template:
             raise TokenizerError(
                 "this model's tokenizer has no chat template; use /v1/completions with a prompt"
             )
-        with self._lock:
+        with self._encode_lock:
             try:
-                text = self.tokenizer.apply_chat_template(
+                text = self.encoder.apply_chat_template(
                     messages, add_generation_prompt=True, tokenize=False
                 )
             except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
                 raise TokenizerError(f"the chat template failed on these messages: {exc}") from exc
+            if max_tokens is not None:
+                self.check_length(len(text), max_tokens, param="conversation")
             # NOTE: the template writes any BOS itself; adding special tokens would double it.
-            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+            return list(self.encoder(text, add_special_tokens=False).input_ids)
 
 
 def load_tokenizer(model_dir: str | Path) -> ServedTokenizer:

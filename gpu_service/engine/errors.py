@@ -7,6 +7,7 @@ turns them into statuses with one table (gpu_service/api/errors.py).
     │       └── PromptTooLong no room left for a completion (context length, KV cache)
     ├── EngineStopped         the engine is stopping: refused, or ended while in flight
     ├── RequestAborted        abort(request_id) ended it
+    ├── DeadlineExceeded      its deadline passed (the API ends it and aborts it here)
     ├── ExpertsUnavailable    an expert worker gave no answer within its deadline
     ├── KVCacheTooSmall       the request outgrew what the KV cache can ever hold
     └── StepFailed            the step raised anything else (chained as its __cause__)
@@ -36,6 +37,10 @@ class EngineStopped(EngineError):
 
 
 class RequestAborted(EngineError):
+    pass
+
+
+class DeadlineExceeded(EngineError):
     pass
 
 

@@ -68,7 +68,8 @@ def make_served_checkpoint(path: Path, seed: int, max_position_embeddings: int =
 
 
 class ServerProcess(WatchedProcess):
-    """`python -m ktserve serve MODEL --port 0 ...`; the URL is read from its stdout."""
+    """`python -m ktserve serve MODEL --port 0 ...`; the URL is read from its stdout. health()
+    and metrics() send the API key that env gives the server (KTSERVE_API_KEY), if any."""
 
     what = "the server"
 
@@ -84,6 +85,8 @@ class ServerProcess(WatchedProcess):
         cmd = [sys.executable, "-m", "ktserve", "serve", *model, "--port", "0", *flags]
         super().__init__(cmd, env)
         self.url = ""
+        key = (env or {}).get("KTSERVE_API_KEY")
+        self.auth = {"Authorization": f"Bearer {key}"} if key else {}
         if wait:
             line = self.read_line(r"serving .* at (http://\S+)/v1", timeout)
             self.url = re.search(r"at (http://\S+)/v1", line).group(1)
@@ -115,12 +118,12 @@ class ServerProcess(WatchedProcess):
             return exc.code, json.loads(exc.read())
 
     def health(self) -> tuple[int, dict]:
-        status, body = self.get("/health")
+        status, body = self.get("/health", self.auth)
         return status, json.loads(body)
 
     def metrics(self) -> dict[str, float]:
         """Every sample as {"name{label=value,...}": value}."""
-        status, body = self.get("/metrics")
+        status, body = self.get("/metrics", self.auth)
         assert status == 200
         out = {}
         for family in text_string_to_metric_families(body.decode()):
