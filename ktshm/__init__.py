@@ -26,6 +26,7 @@ from ktshm.errors import (
     PeerDied,
     PeerRestarted,
     RemoteError,
+    UntrustedSegment,
 )
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "PeerRestarted",
     "RemoteError",
     "SEGMENT_PREFIX",
+    "UntrustedSegment",
     "cleanup_stale",
     "name_prefix",
     "new_channel_name",

@@ -85,8 +85,14 @@ cdef extern from "ktshm.h" nogil:
         uint32_t consumer_sleeping
         uint32_t device_done
 
-    ctypedef struct kt_wait_args:
+    ctypedef struct kt_map:
         void* base
+        uint32_t num_slots
+        uint64_t stride
+        uint64_t region
+
+    ctypedef struct kt_wait_args:
+        const kt_map* map
         int is_producer
         int device
         uint32_t* bell
@@ -102,7 +108,7 @@ cdef extern from "ktshm.h" nogil:
         uint64_t found_word
 
     ctypedef struct kt_step_args:
-        void** bases
+        const kt_map** maps
         sem_t** sems
         uint32_t* epochs
         uint32_t n
@@ -121,9 +127,7 @@ cdef extern from "ktshm.h" nogil:
     uint32_t kt_word_epoch(uint64_t w)
     uint32_t kt_word_seq32(uint64_t w)
     uint64_t kt_now_ns()
-    kt_slot_header* kt_slot(void* base, uint32_t index)
-    char* kt_request_region(void* base, uint32_t index)
-    char* kt_reply_region(void* base, uint32_t index)
+    kt_slot_header* kt_slot(const kt_map* m, uint32_t index)
     uint64_t kt_load_acquire(uint64_t* p)
     void kt_store_release(uint64_t* p, uint64_t v)
     int kt_cas(uint64_t* p, uint64_t expected, uint64_t desired)

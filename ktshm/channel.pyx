@@ -195,6 +195,7 @@ cdef class Channel:
     cdef object _region_bytes_view
     cdef const unsigned char[::1] _mv
     cdef void* _base
+    cdef kt_map _map         # the geometry, validated once (ktshm.h: kt_map)
     cdef kt_header* _hdr
     cdef sem_t* _sem_req
     cdef sem_t* _sem_rep
@@ -269,7 +270,13 @@ cdef class Channel:
         except posix_ipc.ExistentialError:
             raise errors.ChannelNotFound(f"no ktshm channel named {name!r}") from None
         try:
-            size = os.fstat(shm.fd).st_size
+            st = os.fstat(shm.fd)
+            size = st.st_size
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise errors.UntrustedSegment(
+                    f"segment {name!r} is owned by uid {st.st_uid} with mode "
+                    f"{st.st_mode & 0o777:o}; a consumer attaches only to segments of its own "
+                    f"uid ({os.geteuid()}) that no one else can open (0600)")
             if size < KT_HEADER_BYTES:
                 raise errors.LayoutMismatch(
                     f"segment {name!r} is {size} bytes, smaller than a ktshm header")
@@ -310,6 +317,8 @@ cdef class Channel:
         self._mm = mm
         self._mv = mm
         self._base = <void*>&self._mv[0]
+        self._map.base = self._base
+        self._map.num_slots = 0  # NOTE: no slot is addressable before the header is validated
         self._hdr = <kt_header*>self._base
         self.name = name
         self.is_producer = is_producer
@@ -335,6 +344,7 @@ cdef class Channel:
         self._hdr.magic = KT_MAGIC
         self.num_slots = num_slots
         self.region_bytes = region
+        self._map.num_slots, self._map.stride, self._map.region = num_slots, stride, region
 
     cdef _validate_header(self, uint64_t size):
         if self._hdr.magic != KT_MAGIC:
@@ -356,6 +366,7 @@ cdef class Channel:
                 f"channel {self.name!r} has unknown header flags {flags:#x}")
         self.num_slots = n
         self.region_bytes = region
+        self._map.num_slots, self._map.stride, self._map.region = n, stride, region
         self.device = (flags & KT_FLAG_DEVICE) != 0
 
     cdef _open_semaphores(self, bint create):
@@ -447,7 +458,7 @@ cdef class Channel:
 
     # ------------------------------------------------------------------------ array layout
     cdef uint64_t _region_offset(self, uint32_t index, bint reply):
-        return (KT_HEADER_BYTES + <uint64_t>index * self._hdr.slot_stride + KT_SLOT_HEADER_BYTES
+        return (KT_HEADER_BYTES + <uint64_t>index * self._map.stride + KT_SLOT_HEADER_BYTES
                 + (self.region_bytes if reply else 0))
 
     cdef list _lay_out(self, kt_meta* meta, list codes, list shapes, uint64_t region_off,
@@ -528,7 +539,7 @@ cdef class Channel:
             raise errors.KtshmError("a device channel's slots are rung by bells: device_layout()")
         cdef uint64_t seq = self._next_seq
         cdef uint32_t index = seq % self.num_slots
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         cdef uint64_t w = kt_load_acquire(&slot.word)
         cdef uint32_t state = kt_word_state(w)
         if state != KT_SLOT_FREE:
@@ -558,7 +569,7 @@ cdef class Channel:
         """Publish a request prepared by begin(); returns its sequence number."""
         cdef uint64_t seq = msg.seq
         cdef uint32_t index = msg.slot
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         if not self._inflight:
             # NOTE: with nothing in flight there is nothing to resend: adopt the newest consumer.
             self._known_epoch = kt_current_epoch(self._base)
@@ -592,7 +603,7 @@ cdef class Channel:
             raise errors.KtshmError(f"request {seq} is not in flight on {self.name!r}")
         cdef uint32_t index = seq % self.num_slots
         cdef kt_wait_args a
-        a.base = self._base
+        a.map = &self._map
         a.is_producer = 1
         a.device = 0
         a.bell = NULL
@@ -608,7 +619,7 @@ cdef class Channel:
             st = kt_wait(&a)
         if st != KT_OK:
             self._raise_wait(st, f"waiting for the reply to request {seq} on {self.name!r}")
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         roff = self._region_offset(index, True)
         if slot.reply.status != KT_OK:
             status, text = slot.reply.status, self._message_text(&slot.reply, roff)
@@ -627,7 +638,7 @@ cdef class Channel:
         self._check_open()
         self._inflight.pop(seq, None)
         cdef uint32_t index = seq % self.num_slots
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         if slot.seq == seq:
             kt_store_release(&slot.word, kt_word(seq, 0, KT_SLOT_FREE))
 
@@ -647,7 +658,7 @@ cdef class Channel:
         if seq not in self._inflight:
             return
         cdef uint32_t index = seq % self.num_slots
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         cdef uint64_t stamp = self._inflight[seq]
         if kt_cas(&slot.word, kt_word(seq, stamp, KT_SLOT_REQUEST), kt_word(seq, 0, KT_SLOT_FREE)):
             self._inflight.pop(seq)
@@ -671,7 +682,7 @@ cdef class Channel:
         cdef uint64_t w
         resent = []
         for seq in sorted(self._inflight):
-            slot = kt_slot(self._base, seq % self.num_slots)
+            slot = kt_slot(&self._map, seq % self.num_slots)
             w = kt_load_acquire(&slot.word)
             if kt_word_state(w) == KT_SLOT_REPLY and kt_word_seq32(w) == (seq & 0xffffffff):
                 continue
@@ -715,7 +726,7 @@ cdef class Channel:
         announced with only their first `rows` rows (None: all). The device fills the full
         layout; returns each array's offset in the request region."""
         self._check_device_producer(index)
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         codes = [_dtype_code(dt) for _, dt in specs]
         shapes = [tuple(s) for s, _ in specs]
         self._lay_out(&slot.request, codes, shapes, self._region_offset(index, False),
@@ -742,7 +753,7 @@ cdef class Channel:
         """Host addresses of slot `index`: (request_bell, reply_bell, request region, reply
         region). The bells are 32-bit words (ktshm.h: enum kt_bell)."""
         self._check_device_producer(index)
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         base = <size_t>self._base
         return (<size_t>&slot.request_bell, <size_t>&slot.reply_bell,
                 base + self._region_offset(index, False), base + self._region_offset(index, True))
@@ -763,7 +774,7 @@ cdef class Channel:
     def ring(self, uint32_t index):
         """Post slot `index` from the host (what the device does with a stream write)."""
         self._check_device_producer(index)
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         if kt_bell_load(&slot.request_bell) != KT_BELL_IDLE or kt_bell_load(&slot.reply_bell):
             raise errors.ChannelFull(f"device slot {index} still holds a call")
         kt_bell_store(&slot.request_bell, KT_BELL_POSTED)
@@ -775,9 +786,9 @@ cdef class Channel:
         PeerRestarted like recv(); resend_claimed() then hands the call to the next consumer.
         The slot stays answered until finish(index)."""
         self._check_device_producer(index)
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         cdef kt_wait_args a
-        a.base = self._base
+        a.map = &self._map
         a.is_producer = 1
         a.device = 0
         a.bell = &slot.reply_bell
@@ -797,7 +808,7 @@ cdef class Channel:
     def device_reply(self, uint32_t index):
         """The reply in slot `index` as a Message (RemoteError for an error reply)."""
         self._check_device_producer(index)
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         roff = self._region_offset(index, True)
         if slot.reply.status != KT_OK:
             raise errors.RemoteError(slot.reply.status, self._message_text(&slot.reply, roff))
@@ -809,7 +820,7 @@ cdef class Channel:
         """Reset slot `index`'s bells after its reply was read (what the device does after its
         wait), ready for the next call."""
         self._check_device_producer(index)
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         kt_bell_store(&slot.reply_bell, 0)
         kt_bell_store(&slot.request_bell, KT_BELL_IDLE)
 
@@ -821,7 +832,7 @@ cdef class Channel:
         cdef uint32_t i
         resent = []
         for i in range(self.num_slots):
-            slot = kt_slot(self._base, i)
+            slot = kt_slot(&self._map, i)
             if kt_bell_load(&slot.reply_bell) == 0 and kt_bell_cas(
                     &slot.request_bell, KT_BELL_CLAIMED, KT_BELL_POSTED):
                 resent.append(i)
@@ -835,15 +846,15 @@ cdef class Channel:
         self._check_device_producer(0)
         cdef uint32_t i
         for i in range(self.num_slots):
-            kt_bell_store(&kt_slot(self._base, i).reply_bell, 0)
-            kt_bell_store(&kt_slot(self._base, i).request_bell, KT_BELL_IDLE)
-            kt_slot(self._base, i).reply.status = KT_OK
+            kt_bell_store(&kt_slot(&self._map, i).reply_bell, 0)
+            kt_bell_store(&kt_slot(&self._map, i).request_bell, KT_BELL_IDLE)
+            kt_slot(&self._map, i).reply.status = KT_OK
         kt_bell_store(&self._hdr.device_done, 0)
 
     def bells(self, uint32_t index):
         """(request_bell, reply_bell) of slot `index` now (for tests and diagnostics)."""
         self._check_open()
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         return kt_bell_load(&slot.request_bell), kt_bell_load(&slot.reply_bell)
 
     # ----------------------------------------------------------------------------- consumer
@@ -856,7 +867,7 @@ cdef class Channel:
         if self.is_producer:
             raise errors.KtshmError("recv_request() is the consumer's")
         cdef kt_wait_args a
-        a.base = self._base
+        a.map = &self._map
         a.is_producer = 0
         a.device = self.device
         a.bell = NULL
@@ -873,7 +884,7 @@ cdef class Channel:
                 st = kt_wait(&a)
             if st != KT_OK:
                 self._raise_wait(st, f"waiting for a request on {self.name!r}")
-            slot = kt_slot(self._base, a.found_index)
+            slot = kt_slot(&self._map, a.found_index)
             if self.device:
                 if kt_bell_cas(&slot.request_bell, KT_BELL_POSTED, KT_BELL_CLAIMED):
                     break
@@ -901,7 +912,7 @@ cdef class Channel:
         """Lay out reply arrays [(shape, dtype name)] for `request`; returns writable views."""
         self._check_open()
         cdef uint32_t index = request.slot
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         return self._lay_out(&slot.reply, [_dtype_code(dt) for _, dt in specs],
                              [s for s, _ in specs], self._region_offset(index, True),
                              f"reply to request {request.seq}")
@@ -910,7 +921,7 @@ cdef class Channel:
         """Publish the reply laid out by begin_reply. Returns False when the request was
         resent or abandoned meanwhile (the reply is discarded)."""
         cdef uint32_t index = request.slot
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         slot.reply.kind = request.kind
         slot.reply.layer = request.layer
         slot.reply.num_tokens = request.num_tokens
@@ -932,7 +943,7 @@ cdef class Channel:
         return self._publish_error(request.slot, request.seq, status, message)
 
     cdef bint _publish_error(self, uint32_t index, uint64_t seq, int32_t status, str message):
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         data = message.encode("utf-8")[: self.region_bytes]
         off = self._region_offset(index, True)
         self._mm[off:off + len(data)] = data
@@ -945,7 +956,7 @@ cdef class Channel:
         return self._publish(index, seq)
 
     cdef bint _publish(self, uint32_t index, uint64_t seq):
-        cdef kt_slot_header* slot = kt_slot(self._base, index)
+        cdef kt_slot_header* slot = kt_slot(&self._map, index)
         if self.device:
             if kt_current_epoch(self._base) != self._known_epoch:
                 return False  # superseded: the call was handed to the next consumer
@@ -986,19 +997,19 @@ def wait_device_step(channels, timeout, fail_status=0):
         raise ValueError("no channels")
     if n > 64:
         raise ValueError(f"at most 64 channels, got {n}")
-    cdef void* bases[64]
+    cdef const kt_map* maps[64]
     cdef sem_t* sems[64]
     cdef uint32_t epochs[64]
     cdef uint32_t i
     for i in range(n):
         ch = channels[i]
         ch._check_device_producer(0)
-        bases[i] = ch._base
+        maps[i] = &ch._map
         sems[i] = ch._sem_req
         epochs[i] = ch._known_epoch
     ch = channels[0]
     cdef kt_step_args a
-    a.bases = bases
+    a.maps = maps
     a.sems = sems
     a.epochs = epochs
     a.n = n

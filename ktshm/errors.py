@@ -25,6 +25,10 @@ class LayoutMismatch(KtshmError):
     """The segment is not a ktshm channel of this layout version."""
 
 
+class UntrustedSegment(KtshmError, PermissionError):
+    """The segment belongs to another user, or others may open it: not attached."""
+
+
 class ChannelBusy(KtshmError):
     """A live consumer is already attached."""
 

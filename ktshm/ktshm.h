@@ -149,16 +149,19 @@ static inline uint64_t kt_now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
 }
 
-static inline kt_slot_header *kt_slot(void *base, uint32_t index) {
-    kt_header *h = (kt_header *)base;
-    return (kt_slot_header *)((char *)base + KT_HEADER_BYTES + (uint64_t)index * h->slot_stride);
-}
-static inline char *kt_request_region(void *base, uint32_t index) {
-    return (char *)kt_slot(base, index) + KT_SLOT_HEADER_BYTES;
-}
-static inline char *kt_reply_region(void *base, uint32_t index) {
-    kt_header *h = (kt_header *)base;
-    return kt_request_region(base, index) + h->region_bytes;
+/* A mapping and its geometry, validated once and kept in private memory.
+ * NOTE: the segment is the peer's input: its header's num_slots, slot_stride and region_bytes
+ * are read once, at create or attach; every address is computed from this copy, so a peer that
+ * rewrites the header afterwards cannot move an access outside the mapping. */
+typedef struct {
+    void *base;
+    uint32_t num_slots;
+    uint64_t stride;
+    uint64_t region;
+} kt_map;
+
+static inline kt_slot_header *kt_slot(const kt_map *m, uint32_t index) {
+    return (kt_slot_header *)((char *)m->base + KT_HEADER_BYTES + (uint64_t)index * m->stride);
 }
 
 static inline uint64_t kt_load_acquire(_Atomic uint64_t *p) {
@@ -195,7 +198,7 @@ static inline void kt_notify(_Atomic uint32_t *sleeping, sem_t *sem) {
 
 /* What a waiter is waiting for, and the peer it depends on. */
 typedef struct {
-    void *base;
+    const kt_map *map;
     int is_producer;
     int device; /* consumer of a device channel: claim POSTED bells */
     _Atomic uint32_t *bell; /* producer: wait for *bell == bell_value instead of a word */
@@ -215,12 +218,11 @@ typedef struct {
 
 /* Returns 1 when the condition holds (out fields set), 0 otherwise. */
 static inline int kt_check(kt_wait_args *a) {
-    kt_header *h = (kt_header *)a->base;
     if (a->is_producer && a->bell) {
         return atomic_load_explicit(a->bell, memory_order_acquire) == a->bell_value;
     }
     if (a->is_producer) {
-        uint64_t w = kt_load_acquire(&kt_slot(a->base, a->slot_index)->word);
+        uint64_t w = kt_load_acquire(&kt_slot(a->map, a->slot_index)->word);
         if (w == a->expect_word) {
             a->found_word = w;
             return 1;
@@ -228,8 +230,8 @@ static inline int kt_check(kt_wait_args *a) {
         return 0;
     }
     if (a->device) {
-        for (uint32_t i = 0; i < h->num_slots; i++) {
-            if (atomic_load_explicit(&kt_slot(a->base, i)->request_bell, memory_order_acquire) ==
+        for (uint32_t i = 0; i < a->map->num_slots; i++) {
+            if (atomic_load_explicit(&kt_slot(a->map, i)->request_bell, memory_order_acquire) ==
                 KT_BELL_POSTED) {
                 a->found_index = i;
                 return 1;
@@ -240,8 +242,8 @@ static inline int kt_check(kt_wait_args *a) {
     uint32_t epoch = a->known_epoch & 0xffffu;
     int found = 0;
     uint32_t best_seq = 0;
-    for (uint32_t i = 0; i < h->num_slots; i++) {
-        uint64_t w = kt_load_acquire(&kt_slot(a->base, i)->word);
+    for (uint32_t i = 0; i < a->map->num_slots; i++) {
+        uint64_t w = kt_load_acquire(&kt_slot(a->map, i)->word);
         if (kt_word_state(w) != KT_SLOT_REQUEST || kt_word_epoch(w) != epoch) continue;
         uint32_t s = kt_word_seq32(w);
         /* oldest first; sequence numbers compared with wrap-around */
@@ -257,7 +259,7 @@ static inline int kt_check(kt_wait_args *a) {
 
 /* Peer liveness, checked every so often while waiting. Returns KT_OK or an error. */
 static inline int kt_check_peer(kt_wait_args *a, uint64_t now) {
-    kt_header *h = (kt_header *)a->base;
+    kt_header *h = (kt_header *)a->map->base;
     if (a->is_producer) {
         uint32_t epoch = atomic_load_explicit(&h->epoch, memory_order_acquire) & 0xffffu;
         if (epoch != (a->known_epoch & 0xffffu)) {
@@ -283,7 +285,7 @@ static inline int kt_check_peer(kt_wait_args *a, uint64_t now) {
 /* Spin for spin_ns, then block on the semaphore in slices; never past deadline_ns.
  * Call without the GIL. Returns KT_OK, KT_ETIMEOUT, KT_EPEER_DIED, KT_EPEER_RESTARTED, KT_ESYS. */
 static inline int kt_wait(kt_wait_args *a) {
-    kt_header *h = (kt_header *)a->base;
+    kt_header *h = (kt_header *)a->map->base;
     _Atomic uint32_t *sleeping = a->is_producer ? &h->producer_sleeping : &h->consumer_sleeping;
     uint64_t start = kt_now_ns();
     uint64_t spin_until = start + a->spin_ns;
@@ -338,7 +340,7 @@ static inline int kt_wait(kt_wait_args *a) {
  * step). Returns KT_OK, KT_EREMOTE (a slot's reply carries an error; found_* say which),
  * KT_EPEER_DIED / KT_EPEER_RESTARTED (found_channel), or KT_ETIMEOUT. */
 typedef struct {
-    void **bases;
+    const kt_map **maps;
     sem_t **sems; /* each channel's request semaphore */
     uint32_t *epochs; /* the consumer epoch each channel's producer knows */
     uint32_t n;
@@ -354,16 +356,15 @@ typedef struct {
 #define KT_STEP_POLL_NS 20000L
 
 static inline int kt_wait_step(kt_step_args *a) {
-    _Atomic uint32_t *done = &((kt_header *)a->bases[0])->device_done;
+    _Atomic uint32_t *done = &((kt_header *)a->maps[0]->base)->device_done;
     uint64_t next_check = 0;
     uint64_t spin_until = kt_now_ns() + KT_STEP_SPIN_NS;
     uint32_t n = 0;
     for (;;) {
         if (atomic_load_explicit(done, memory_order_acquire)) {
             for (uint32_t c = 0; c < a->n; c++) {
-                kt_header *h = (kt_header *)a->bases[c];
-                for (uint32_t i = 0; i < h->num_slots; i++) {
-                    if (kt_slot(a->bases[c], i)->reply.status != KT_OK) {
+                for (uint32_t i = 0; i < a->maps[c]->num_slots; i++) {
+                    if (kt_slot(a->maps[c], i)->reply.status != KT_OK) {
                         a->found_channel = c;
                         a->found_slot = i;
                         return KT_EREMOTE;
@@ -373,9 +374,9 @@ static inline int kt_wait_step(kt_step_args *a) {
             return KT_OK;
         }
         for (uint32_t c = 0; c < a->n; c++) {
-            kt_header *h = (kt_header *)a->bases[c];
-            for (uint32_t i = 0; i < h->num_slots; i++) {
-                kt_slot_header *s = kt_slot(a->bases[c], i);
+            kt_header *h = (kt_header *)a->maps[c]->base;
+            for (uint32_t i = 0; i < a->maps[c]->num_slots; i++) {
+                kt_slot_header *s = kt_slot(a->maps[c], i);
                 if (atomic_load_explicit(&s->request_bell, memory_order_acquire) != KT_BELL_POSTED)
                     continue;
                 if (!a->fail) {
@@ -400,7 +401,7 @@ static inline int kt_wait_step(kt_step_args *a) {
         if (!a->fail && now >= next_check) {
             for (uint32_t c = 0; c < a->n; c++) {
                 kt_wait_args peer = {0};
-                peer.base = a->bases[c];
+                peer.map = a->maps[c];
                 peer.is_producer = 1;
                 peer.known_epoch = a->epochs[c];
                 peer.peer_timeout_ns = a->peer_timeout_ns;
