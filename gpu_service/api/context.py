@@ -12,7 +12,9 @@ from prometheus_client import CollectorRegistry
 
 from gpu_service.api.errors import ApiError
 from gpu_service.api.tokenizer import ServedTokenizer
+from gpu_service.api.tool_parsers import ToolParser
 from gpu_service.engine import Engine
+from gpu_service.engine.grammar import GrammarCompiler
 
 
 @dataclass
@@ -20,7 +22,9 @@ class ApiContext:
     """engine: a started Engine. model_name: the `model` clients must send. max_model_len: the
     context length. api_key: required on /v1/* when set. registries: Prometheus registries served
     on /metrics (the engine's first). worker_status: each expert worker's state for /health
-    (dicts with at least "address" and "alive")."""
+    (dicts with at least "address" and "alive"). tool_parser: how tool calls are written and read
+    (None: tools are refused). reasoning_parser: a REASONING_PARSERS name (None: no split).
+    grammars: compiles the grammars of constrained decoding (None: it is refused)."""
 
     engine: Engine
     tokenizer: ServedTokenizer
@@ -29,6 +33,9 @@ class ApiContext:
     worker_status: Callable[[], list[dict]]
     api_key: str | None = None
     registries: Sequence[CollectorRegistry] = ()
+    tool_parser: ToolParser | None = None
+    reasoning_parser: str | None = None
+    grammars: GrammarCompiler | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     def check_model(self, model: str) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_service.engine.errors import EngineError
+from gpu_service.engine.grammar import GrammarMatcher
 from gpu_service.engine.sampling import SampledToken, SamplingParams
 from gpu_service.models.kv_cache import SeqCache
 
@@ -58,8 +59,11 @@ class Request:
     error: EngineError | None = None
     first_token_time: float | None = None
     generator: torch.Generator = field(init=False)
+    matcher: GrammarMatcher | None = field(init=False, default=None)  # with params.grammar
 
     def __post_init__(self) -> None:
+        if self.params.grammar is not None:
+            self.matcher = self.params.grammar.matcher()
         seed = self.params.seed
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") >> 1

@@ -1,0 +1,144 @@
+"""What a chat request asks of its output, and the output read back into a message.
+
+    plan_output(ctx, body)      tools / tool_choice / parallel_tool_calls / response_format
+                                checked against each other (400s) -> OutputPlan: the grammar
+                                to compile (if any), the tool parser, the reasoning format
+    OutputReader(plan)          text as it streams -> reasoning / content / tool-call deltas;
+                                finish() -> the rest, and finish_reason "tool_calls" when the
+                                output called tools
+
+A constrained output (tool_choice required or named, response_format json) starts with what
+the grammar allows, so it is not read for reasoning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpu_service.api.context import ApiContext
+from gpu_service.api.errors import invalid
+from gpu_service.api.reasoning import REASONING_PARSERS, ReasoningFormat, ReasoningSplitter
+from gpu_service.api.schemas import ChatCompletionRequest
+from gpu_service.api.tool_parsers import FunctionSpec, ToolCall, ToolCallStream, ToolParser
+from gpu_service.api.tool_schemas import NamedToolChoice
+
+JSON_OBJECT = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    kind: str  # "lark" or "json_schema"
+    value: str | dict
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    tool_parser: ToolParser | None  # None: calls are not read (no tools, or tool_choice none)
+    max_calls: int | None
+    reasoning: ReasoningFormat | None
+    grammar: GrammarSpec | None
+
+
+def plan_output(ctx: ApiContext, body: ChatCompletionRequest) -> OutputPlan:
+    tools = body.tools or []
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise invalid("tool_choice needs tools", param="tool_choice")
+    if body.parallel_tool_calls is not None and not tools:
+        raise invalid("parallel_tool_calls needs tools", param="parallel_tool_calls")
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise invalid("tools: two tools have the same name", param="tools")
+    parallel = body.parallel_tool_calls is not False
+    parser = None
+    if choice != "none":
+        if ctx.tool_parser is None:
+            raise invalid(
+                "this model has no tool-call format: start the server with --tool-call-parser",
+                param="tools",
+            )
+        parser = ctx.tool_parser
+    grammar = None
+    if choice == "required" or isinstance(choice, NamedToolChoice):
+        functions = [FunctionSpec(t.function.name, t.function.parameters or {}) for t in tools]
+        if isinstance(choice, NamedToolChoice):
+            functions = [f for f in functions if f.name == choice.function.name]
+            if not functions:
+                raise invalid(
+                    f"tool_choice names the function {choice.function.name!r}, which is not "
+                    "among tools",
+                    param="tool_choice",
+                )
+            parallel = False
+        grammar = GrammarSpec("lark", parser.grammar(functions, parallel))
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        if grammar is not None:
+            raise invalid(
+                "response_format cannot be combined with tool_choice required or a named "
+                "function (both constrain the whole output)",
+                param="response_format",
+            )
+        if fmt.type == "json_object":
+            grammar = GrammarSpec("json_schema", JSON_OBJECT)
+        else:
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise invalid(
+                    "response_format json_schema needs json_schema.schema",
+                    param="response_format.json_schema",
+                )
+            grammar = GrammarSpec("json_schema", fmt.json_schema.schema_)
+    if grammar is not None and ctx.grammars is None:
+        raise invalid("constrained decoding is not available on this server", param="tool_choice")
+    reasoning = None
+    if ctx.reasoning_parser is not None and grammar is None:
+        reasoning = REASONING_PARSERS[ctx.reasoning_parser]
+    return OutputPlan(parser, None if parallel else 1, reasoning, grammar)
+
+
+@dataclass
+class Delta:
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.calls)
+
+
+class OutputReader:
+    def __init__(self, plan: OutputPlan, prompt_opened: bool) -> None:
+        self.plan = plan
+        self.splitter = ReasoningSplitter(plan.reasoning, prompt_opened) if plan.reasoning else None
+        self.tools = ToolCallStream(plan.tool_parser, plan.max_calls) if plan.tool_parser else None
+        self.num_calls = 0
+
+    def feed(self, text: str) -> Delta:
+        if self.splitter is not None:
+            reasoning, content = self.splitter.feed(text)
+        else:
+            reasoning, content = "", text
+        return self._content(Delta(reasoning=reasoning), content, final=False)
+
+    def finish(self) -> Delta:
+        reasoning, content = self.splitter.finish() if self.splitter is not None else ("", "")
+        return self._content(Delta(reasoning=reasoning), content, final=True)
+
+    def _content(self, delta: Delta, content: str, final: bool) -> Delta:
+        if self.tools is None:
+            delta.content = content
+            return delta
+        delta.content, delta.calls = self.tools.feed(content)
+        if final:
+            rest, calls = self.tools.finish()
+            delta.content += rest
+            delta.calls += calls
+        self.num_calls += len(delta.calls)
+        return delta
+
+    def finish_reason(self, reason: str) -> str:
+        return "tool_calls" if self.num_calls and reason == "stop" else reason
+
+    def tool_call_deltas(self, calls: list[ToolCall]) -> list[dict]:
+        first = self.num_calls - len(calls)
+        return [{"index": first + i, **c.to_openai()} for i, c in enumerate(calls)]

@@ -1,0 +1,130 @@
+"""What every tool-call parser shares: the calls it finds, and the grammar helpers.
+
+A model writes its calls after a marker (`start`): text before it is the message's content, the
+section from it on holds the calls. `calls(section, final)` returns the calls complete so far
+(final: the output ended; an unclosed last call counts if its JSON is whole). A section in which
+no call parses is content after all (the model wrote the marker, then something else).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI returns it
+    id: str
+
+    def to_openai(self) -> dict:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    """One tool as the request declared it: its name and its arguments' JSON schema."""
+
+    name: str
+    parameters: dict
+
+
+@dataclass(frozen=True)
+class Extracted:
+    content: str | None
+    calls: tuple[ToolCall, ...]
+
+
+class ToolParser:
+    name: ClassVar[str]
+    start: ClassVar[str]  # the text that opens the tool-call section
+    markers: ClassVar[tuple[str, ...]]  # every tag it reads (tokens the decoder must keep)
+
+    def new_id(self) -> str:
+        return f"call_{secrets.token_hex(12)}"
+
+    def calls(self, section: str, final: bool) -> list[tuple[str, str]]:
+        """(name, arguments JSON) of each complete call in `section` (it starts with `start`)."""
+        raise NotImplementedError
+
+    def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
+        """A Lark grammar (llguidance's dialect) of a tool-call section calling one of
+        `functions` (or several, when parallel), with arguments that match their schemas."""
+        raise NotImplementedError
+
+    def extract(self, text: str) -> Extracted:
+        """The whole output split into content and calls."""
+        at = text.find(self.start)
+        if at < 0:
+            return Extracted(text, ())
+        found = self.calls(text[at:], final=True)
+        if not found:
+            return Extracted(text, ())
+        content = text[:at].rstrip() or None
+        return Extracted(content, tuple(ToolCall(n, a, self.new_id()) for n, a in found))
+
+
+def arguments_json(value: Any) -> str | None:
+    """Arguments as JSON text: an object as is, JSON text checked; None if not an object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(value, dict):
+        return None
+    return json.dumps(value, ensure_ascii=False)
+
+
+# NOTE: canonical json.dumps spacing, no free whitespace: what templates render (tojson) and
+# models learnt, and a weak model cannot run away with blank space.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def closed(schema: Any) -> Any:
+    """The schema with every object that lists properties closed (additionalProperties false
+    unless it says otherwise): a narrowing, so what matches it matches the original too."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in ("const", "enum", "default", "examples") else closed(v))
+           for k, v in schema.items()}  # fmt: skip
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def parameters_schema(spec: FunctionSpec) -> dict:
+    return closed(spec.parameters or {"type": "object", "properties": {}})
+
+
+def call_object_schema(functions: list[FunctionSpec]) -> dict:
+    """{"name": <one of the functions>, "arguments": <its parameters>}, as Hermes and Mistral
+    write a call."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f.name}, "arguments": parameters_schema(f)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def lark_json(schema: dict) -> str:
+    """A `%json` item of llguidance's Lark dialect, in JSON_STYLE."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE}, ensure_ascii=False)
+
+
+def lark_string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)

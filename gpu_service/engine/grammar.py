@@ -1,0 +1,153 @@
+"""Constrained decoding with llguidance: grammars compiled once, a matcher per request, and a
+token mask applied to the logits on the model's device.
+
+    API (event loop)     text = a Lark grammar (tool calls) or a JSON schema's
+    executor thread      grammar = compiler.compile(text)      # cached by text; slow for big
+                                                               # schemas, never on the engine thread
+    Request              matcher = grammar.matcher()            # its own parser state
+    Runner, each step    TokenMasker(logits[rows], matchers)   # bitmask [B, V/32] int32 filled
+                                                               # on the CPU (in parallel), copied
+                                                               # once, -inf where a bit is 0
+    Engine, each token   matcher.accept(token); matcher.done ends the request (stop)
+
+A matcher accepts the EOS ids only where the grammar is complete, so generation ends inside
+the grammar: by EOS, or once nothing more can follow.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+BITS = 32
+
+
+class GrammarError(ValueError):
+    """A grammar (or JSON schema) that cannot be compiled."""
+
+
+class Grammar:
+    """A compiled grammar; immutable, shared by every request that uses it."""
+
+    def __init__(self, text: str, matcher: Any) -> None:
+        self.text = text
+        self._matcher = matcher
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._matcher.deep_copy())
+
+
+class GrammarMatcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: Any) -> None:
+        self.llm = matcher
+        self.failed = False
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False if the grammar does not allow it."""
+        if not self.llm.consume_token(token_id):
+            self.failed = True
+        return not self.failed
+
+    @property
+    def done(self) -> bool:
+        """Nothing but EOS can follow (or the matcher failed)."""
+        return self.failed or self.llm.is_stopped()
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer (the checkpoint's, with the model's vocabulary
+    size). Thread-safe; keeps the last `cache_size` grammars."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int],
+                 cache_size: int = 64) -> None:  # fmt: skip
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.cache_size = cache_size
+        self._tokenizer = None
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiled = 0
+
+    def _llg_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+            )
+        return self._tokenizer
+
+    def compile_lark(self, lark: str) -> Grammar:
+        import llguidance
+
+        return self._compile(llguidance.LLMatcher.grammar_from_lark(lark))
+
+    def compile_json_schema(self, schema: dict) -> Grammar:
+        import llguidance
+
+        try:
+            text = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(schema), defaults=JSON_STYLE
+            )
+        except ValueError as exc:
+            raise GrammarError(f"invalid JSON schema: {exc}") from None
+        return self._compile(text)
+
+    def _compile(self, text: str) -> Grammar:
+        import llguidance
+
+        with self._lock:
+            if text in self._cache:
+                self._cache.move_to_end(text)
+                return self._cache[text]
+            tokenizer = self._llg_tokenizer()
+        matcher = llguidance.LLMatcher(tokenizer, text, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        grammar = Grammar(text, matcher)
+        with self._lock:
+            self._cache[text] = grammar
+            self.num_compiled += 1
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class TokenMasker:
+    """Masks logits [B, V] in place: rows with a matcher keep only the tokens it allows."""
+
+    def __init__(self) -> None:
+        self._executor = None
+        self._shifts: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> None:
+        import llguidance
+        import llguidance.torch
+
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        batch, vocab = logits.shape
+        words = -(-vocab // BITS)
+        pinned = logits.is_cuda
+        mask = torch.full((batch, words), -1, dtype=torch.int32, pin_memory=pinned)  # [B, W]
+        rows = [(m.llm, i) for i, m in enumerate(matchers) if m is not None and not m.failed]
+        if rows:
+            llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, mask)
+        device = logits.device
+        if device not in self._shifts:
+            self._shifts[device] = torch.arange(BITS, dtype=torch.int32, device=device)
+        mask = mask.to(device, non_blocking=True)
+        allowed = (mask[:, :, None] >> self._shifts[device]) & 1  # [B, W, 32]
+        allowed = allowed.reshape(batch, words * BITS)[:, :vocab]  # [B, V]
+        logits.masked_fill_(allowed == 0, float("-inf"))
