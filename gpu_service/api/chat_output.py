@@ -20,6 +20,7 @@ from gpu_service.api.errors import invalid
 from gpu_service.api.reasoning import REASONING_PARSERS, ReasoningFormat, ReasoningSplitter
 from gpu_service.api.schemas import ChatCompletionRequest
 from gpu_service.api.tool_parsers import FunctionSpec, ToolCall, ToolCallStream, ToolParser
+from gpu_service.api.tool_parsers.base import closed
 from gpu_service.api.tool_schemas import NamedToolChoice
 
 JSON_OBJECT = {"type": "object"}
@@ -87,7 +88,8 @@ def plan_output(ctx: ApiContext, body: ChatCompletionRequest) -> OutputPlan:
                     "response_format json_schema needs json_schema.schema",
                     param="response_format.json_schema",
                 )
-            grammar = GrammarSpec("json_schema", fmt.json_schema.schema_)
+            # NOTE: closed objects (base.closed): what matches them matches the schema too
+            grammar = GrammarSpec("json_schema", closed(fmt.json_schema.schema_))
     if grammar is not None and ctx.grammars is None:
         raise invalid("constrained decoding is not available on this server", param="tool_choice")
     reasoning = None

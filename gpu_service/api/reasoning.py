@@ -49,6 +49,7 @@ class ReasoningSplitter:
         self._buf = ""
         self.thought = False  # the output went through thinking
         self._answer_started = False
+        self._reasoning_started = False
 
     def feed(self, text: str) -> tuple[str, str]:
         self._buf += text
@@ -73,7 +74,7 @@ class ReasoningSplitter:
                 reasoning, self._buf = self._buf[:cut], self._buf[cut:]
         if self.state == "answer":
             content, self._buf = self._answer(self._buf), ""
-        return reasoning, content
+        return self._reasoning(reasoning), content
 
     def finish(self) -> tuple[str, str]:
         rest, self._buf = self._buf, ""
@@ -82,8 +83,14 @@ class ReasoningSplitter:
             rest = rest.lstrip() if self.state == "thinking" else rest
         if self.state == "thinking":
             self.thought = True
-            return rest, ""
+            return self._reasoning(rest), ""
         return "", self._answer(rest)
+
+    def _reasoning(self, text: str) -> str:
+        if not self._reasoning_started:
+            text = text.lstrip("\n")  # the newline models write after <think>
+            self._reasoning_started = bool(text)
+        return text
 
     def _answer(self, text: str) -> str:
         if not self._answer_started:
@@ -98,7 +105,7 @@ class ReasoningSplitter:
         splitter = ReasoningSplitter(fmt, prompt_opened)
         r1, c1 = splitter.feed(text)
         r2, c2 = splitter.finish()
-        return (r1 + r2 if splitter.thought else None), c1 + c2
+        return ((r1 + r2).rstrip() if splitter.thought else None), c1 + c2
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -25,6 +25,9 @@ from typing import Any
 import torch
 
 BITS = 32
+# NOTE: canonical json.dumps spacing, no free whitespace: what templates render (tojson) and
+# models learnt, and a weak model cannot run away with blank space.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -119,9 +122,6 @@ class GrammarCompiler:
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
         return grammar
-
-
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class TokenMasker:

@@ -13,6 +13,11 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from gpu_service.engine.grammar import JSON_STYLE
+
+# NOTE: a weak model may call tools without end; parallel calls stop at this many.
+MAX_PARALLEL_CALLS = 8
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -81,11 +86,6 @@ def arguments_json(value: Any) -> str | None:
     if not isinstance(value, dict):
         return None
     return json.dumps(value, ensure_ascii=False)
-
-
-# NOTE: canonical json.dumps spacing, no free whitespace: what templates render (tojson) and
-# models learnt, and a weak model cannot run away with blank space.
-JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def closed(schema: Any) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 from gpu_service.api.tool_parsers.base import (
+    MAX_PARALLEL_CALLS,
     FunctionSpec,
     ToolParser,
     arguments_json,
@@ -55,7 +56,7 @@ class DeepSeekV3ToolParser(ToolParser):
             f"{lark_json(parameters_schema(f))} {lark_string(chr(10) + '```' + CALL_END)}"
             for i, f in enumerate(functions)
         ]
-        calls = 'call ("\\n" call)*' if parallel else "call"
+        calls = 'call ("\\n" call){0,%d}' % (MAX_PARALLEL_CALLS - 1) if parallel else "call"
         return (
             f"start: {lark_string(CALLS_BEGIN)} {calls} {lark_string(CALLS_END)}\n"
             f"call: {' | '.join(f'call_{i}' for i in range(len(functions)))}\n"

@@ -11,6 +11,7 @@ import json
 import re
 
 from gpu_service.api.tool_parsers.base import (
+    MAX_PARALLEL_CALLS,
     FunctionSpec,
     ToolParser,
     arguments_json,
@@ -48,5 +49,5 @@ class HermesToolParser(ToolParser):
 
     def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
         call = '"<tool_call>\\n" ' + lark_json(call_object_schema(functions)) + ' "\\n</tool_call>"'
-        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        start = 'start: call ("\\n" call){0,%d}' % (MAX_PARALLEL_CALLS - 1) if parallel else "start: call"
         return f"{start}\ncall: {call}\n"

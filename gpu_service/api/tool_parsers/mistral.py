@@ -15,6 +15,7 @@ import secrets
 import string
 
 from gpu_service.api.tool_parsers.base import (
+    MAX_PARALLEL_CALLS,
     FunctionSpec,
     ToolParser,
     arguments_json,
@@ -68,6 +69,5 @@ class MistralToolParser(ToolParser):
 
     def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
         array = {"type": "array", "items": call_object_schema(functions), "minItems": 1}
-        if not parallel:
-            array["maxItems"] = 1
+        array["maxItems"] = MAX_PARALLEL_CALLS if parallel else 1
         return f'start: "[TOOL_CALLS] " {lark_json(array)}\n'
