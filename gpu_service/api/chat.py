@@ -194,7 +194,9 @@ class ChatChunks:
     def finish(self, reason: str) -> dict:
         delta = self._delta(self.reader.finish())
         reason = self.reader.finish_reason(reason)
-        return self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}])
+        return self._chunk(
+            [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
+        )
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
         chunk = self._chunk([])

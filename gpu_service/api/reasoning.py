@@ -30,10 +30,12 @@ REASONING_PARSERS = {
 
 
 def choose_reasoning_parser(chat_template: str | None, model_type: str | None) -> str | None:
-    """From the checkpoint: a template that writes <think> thinks; the family picks the format."""
-    if START not in (chat_template or ""):
+    """From the checkpoint: a template that writes <think> thinks; DeepSeek's (its turn markers)
+    in R1's way, any other in Qwen3's."""
+    template = chat_template or ""
+    if START not in template:
         return None
-    return "deepseek_r1" if (model_type or "").startswith("deepseek") else "qwen3"
+    return "deepseek_r1" if "<｜Assistant｜>" in template else "qwen3"
 
 
 def prompt_opens_thinking(prompt: str) -> bool:

@@ -69,7 +69,11 @@ def history(ids: list[str], content: str | None = None, as_text: bool = False) -
     ]  # fmt: skip
     return [
         {"role": "user", "content": "Weather in Paris, and 2 + 0.5?"},
-        {"role": "assistant", "content": content or "", "tool_calls": calls},  # as the API passes it
+        {
+            "role": "assistant",
+            "content": content or "",
+            "tool_calls": calls,
+        },  # as the API passes it
     ]
 
 
@@ -154,7 +158,10 @@ def test_unclosed_last_call_counts_at_the_end():
 
 
 def test_deepseek_v31_and_mistral_v11_forms():
-    v31 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{\"a\": 1, \"b\": 2}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    v31 = (
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 1, "b": 2}'
+        "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    )
     found = tool_parser("deepseek_v3").extract(v31)
     assert [(c.name, json.loads(c.arguments)) for c in found.calls] == [("add", {"a": 1, "b": 2})]
     v11 = '[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}[TOOL_CALLS]get_weather[ARGS]{"city": "Lima"}'

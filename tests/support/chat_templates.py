@@ -3,6 +3,8 @@ from those models' documented formats (the templates their tokenizer_config.json
 Qwen3 (Hermes-style <tool_call>, <think>), DeepSeek-V3 and R1 (<｜tool▁calls▁begin｜>), and
 Mistral's v3 tokenizers' ([TOOL_CALLS], Mixtral-8x22B-Instruct, Mistral-7B-Instruct-v0.3)."""
 
+# ruff: noqa: E501 - template text as the models ship it
+
 from __future__ import annotations
 
 QWEN3 = r"""{%- if tools %}

@@ -51,15 +51,14 @@ class DeepSeekV3ToolParser(ToolParser):
         return out
 
     def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
-        rules = [
-            f"call_{i}: {lark_string(CALL_BEGIN + 'function' + SEP + f.name + chr(10) + '```json' + chr(10))} "
-            f"{lark_json(parameters_schema(f))} {lark_string(chr(10) + '```' + CALL_END)}"
-            for i, f in enumerate(functions)
-        ]
-        calls = 'call ("\\n" call){0,%d}' % (MAX_PARALLEL_CALLS - 1) if parallel else "call"
+        rules = []
+        for i, f in enumerate(functions):
+            head = lark_string(f"{CALL_BEGIN}function{SEP}{f.name}\n```json\n")
+            tail = lark_string(f"\n```{CALL_END}")
+            rules.append(f"call_{i}: {head} {lark_json(parameters_schema(f))} {tail}")
+        calls = f'call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "call"
+        alternatives = " | ".join(f"call_{i}" for i in range(len(functions)))
         return (
-            f"start: {lark_string(CALLS_BEGIN)} {calls} {lark_string(CALLS_END)}\n"
-            f"call: {' | '.join(f'call_{i}' for i in range(len(functions)))}\n"
-            + "\n".join(rules)
-            + "\n"
+            f"start: {lark_string(CALLS_BEGIN)} {calls} "
+            f"{lark_string(CALLS_END)}\ncall: {alternatives}\n" + "\n".join(rules) + "\n"
         )

@@ -1,8 +1,8 @@
 """Hermes / Qwen2.5 / Qwen3: each call a JSON object between tags, one after another:
 
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
+<tool_call>
+{"name": "get_weather", "arguments": {"city": "Paris"}}
+</tool_call>
 """
 
 from __future__ import annotations
@@ -48,6 +48,6 @@ class HermesToolParser(ToolParser):
         return out
 
     def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
-        call = '"<tool_call>\\n" ' + lark_json(call_object_schema(functions)) + ' "\\n</tool_call>"'
-        start = 'start: call ("\\n" call){0,%d}' % (MAX_PARALLEL_CALLS - 1) if parallel else "start: call"
-        return f"{start}\ncall: {call}\n"
+        call = f'"<tool_call>\\n" {lark_json(call_object_schema(functions))} "\\n</tool_call>"'
+        calls = f'call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "call"
+        return f"start: {calls}\ncall: {call}\n"

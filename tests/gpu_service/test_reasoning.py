@@ -1,0 +1,71 @@
+"""Reasoning parsers: thinking to reasoning_content, the answer to content, whole and streamed in
+random pieces; R1's missing opening tag; Qwen3 without thinking; templates' enable_thinking."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from gpu_service.api.reasoning import (
+    REASONING_PARSERS,
+    ReasoningSplitter,
+    prompt_opens_thinking,
+)
+from gpu_service.api.tokenizer import ServedTokenizer
+from gpu_service.config import DEMO_MODEL_DIR
+from tests.support import chat_templates
+
+R1, QWEN3 = REASONING_PARSERS["deepseek_r1"], REASONING_PARSERS["qwen3"]
+CASES = [
+    # format, the prompt opened <think>, output, reasoning, content
+    (R1, True, "Let me think.\n</think>\n\nIt is 4.", "Let me think.", "It is 4."),
+    (R1, False, "<think>\nHmm.</think>The answer.", "Hmm.", "The answer."),
+    (R1, False, "Still thinking when cut off", "Still thinking when cut off", ""),
+    (QWEN3, False, "<think>\nSo 2+2.\n</think>\n\n4", "So 2+2.", "4"),
+    (QWEN3, False, "No thinking at all.", None, "No thinking at all."),
+    (QWEN3, False, "<thin", None, "<thin"),
+    (QWEN3, True, "thinking opened by the template</think>ok", "thinking opened by the template",
+     "ok"),
+    (QWEN3, False, "  <think>a < b </thinker> c</think>d", "a < b </thinker> c", "d"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt, opened, output, reasoning, content", CASES)
+def test_split_whole(fmt, opened, output, reasoning, content):
+    assert ReasoningSplitter.split(fmt, output, opened) == (reasoning, content)
+
+
+@pytest.mark.parametrize("fmt, opened, output, reasoning, content", CASES)
+def test_split_streamed_in_random_pieces(fmt, opened, output, reasoning, content, seed):
+    rng = random.Random(seed)
+    for _ in range(10):
+        splitter = ReasoningSplitter(fmt, opened)
+        got_r, got_c, at = "", "", 0
+        while at < len(output):
+            n = rng.randint(1, 4)
+            r, c = splitter.feed(output[at : at + n])
+            got_r, got_c, at = got_r + r, got_c + c, at + n
+        r, c = splitter.finish()
+        got_r, got_c = got_r + r, got_c + c
+        assert got_c == content
+        assert got_r.rstrip() == (reasoning or "")
+
+
+def test_prompt_opens_thinking():
+    assert prompt_opens_thinking("<｜User｜>hi<｜Assistant｜><think>\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n")
+
+
+def test_enable_thinking_reaches_the_template():
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    tokenizer.chat_template = chat_templates.QWEN3
+    served = ServedTokenizer(tokenizer, [0])
+    messages = [{"role": "user", "content": "2+2?"}]
+    _, thinking = served.render_chat(lambda _: messages)
+    _, direct = served.render_chat(lambda _: messages, None, {"enable_thinking": False})
+    assert thinking.endswith("<|im_start|>assistant\n")
+    assert direct.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not prompt_opens_thinking(direct)
