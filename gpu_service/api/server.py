@@ -70,6 +70,13 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
         parser, reasoning = chat_parsers(config.chat, tokenizer, hf)
         workers = _workers(config, spec)
         workers.start(config.workers.worker_start_timeout_s)
+        grammars = GrammarCompiler(
+            tokenizer.tokenizer,
+            vocab_size=hf.int("vocab_size", len(tokenizer.tokenizer)),
+            eos_token_ids=tokenizer.eos_token_ids,
+            cache_size=config.chat.grammar_cache_size,
+        )
+        grammars.prepare()
         log.info("loading the model's GPU part")
         service = build_gpu_service(
             config.gpu.with_workers(workers.addresses),
@@ -88,12 +95,7 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
             registries=(service.metrics.registry, worker_registry(worker_status)),
             tool_parser=parser,
             reasoning_parser=reasoning,
-            grammars=GrammarCompiler(
-                tokenizer.tokenizer,
-                vocab_size=hf.int("vocab_size", len(tokenizer.tokenizer)),
-                eos_token_ids=tokenizer.eos_token_ids,
-                cache_size=config.chat.grammar_cache_size,
-            ),
+            grammars=grammars,
         )
         server = uvicorn.Server(
             uvicorn.Config(

@@ -79,6 +79,12 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.num_compiled = 0
 
+    def prepare(self) -> None:
+        """Build the tokenizer's tables now (a second or so for a large vocabulary), before the
+        engine decodes with the same tokenizer (not safe to share between threads)."""
+        with self._lock:
+            self._llg_tokenizer()
+
     def _llg_tokenizer(self) -> Any:
         if self._tokenizer is None:
             import llguidance.hf

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import jsonschema
@@ -125,6 +126,35 @@ def test_streamed_tool_calls_are_the_non_streamed_ones(client):
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls
     ]
     assert all(c["id"] for c in calls.values())
+
+
+def test_constrained_and_free_requests_share_batches(client, seed):
+    """Grammar masks apply to their own rows only: a plain greedy answer is the same alone and
+    decoded in the same steps as constrained requests, which stay valid."""
+    plain = dict(temperature=0, max_tokens=24, extra_body={"ignore_eos": True})
+    alone = chat(client, **plain).choices[0].message.content
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    with ThreadPoolExecutor(6) as pool:
+        free = [pool.submit(chat, client, **plain) for _ in range(2)]
+        tools = [
+            pool.submit(
+                chat,
+                client,
+                tools=TOOLS,
+                tool_choice="required",
+                seed=seed + i,
+                max_tokens=200,
+                parallel_tool_calls=False,
+            )
+            for i in range(2)
+        ]
+        formats = [pool.submit(chat, client, response_format=fmt, seed=seed + i, max_tokens=100)
+                   for i in range(2)]  # fmt: skip
+        assert [f.result().choices[0].message.content for f in free] == [alone, alone]
+        for f in tools:
+            check_calls(f.result().choices[0].message.tool_calls)
+        for f in formats:
+            jsonschema.validate(json.loads(f.result().choices[0].message.content), WEATHER)
 
 
 def test_auto_tool_choice_lets_the_model_answer(client):
