@@ -252,3 +252,17 @@ def test_deepseek_template_gets_arguments_as_text(hf_tokenizer):
     _, text = served.render_chat(conversation, TOOLS)
     assert '```json\n{"city": "Paris", "days": 3}\n```' in text
     assert "<｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜>" in text
+
+
+def test_chat_flags_map_onto_chat_config():
+    from gpu_service.cli import serve_config
+    from gpu_service.serve_config import ChatConfig
+    from ktserve.cli import build_parser
+
+    args = ["serve", str(DEMO_MODEL_DIR), "--tool-call-parser", "mistral"]
+    args += ["--reasoning-parser", "none", "--grammar-cache-size", "3"]
+    config = serve_config(build_parser().parse_args(args))
+    assert config.chat == ChatConfig("mistral", "none", 3)
+    assert serve_config(build_parser().parse_args(["serve"])).chat == ChatConfig()
+    with pytest.raises(ValueError, match="grammar-cache-size"):
+        ChatConfig(grammar_cache_size=0)
