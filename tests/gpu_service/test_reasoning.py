@@ -69,3 +69,36 @@ def test_enable_thinking_reaches_the_template():
     assert thinking.endswith("<|im_start|>assistant\n")
     assert direct.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not prompt_opens_thinking(direct)
+
+
+def test_thinking_then_a_tool_call_read_in_pieces(seed):
+    """Qwen3 thinks, then calls a tool: reasoning, no content, one call, finish_reason
+    tool_calls, however the text is cut into stream deltas."""
+    from gpu_service.api.chat_output import OutputPlan, OutputReader
+    from gpu_service.api.tool_parsers import tool_parser
+
+    output = (
+        "<think>\nThe user wants the weather.\n</think>\n\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
+    plan = OutputPlan(tool_parser("hermes"), None, QWEN3, None)
+    rng = random.Random(seed)
+    for _ in range(10):
+        reader = OutputReader(plan, prompt_opened=False)
+        reasoning, content, calls, at = "", "", [], 0
+        while at < len(output):
+            n = rng.randint(1, 7)
+            delta = reader.feed(output[at : at + n])
+            reasoning, content, at = reasoning + delta.reasoning, content + delta.content, at + n
+            calls += delta.calls
+        delta = reader.finish()
+        reasoning, content, calls = (
+            reasoning + delta.reasoning,
+            content + delta.content,
+            calls + delta.calls,
+        )
+        assert reasoning.rstrip() == "The user wants the weather."
+        assert content.strip() == ""
+        assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+        assert reader.finish_reason("stop") == "tool_calls"
+        assert reader.finish_reason("length") == "length"

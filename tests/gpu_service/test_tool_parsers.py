@@ -266,3 +266,15 @@ def test_chat_flags_map_onto_chat_config():
     assert serve_config(build_parser().parse_args(["serve"])).chat == ChatConfig()
     with pytest.raises(ValueError, match="grammar-cache-size"):
         ChatConfig(grammar_cache_size=0)
+
+
+def test_special_markers_are_decoded_as_text():
+    """Mistral's [TOOL_CALLS] is a special token in its tokenizers: decoding keeps it (the
+    parser reads it) while other special tokens stay hidden."""
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    served = ServedTokenizer(tokenizer, [0])
+    ids = tokenizer("[TOOL_CALLS] [1]<|endoftext|>", add_special_tokens=False).input_ids
+    assert served.decode(ids) == " [1]"
+    served.keep_tokens(tool_parser("mistral").markers)
+    assert served.decode(ids) == "[TOOL_CALLS] [1]"
