@@ -34,8 +34,9 @@ async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     check_request(ctx, body)
     check_messages(body)
-    plan = plan_output(ctx, body)
     prompt_ids, prompt_text = render(ctx, body)
+    prompt_opened = prompt_opens_thinking(prompt_text)
+    plan = plan_output(ctx, body, prompt_opened)
     grammar = await compile_grammar(ctx, plan.grammar) if plan.grammar is not None else None
     want_logprobs = body.logprobs
     params = sampling_params(
@@ -46,7 +47,7 @@ async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
         grammar=grammar,
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    reader = OutputReader(plan, prompt_opens_thinking(prompt_text))
+    reader = OutputReader(plan, prompt_opened)
     generation = Generation(ctx.engine, prompt_ids, params, request_id, prompt_param="messages")
     writer = ChatChunks(ctx, request_id, want_logprobs, reader)
     if body.stream:
@@ -116,13 +117,13 @@ def render(ctx: ApiContext, body: ChatCompletionRequest) -> tuple[list[int], str
 
 async def compile_grammar(ctx: ApiContext, spec: GrammarSpec) -> Grammar:
     """Compiled in a worker thread: a large schema takes a while, and the engine never waits."""
-    compiler = ctx.grammars
-    compile_ = compiler.compile_lark if spec.kind == "lark" else compiler.compile_json_schema
+    loop = asyncio.get_running_loop()
     try:
-        return await asyncio.get_running_loop().run_in_executor(None, compile_, spec.value)
+        return await loop.run_in_executor(None, ctx.grammars.compile_lark, spec.lark)
     except GrammarError as exc:
-        param = "response_format" if spec.kind == "json_schema" else "tools"
-        raise invalid(f"cannot constrain the output to this {param}: {exc}", param=param) from None
+        raise invalid(
+            f"cannot constrain the output to this {spec.param}: {exc}", param=spec.param
+        ) from None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

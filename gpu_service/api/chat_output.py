@@ -7,8 +7,9 @@
                                 finish() -> the rest, and finish_reason "tool_calls" when the
                                 output called tools
 
-A constrained output (tool_choice required or named, response_format json) starts with what
-the grammar allows, so it is not read for reasoning.
+A constrained output (tool_choice required or named, response_format json) of a model that
+thinks may think first: its grammar lets a thinking (free text up to </think>) come before the
+constrained part, as reasoning.thinking_grammar writes it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,15 @@ from dataclasses import dataclass, field
 
 from gpu_service.api.context import ApiContext
 from gpu_service.api.errors import invalid
-from gpu_service.api.reasoning import REASONING_PARSERS, ReasoningFormat, ReasoningSplitter
+from gpu_service.api.reasoning import (
+    REASONING_PARSERS,
+    ReasoningFormat,
+    ReasoningSplitter,
+    thinking_grammar,
+)
 from gpu_service.api.schemas import ChatCompletionRequest
 from gpu_service.api.tool_parsers import FunctionSpec, ToolCall, ToolCallStream, ToolParser
-from gpu_service.api.tool_parsers.base import closed
+from gpu_service.api.tool_parsers.base import closed, lark_json
 from gpu_service.api.tool_schemas import NamedToolChoice
 
 JSON_OBJECT = {"type": "object"}
@@ -28,8 +34,8 @@ JSON_OBJECT = {"type": "object"}
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    kind: str  # "lark" or "json_schema"
-    value: str | dict
+    lark: str  # a Lark grammar in llguidance's dialect
+    param: str  # the request field it comes from (named by compile errors)
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,8 @@ class OutputPlan:
     grammar: GrammarSpec | None
 
 
-def plan_output(ctx: ApiContext, body: ChatCompletionRequest) -> OutputPlan:
+def plan_output(ctx: ApiContext, body: ChatCompletionRequest, prompt_opened: bool) -> OutputPlan:
+    """prompt_opened: the rendered prompt ends inside an open <think>."""
     tools = body.tools or []
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
     if choice != "none" and not tools:
@@ -71,7 +78,7 @@ def plan_output(ctx: ApiContext, body: ChatCompletionRequest) -> OutputPlan:
                     param="tool_choice",
                 )
             parallel = False
-        grammar = GrammarSpec("lark", parser.grammar(functions, parallel))
+        grammar = GrammarSpec(parser.grammar(functions, parallel), "tools")
     fmt = body.response_format
     if fmt is not None and fmt.type != "text":
         if grammar is not None:
@@ -81,7 +88,7 @@ def plan_output(ctx: ApiContext, body: ChatCompletionRequest) -> OutputPlan:
                 param="response_format",
             )
         if fmt.type == "json_object":
-            grammar = GrammarSpec("json_schema", JSON_OBJECT)
+            grammar = GrammarSpec(f"start: {lark_json(JSON_OBJECT)}\n", "response_format")
         else:
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise invalid(
@@ -89,12 +96,16 @@ def plan_output(ctx: ApiContext, body: ChatCompletionRequest) -> OutputPlan:
                     param="response_format.json_schema",
                 )
             # NOTE: closed objects (base.closed): what matches them matches the schema too
-            grammar = GrammarSpec("json_schema", closed(fmt.json_schema.schema_))
+            schema = closed(fmt.json_schema.schema_)
+            grammar = GrammarSpec(f"start: {lark_json(schema)}\n", "response_format")
     if grammar is not None and ctx.grammars is None:
         raise invalid("constrained decoding is not available on this server", param="tool_choice")
     reasoning = None
-    if ctx.reasoning_parser is not None and grammar is None:
+    if ctx.reasoning_parser is not None:
         reasoning = REASONING_PARSERS[ctx.reasoning_parser]
+        if grammar is not None:
+            thinks = reasoning.always_thinks or prompt_opened
+            grammar = GrammarSpec(thinking_grammar(grammar.lark, thinks), grammar.param)
     return OutputPlan(parser, None if parallel else 1, reasoning, grammar)
 
 

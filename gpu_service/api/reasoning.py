@@ -12,6 +12,7 @@ what may be the beginning of a tag.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
@@ -36,6 +37,20 @@ def choose_reasoning_parser(chat_template: str | None, model_type: str | None) -
     if START not in template:
         return None
     return "deepseek_r1" if "<｜Assistant｜>" in template else "qwen3"
+
+
+def thinking_grammar(lark: str, thinks: bool) -> str:
+    """A grammar (its rule `start`) with a thinking allowed before it: required when the output
+    starts inside one (thinks), else one the output opens itself. The thinking is free text
+    that ends at the first </think> (included in the output)."""
+    body = re.sub(r"^start:", "answer:", lark, flags=re.MULTILINE)
+    start = "start: thinking answer" if thinks else 'start: ("<think>" thinking)? answer'
+    return (
+        f"{start}\n"
+        f'thinking[suffix="{END}"]: /(.|\\n)*/\n'
+        # NOTE: the blank lines models write after </think> belong to neither part
+        f"answer_start: /\\n*/\n" + body.replace("answer:", "answer: answer_start", 1)
+    )
 
 
 def prompt_opens_thinking(prompt: str) -> bool:

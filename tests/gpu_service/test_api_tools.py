@@ -358,3 +358,14 @@ def test_chat_template_kwargs_reach_the_template(thinking_server):
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     closed = len(tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False).input_ids)
     assert off.usage.prompt_tokens == on + closed
+
+
+def test_thinking_model_may_think_before_a_constrained_answer(thinking_server):
+    """With a reasoning parser, a json_schema request compiles a grammar that starts with the
+    thinking: this model thinks all along, so what it writes is reasoning (the grammar itself
+    is checked in test_reasoning.py)."""
+    client = openai.OpenAI(base_url=thinking_server.base_url, api_key="none", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    choice = chat(client, response_format=fmt, max_tokens=8, temperature=0).choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.model_extra["reasoning_content"] and not choice.message.content

@@ -102,3 +102,45 @@ def test_thinking_then_a_tool_call_read_in_pieces(seed):
         assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
         assert reader.finish_reason("stop") == "tool_calls"
         assert reader.finish_reason("length") == "length"
+
+
+@pytest.mark.parametrize("thinks", [True, False])
+def test_constrained_output_may_think_first(thinks, seed):
+    """A thinking model's constrained output: free thinking up to </think>, then only what the
+    grammar allows (here a JSON object, sampled from random logits after the thinking)."""
+    import json
+
+    import torch
+
+    from gpu_service.api.reasoning import thinking_grammar
+    from gpu_service.api.tool_parsers.base import lark_json
+    from gpu_service.engine.grammar import GrammarCompiler, TokenMasker
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [0, 2])
+    grammar = compiler.compile_lark(thinking_grammar(f"start: {lark_json(schema)}\n", thinks))
+    thought = "Is it ok? <b>Yes</b> it is.</think>\n\n"
+    prefix = thought if thinks else "<think>" + thought
+    ids = tokenizer(prefix, add_special_tokens=False).input_ids
+    matcher = grammar.matcher()
+    assert all(matcher.accept(i) for i in ids)
+    masker, gen = TokenMasker(), torch.Generator().manual_seed(seed)
+    for _ in range(50):
+        logits = torch.randn(1, len(tokenizer), generator=gen)
+        masker(logits, [matcher])
+        token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        assert matcher.accept(token)
+        ids.append(token)
+        if matcher.done:
+            break
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    fmt = R1 if thinks else QWEN3
+    reasoning, content = ReasoningSplitter.split(fmt, text, prompt_opened=thinks)
+    assert reasoning == "Is it ok? <b>Yes</b> it is."
+    assert json.loads(content) in ({"ok": True}, {"ok": False})
+    if not thinks:  # the thinking is optional: the answer alone is fine too
+        direct = grammar.matcher()
+        assert all(direct.accept(i) for i in tokenizer('{"ok": true}').input_ids)
+        assert direct.llm.is_accepting()
