@@ -132,6 +132,7 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
     functions: list[Any] | None = None  # OpenAI's deprecated predecessors of tools: refused
     function_call: Any = None
+    reasoning_effort: str | None = None  # refused: thinking is the template's (enable_thinking)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -146,6 +147,11 @@ class ChatCompletionRequest(_Sampling):
         if self.functions is not None or self.function_call is not None:
             name = "functions" if self.functions is not None else "function_call"
             return name, f"{name} is deprecated and not supported: use tools and tool_choice"
+        if self.reasoning_effort is not None:
+            return "reasoning_effort", (
+                "reasoning_effort is not supported; whether the model thinks is up to its chat "
+                'template: e.g. chat_template_kwargs {"enable_thinking": false}'
+            )
         return None
 
 

@@ -255,6 +255,7 @@ def test_openai_parse_with_a_pydantic_tool(client):
         ({"tools": TOOLS + TOOLS[:1]}, "tools"),
         ({"parallel_tool_calls": False}, "parallel_tool_calls"),
         ({"functions": [{"name": "f"}]}, "functions"),
+        ({"reasoning_effort": "high"}, "reasoning_effort"),
         ({"messages": ASK + [{"role": "tool", "content": "x"}]}, "messages.1.tool_call_id"),
         ({"messages": [{"role": "function", "name": "f", "content": "x"}]}, "messages.0.role"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
