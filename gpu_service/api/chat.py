@@ -56,10 +56,8 @@ async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
     out = await unless_disconnected(request, collect(generation))
     logprobs = chat_logprobs(ctx.tokenizer, out.tokens) if want_logprobs else None
     num_tokens = len(out.tokens)
-    parts = reader.feed(out.text)
-    rest = reader.finish()
-    message = writer.message(Delta(parts.reasoning + rest.reasoning, parts.content + rest.content,
-                                   parts.calls + rest.calls))  # fmt: skip
+    parts, rest = reader.feed(out.text), reader.finish()
+    message = writer.message(parts.reasoning + rest.reasoning, parts.content + rest.content)
     return JSONResponse(
         {
             "id": request_id,
@@ -145,13 +143,14 @@ class ChatChunks:
         self.reader = reader
         self.created = int(time.time())
 
-    def message(self, parts: Delta) -> dict:
-        message: dict = {"role": "assistant", "content": parts.content}
+    def message(self, reasoning: str, content: str) -> dict:
+        message: dict = {"role": "assistant", "content": content}
         if self.reader.splitter is not None:
-            message["reasoning_content"] = parts.reasoning or None
-        if parts.calls:
-            message["content"] = parts.content.strip() or None
-            message["tool_calls"] = [c.to_openai() for c in parts.calls]
+            message["reasoning_content"] = reasoning or None
+        calls = self.reader.calls
+        if calls:
+            message["content"] = content.strip() or None
+            message["tool_calls"] = [c.to_openai() for c in calls]
         return message
 
     def _delta(self, parts: Delta) -> dict:
@@ -161,7 +160,7 @@ class ChatChunks:
         if parts.content:
             delta["content"] = parts.content
         if parts.calls:
-            delta["tool_calls"] = self.reader.tool_call_deltas(parts.calls)
+            delta["tool_calls"] = [c.to_openai() for c in parts.calls]
         return delta
 
     def _chunk(self, choices: list[dict]) -> dict:

@@ -5,7 +5,8 @@
                                 to compile (if any), the tool parser, the reasoning format
     OutputReader(plan)          text as it streams -> reasoning / content / tool-call deltas;
                                 finish() -> the rest, and finish_reason "tool_calls" when the
-                                output called tools
+                                output called tools; `calls`: the complete calls (a whole
+                                answer is read the same way, in one piece)
 
 A constrained output (tool_choice required or named, response_format json) of a model that
 thinks may think first: its grammar lets a thinking (free text up to </think>) come before the
@@ -27,6 +28,7 @@ from gpu_service.api.reasoning import (
 from gpu_service.api.schemas import ChatCompletionRequest
 from gpu_service.api.tool_parsers import FunctionSpec, ToolCall, ToolCallStream, ToolParser
 from gpu_service.api.tool_parsers.base import closed, lark_json
+from gpu_service.api.tool_parsers.stream import CallDelta
 from gpu_service.api.tool_schemas import NamedToolChoice
 
 JSON_OBJECT = {"type": "object"}
@@ -113,7 +115,7 @@ def plan_output(ctx: ApiContext, body: ChatCompletionRequest, prompt_opened: boo
 class Delta:
     reasoning: str = ""
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    calls: list[CallDelta] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.calls)
@@ -124,7 +126,6 @@ class OutputReader:
         self.plan = plan
         self.splitter = ReasoningSplitter(plan.reasoning, prompt_opened) if plan.reasoning else None
         self.tools = ToolCallStream(plan.tool_parser, plan.max_calls) if plan.tool_parser else None
-        self.num_calls = 0
 
     def feed(self, text: str) -> Delta:
         if self.splitter is not None:
@@ -146,12 +147,13 @@ class OutputReader:
             rest, calls = self.tools.finish()
             delta.content += rest
             delta.calls += calls
-        self.num_calls += len(delta.calls)
         return delta
 
-    def finish_reason(self, reason: str) -> str:
-        return "tool_calls" if self.num_calls and reason == "stop" else reason
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The complete calls read so far."""
+        return self.tools.calls if self.tools is not None else []
 
-    def tool_call_deltas(self, calls: list[ToolCall]) -> list[dict]:
-        first = self.num_calls - len(calls)
-        return [{"index": first + i, **c.to_openai()} for i, c in enumerate(calls)]
+    def finish_reason(self, reason: str) -> str:
+        called = self.tools is not None and self.tools.num_started
+        return "tool_calls" if called and reason == "stop" else reason

@@ -112,11 +112,14 @@ def test_streamed_tool_calls_are_the_non_streamed_ones(client):
     kwargs = dict(tools=TOOLS, tool_choice="required", temperature=0, max_tokens=400)
     whole = chat(client, **kwargs).choices[0]
     calls: dict[int, dict] = {}
-    reasons = []
+    reasons, pieces = [], 0
     for chunk in chat(client, stream=True, **kwargs):
         choice = chunk.choices[0]
         reasons.append(choice.finish_reason)
         for d in choice.delta.tool_calls or ():
+            if d.index not in calls:  # a call's first delta: id, type and name come first
+                assert d.id and d.type == "function" and d.function.name
+            pieces += bool(d.function.arguments)
             call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
             call["id"] = call["id"] or d.id
             call["name"] += d.function.name or ""
@@ -126,6 +129,7 @@ def test_streamed_tool_calls_are_the_non_streamed_ones(client):
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls
     ]
     assert all(c["id"] for c in calls.values())
+    assert pieces > len(calls)  # the arguments streamed in pieces
 
 
 def test_constrained_and_free_requests_share_batches(client, seed):

@@ -99,7 +99,11 @@ def test_thinking_then_a_tool_call_read_in_pieces(seed):
         )
         assert reasoning.rstrip() == "The user wants the weather."
         assert content.strip() == ""
-        assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+        assert [(c.name, c.arguments) for c in reader.calls] == [
+            ("get_weather", '{"city": "Paris"}')
+        ]
+        assert calls[0].name == "get_weather" and calls[0].id == reader.calls[0].id
+        assert "".join(c.arguments for c in calls) == '{"city": "Paris"}'
         assert reader.finish_reason("stop") == "tool_calls"
         assert reader.finish_reason("length") == "length"
 

@@ -120,22 +120,43 @@ def test_template_rendered_calls_parse_back(hf_tokenizer, family, content):
         assert all(len(c.id) == 9 and c.id.isalnum() for c in found.calls)
 
 
+def joined(deltas) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) of each call, its deltas joined as OpenAI clients join them."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        call = calls.setdefault(d.index, ["", "", ""])
+        call[0] += d.id or ""
+        call[1] += d.name or ""
+        call[2] += d.arguments
+    return [tuple(c) for _, c in sorted(calls.items())]
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_streamed_in_random_pieces_gives_the_same_calls(hf_tokenizer, family, seed):
+    """Deltas joined give the calls (arguments as written); formats that stream arguments send
+    the name first and the arguments in pieces, never a piece of a closing tag."""
     output = rendered_output(hf_tokenizer, family, "Sure.")
+    parser = tool_parser(family)
+    whole = parser.extract(output).calls
     rng = random.Random(seed)
     for _ in range(5):
-        stream = ToolCallStream(tool_parser(family))
-        content, calls, at = "", [], 0
+        stream = ToolCallStream(parser)
+        content, deltas, at = "", [], 0
         while at < len(output):
             n = rng.randint(1, 6)
             text, new = stream.feed(output[at : at + n])
-            content, calls, at = content + text, calls + new, at + n
+            content, deltas, at = content + text, deltas + new, at + n
         text, new = stream.finish()
-        content, calls = content + text, calls + new
-        assert [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
+        content, deltas = content + text, deltas + new
+        calls = joined(deltas)
+        assert [(n, a) for _, n, a in calls] == [(c.name, c.arguments) for c in whole]
+        assert [(n, json.loads(a)) for _, n, a in calls] == CALLS
+        assert [i for i, _, _ in calls] == [c.id for c in stream.calls]
         if family != "mistral":
             assert content.strip() == "Sure."
+            assert len(deltas) > len(calls)  # the arguments came in more than one piece
+        for d in deltas:
+            assert not any(m in d.arguments for m in parser.markers), d
 
 
 def test_text_without_calls_is_content_and_a_broken_call_too():
@@ -149,6 +170,23 @@ def test_text_without_calls_is_content_and_a_broken_call_too():
     stream = ToolCallStream(parser)
     assert stream.feed(broken) == ("I will call ", [])
     assert stream.finish() == ("<tool_call>\n{not json}\n</tool_call>", [])
+
+
+@pytest.mark.parametrize("family", ["hermes", "deepseek_v3"])
+def test_open_call_arguments_are_prefixes_of_the_complete_ones(hf_tokenizer, family):
+    output = rendered_output(hf_tokenizer, family)
+    parser = tool_parser(family)
+    final = {name: args for name, args in parser.calls(output[output.find(parser.start) :], True)}
+    seen = set()
+    for end in range(len(output)):
+        section = output[: end + 1]
+        at = section.find(parser.start)
+        opened = parser.open_call(section[at:]) if at >= 0 else None
+        if opened is not None:
+            name, args = opened
+            assert final[name].startswith(args), (section, args)
+            seen.add(name)
+    assert seen == set(final)
 
 
 def test_unclosed_last_call_counts_at_the_end():

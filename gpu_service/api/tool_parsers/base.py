@@ -59,6 +59,13 @@ class ToolParser:
         """(name, arguments JSON) of each complete call in `section` (it starts with `start`)."""
         raise NotImplementedError
 
+    def open_call(self, section: str) -> tuple[str, str] | None:
+        """(name, arguments so far) of the call being written at the end of `section`, once its
+        name is known; the arguments only as far as they surely go (never what may turn out to
+        be the call's closing tag), a prefix of what `calls` returns once it is complete. None:
+        no call open, or a format whose calls stream whole (the default)."""
+        return None
+
     def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
         """A Lark grammar (llguidance's dialect) of a tool-call section calling one of
         `functions` (or several, when parallel), with arguments that match their schemas."""
@@ -74,6 +81,27 @@ class ToolParser:
             return Extracted(text, ())
         content = text[:at].rstrip() or None
         return Extracted(content, tuple(ToolCall(n, a, self.new_id()) for n, a in found))
+
+
+def raw_arguments(text: str) -> str | None:
+    """Arguments as the model wrote them (stripped), if they are a JSON object."""
+    text = text.strip()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return text if isinstance(value, dict) else None
+
+
+def safe_prefix(text: str, closing: str) -> str:
+    """`text` without what may be `closing` (or its beginning) at its end, nor the blank before
+    it: the part of a call's arguments that surely belongs to them."""
+    at = text.find(closing)
+    if at >= 0:
+        text = text[:at]
+    keep = next((n for n in range(min(len(closing) - 1, len(text)), 0, -1)
+                 if closing.startswith(text[-n:])), 0)  # fmt: skip
+    return text[: len(text) - keep].rstrip()
 
 
 def arguments_json(value: Any) -> str | None:

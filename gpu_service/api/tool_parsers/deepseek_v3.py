@@ -17,10 +17,11 @@ from gpu_service.api.tool_parsers.base import (
     MAX_PARALLEL_CALLS,
     FunctionSpec,
     ToolParser,
-    arguments_json,
     lark_json,
     lark_string,
     parameters_schema,
+    raw_arguments,
+    safe_prefix,
 )
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -29,6 +30,7 @@ CALL = re.compile(
     re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(SEP) + r"(.*?)" + re.escape(CALL_END), re.DOTALL
 )
 FENCED = re.compile(r"^\s*```(?:json)?\s*(.*?)\s*```\s*$", re.DOTALL)
+FENCE_OPEN = re.compile(r"\s*```(?:json)?[ \t]*\n\s*")
 
 
 class DeepSeekV3ToolParser(ToolParser):
@@ -45,10 +47,27 @@ class DeepSeekV3ToolParser(ToolParser):
             else:  # V3.1: name, then JSON
                 name = head
             fenced = FENCED.match(body)
-            args = arguments_json(fenced.group(1) if fenced else body.strip())
+            args = raw_arguments(fenced.group(1) if fenced else body)
             if name.strip() and args is not None:
                 out.append((name.strip(), args))
         return out
+
+    def open_call(self, section: str) -> tuple[str, str] | None:
+        tail = section[section.rfind(CALL_BEGIN) + len(CALL_BEGIN) :]
+        if CALL_BEGIN not in section or CALL_END in tail or SEP not in tail:
+            return None
+        head, _, body = tail.partition(SEP)
+        if head.strip() != "function":  # V3.1: the name, then the JSON
+            return head.strip(), safe_prefix(body.lstrip(), CALL_END)
+        if "\n" not in body:
+            return None
+        name, _, rest = body.partition("\n")
+        fence = FENCE_OPEN.match(rest)
+        if fence is not None:
+            return name.strip(), safe_prefix(rest[fence.end() :], "\n```")
+        if "```json\n".startswith(rest.lstrip()) or rest.lstrip().startswith("```"):
+            return name.strip(), ""  # the fence is being written
+        return name.strip(), safe_prefix(rest.lstrip(), CALL_END)
 
     def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
         rules = []
