@@ -27,7 +27,7 @@ from gpu_service.api.reasoning import (
 )
 from gpu_service.api.schemas import ChatCompletionRequest
 from gpu_service.api.tool_parsers import FunctionSpec, ToolCall, ToolCallStream, ToolParser
-from gpu_service.api.tool_parsers.base import closed, lark_json
+from gpu_service.api.tool_parsers.base import closed, lark_json, lark_string
 from gpu_service.api.tool_parsers.stream import CallDelta
 from gpu_service.api.tool_schemas import NamedToolChoice
 
@@ -81,9 +81,14 @@ def plan_output(ctx: ApiContext, body: ChatCompletionRequest, prompt_opened: boo
                 )
             parallel = False
         grammar = GrammarSpec(parser.grammar(functions, parallel), "tools")
+    strict = choice == "auto" and any(t.function.strict for t in tools)
+    if strict:
+        # strict tools: the model may answer in text, but a call it makes matches its schema
+        functions = [FunctionSpec(t.function.name, t.function.parameters or {}) for t in tools]
+        grammar = GrammarSpec(parser.grammar(functions, parallel, free_text=True), "tools")
     fmt = body.response_format
     if fmt is not None and fmt.type != "text":
-        if grammar is not None:
+        if grammar is not None and not strict:
             raise invalid(
                 "response_format cannot be combined with tool_choice required or a named "
                 "function (both constrain the whole output)",
@@ -100,6 +105,11 @@ def plan_output(ctx: ApiContext, body: ChatCompletionRequest, prompt_opened: boo
             # NOTE: closed objects (base.closed): what matches them matches the schema too
             schema = closed(fmt.json_schema.schema_)
             grammar = GrammarSpec(f"start: {lark_json(schema)}\n", "response_format")
+        if strict:  # the answer in the format, or calls of the strict tools
+            answer = grammar.lark.removeprefix("start: ")
+            section = f"{lark_string(parser.start)} after_start"
+            rules = parser.after_start(functions, parallel)
+            grammar = GrammarSpec(f"start: answer | {section}\nanswer: {answer}{rules}", "tools")
     if grammar is not None and ctx.grammars is None:
         raise invalid("constrained decoding is not available on this server", param="tool_choice")
     reasoning = None

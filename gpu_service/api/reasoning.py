@@ -44,12 +44,12 @@ def thinking_grammar(lark: str, thinks: bool) -> str:
     starts inside one (thinks), else one the output opens itself. The thinking is free text
     that ends at the first </think> (included in the output)."""
     body = re.sub(r"^start:", "answer:", lark, flags=re.MULTILINE)
-    start = "start: thinking answer" if thinks else 'start: ("<think>" thinking)? answer'
+    thinking = "thinking answer_start" if thinks else '("<think>" thinking answer_start)?'
     return (
-        f"{start}\n"
+        f"start: {thinking} answer\n"
         f'thinking[suffix="{END}"]: /(.|\\n)*/\n'
         # NOTE: the blank lines models write after </think> belong to neither part
-        f"answer_start: /\\n*/\n" + body.replace("answer:", "answer: answer_start", 1)
+        "answer_start: /\\n*/\n" + body
     )
 
 

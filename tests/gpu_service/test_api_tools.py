@@ -167,6 +167,32 @@ def test_auto_tool_choice_lets_the_model_answer(client):
     assert isinstance(r.choices[0].message.content, str)
 
 
+STRICT_TOOLS = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+
+
+def test_strict_tools_with_auto_choice(client, seed):
+    """Strict tools under tool_choice auto: text, or calls that match (a grammar allows both)."""
+    for i in range(3):
+        choice = chat(client, tools=STRICT_TOOLS, seed=seed + i, max_tokens=60).choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            check_calls(choice.message.tool_calls)
+        else:
+            assert "<tool_call>" not in choice.message.content
+
+
+def test_strict_tools_with_a_response_format(client, seed):
+    """Both: the answer in the format, or calls of the strict tools."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    for i in range(3):
+        r = chat(client, tools=STRICT_TOOLS, response_format=fmt, seed=seed + i, max_tokens=200)
+        message = r.choices[0].message
+        if message.tool_calls:
+            check_calls(message.tool_calls)
+        else:
+            jsonschema.validate(json.loads(message.content), WEATHER)
+
+
 def test_tool_history_is_rendered_whole(client):
     """A conversation with an assistant's calls and the tools' results costs exactly the prompt
     tokens the checkpoint's template gives it (with the tools): nothing is dropped."""

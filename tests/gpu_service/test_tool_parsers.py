@@ -316,3 +316,39 @@ def test_special_markers_are_decoded_as_text():
     assert served.decode(ids) == " [1]"
     served.keep_tokens(tool_parser("mistral").markers)
     assert served.decode(ids) == "[TOOL_CALLS] [1]"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_auto_grammar_allows_text_or_valid_calls(hf_tokenizer, compiler, family, seed):
+    """tool_choice auto with strict tools: any text without the marker; after the marker only
+    calls that match (sampled from random logits here)."""
+    parser = tool_parser(family)
+    grammar = compiler.compile_lark(parser.grammar(FUNCTIONS, parallel=True, free_text=True))
+
+    def consumes(text: str) -> tuple[bool, bool]:
+        matcher = grammar.matcher()
+        ids = hf_tokenizer(text, add_special_tokens=False).input_ids
+        return all(matcher.accept(i) for i in ids), matcher.llm.is_accepting()
+
+    marker = parser.start
+    assert consumes("Plain answer: 1 < 2 and [x] too.") == (True, True)
+    assert consumes("")[1]
+    assert consumes(f"Calling {marker[:-1]}") == (True, True)  # a marker's beginning is text
+    assert not consumes(f"ok {marker} nonsense")[0]
+    schemas = {f.name: f.parameters for f in FUNCTIONS}
+    for i in range(3):
+        prefix = hf_tokenizer(f"Let me check. {marker}", add_special_tokens=False).input_ids
+        matcher = grammar.matcher()
+        assert all(matcher.accept(t) for t in prefix)
+        gen, masker, ids = torch.Generator().manual_seed(seed + i), TokenMasker(), list(prefix)
+        while not matcher.done:
+            logits = torch.randn(1, len(hf_tokenizer), generator=gen)
+            masker(logits, [matcher])
+            token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+            assert matcher.accept(token)
+            ids.append(token)
+            assert len(ids) < 3000
+        found = parser.extract(hf_tokenizer.decode(ids, skip_special_tokens=True))
+        assert found.content == "Let me check." and found.calls
+        for call in found.calls:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])

@@ -66,10 +66,23 @@ class ToolParser:
         no call open, or a format whose calls stream whole (the default)."""
         return None
 
-    def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
-        """A Lark grammar (llguidance's dialect) of a tool-call section calling one of
-        `functions` (or several, when parallel), with arguments that match their schemas."""
+    def after_start(self, functions: list[FunctionSpec], parallel: bool) -> str:
+        """Lark rules (llguidance's dialect) whose rule `after_start` is what follows `start` in
+        a section calling one of `functions` (several, when parallel) with arguments that
+        match their schemas."""
         raise NotImplementedError
+
+    def grammar(
+        self, functions: list[FunctionSpec], parallel: bool, free_text: bool = False
+    ) -> str:
+        """A Lark grammar of tool calls: the section alone (tool_choice required or named), or
+        with free_text (tool_choice auto with strict tools) text without the marker, or text
+        then the marker and a section whose calls match."""
+        rules = self.after_start(functions, parallel)
+        if not free_text:
+            return f"start: {lark_string(self.start)} after_start\n{rules}"
+        plain, prefix = _without(self.start)
+        return f"start: PLAIN | PREFIX after_start\nPLAIN: /{plain}/\nPREFIX: /{prefix}/\n{rules}"
 
     def extract(self, text: str) -> Extracted:
         """The whole output split into content and calls."""
@@ -156,3 +169,30 @@ def lark_json(schema: dict) -> str:
 
 def lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
+
+
+def _char(c: str) -> str:
+    return f"\\x{{{ord(c):X}}}"
+
+
+def _without(marker: str) -> tuple[str, str]:
+    """Regexes (Rust's syntax) of text in which `marker` does not occur, and of such text
+    followed by the marker. Needs the marker's first character nowhere else in it (true of
+    every format here); built as the automaton reads: a try at the marker that breaks off."""
+    m0, rest = marker[0], marker[1:]
+    assert m0 not in rest, marker
+
+    def other(*chars: str) -> str:
+        return "[^" + "".join(_char(c) for c in chars) + "]"
+
+    broken = other(m0, rest[-1])  # after m0 and rest[:k], a character that is neither
+    for k in range(len(rest) - 2, -1, -1):
+        broken = f"{other(m0, rest[k])}|{_char(rest[k])}(?:{broken})"
+    begun = ""  # a proper beginning of rest, possibly empty
+    for k in range(len(rest) - 2, -1, -1):
+        begun = f"{_char(rest[k])}(?:{begun})?" if begun else _char(rest[k])
+    again = f"(?:{begun})?{_char(m0)}"  # a try broken off by m0 itself: a new try
+    item = f"(?:{other(m0)}|{_char(m0)}(?:{again})*(?:{broken}))"
+    plain = f"{item}*(?:{_char(m0)}(?:{again})*(?:{begun})?)?"
+    prefix = f"{item}*{_char(m0)}(?:{again})*" + "".join(_char(c) for c in rest)
+    return plain, prefix

@@ -69,7 +69,7 @@ class DeepSeekV3ToolParser(ToolParser):
             return name.strip(), ""  # the fence is being written
         return name.strip(), safe_prefix(rest.lstrip(), CALL_END)
 
-    def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
+    def after_start(self, functions: list[FunctionSpec], parallel: bool) -> str:
         rules = []
         for i, f in enumerate(functions):
             head = lark_string(f"{CALL_BEGIN}function{SEP}{f.name}\n```json\n")
@@ -78,6 +78,7 @@ class DeepSeekV3ToolParser(ToolParser):
         calls = f'call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "call"
         alternatives = " | ".join(f"call_{i}" for i in range(len(functions)))
         return (
-            f"start: {lark_string(CALLS_BEGIN)} {calls} "
-            f"{lark_string(CALLS_END)}\ncall: {alternatives}\n" + "\n".join(rules) + "\n"
+            f"after_start: {calls} {lark_string(CALLS_END)}\ncall: {alternatives}\n"
+            + "\n".join(rules)
+            + "\n"
         )

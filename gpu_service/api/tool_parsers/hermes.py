@@ -55,10 +55,14 @@ class HermesToolParser(ToolParser):
             args = args[:-1].rstrip()
         return json.loads(f'"{head.group(1)}"'), args
 
-    def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
-        call = f'"<tool_call>\\n" {lark_json(call_object_schema(functions))} "\\n</tool_call>"'
-        calls = f'call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "call"
-        return f"start: {calls}\ncall: {call}\n"
+    def after_start(self, functions: list[FunctionSpec], parallel: bool) -> str:
+        first = '"\\n" call_object "\\n</tool_call>"'
+        more = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
+        return (
+            f"after_start: {first}{more}\n"
+            'call: "<tool_call>\\n" call_object "\\n</tool_call>"\n'
+            f"call_object: {lark_json(call_object_schema(functions))}\n"
+        )
 
 
 def _as_written(body: str) -> tuple[str, str] | None:

@@ -67,7 +67,7 @@ class MistralToolParser(ToolParser):
                 out.append((head.group(1), args))
         return out
 
-    def grammar(self, functions: list[FunctionSpec], parallel: bool) -> str:
+    def after_start(self, functions: list[FunctionSpec], parallel: bool) -> str:
         array = {"type": "array", "items": call_object_schema(functions), "minItems": 1}
         array["maxItems"] = MAX_PARALLEL_CALLS if parallel else 1
-        return f'start: "[TOOL_CALLS] " {lark_json(array)}\n'
+        return f'after_start: " " {lark_json(array)}\n'
