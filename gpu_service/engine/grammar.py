@@ -1,8 +1,8 @@
 """Constrained decoding with llguidance: grammars compiled once, a matcher per request, and a
 token mask applied to the logits on the model's device.
 
-    API (event loop)     text = a Lark grammar (tool calls) or a JSON schema's
-    executor thread      grammar = compiler.compile(text)      # cached by text; slow for big
+    API (event loop)     text = a Lark grammar (tool calls; JSON schemas inline as %json)
+    executor thread      grammar = compiler.compile_lark(text) # cached by text; slow for big
                                                                # schemas, never on the engine thread
     Request              matcher = grammar.matcher()            # its own parser state
     Runner, each step    TokenMasker(logits[rows], matchers)   # bitmask [B, V/32] int32 filled
@@ -16,7 +16,6 @@ the grammar: by EOS, or once nothing more can follow.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -98,17 +97,6 @@ class GrammarCompiler:
         import llguidance
 
         return self._compile(llguidance.LLMatcher.grammar_from_lark(lark))
-
-    def compile_json_schema(self, schema: dict) -> Grammar:
-        import llguidance
-
-        try:
-            text = llguidance.LLMatcher.grammar_from_json_schema(
-                json.dumps(schema), defaults=JSON_STYLE
-            )
-        except ValueError as exc:
-            raise GrammarError(f"invalid JSON schema: {exc}") from None
-        return self._compile(text)
 
     def _compile(self, text: str) -> Grammar:
         import llguidance
