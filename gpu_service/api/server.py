@@ -76,7 +76,12 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
             eos_token_ids=tokenizer.eos_token_ids,
             cache_size=config.chat.grammar_cache_size,
         )
-        grammars.prepare()
+        try:
+            grammars.prepare()
+        except Exception as exc:  # noqa: BLE001 - llguidance refuses some tokenizers
+            log.warning("constrained decoding is off (tool_choice required/named and "
+                        "response_format are refused): %s", exc)  # fmt: skip
+            grammars = None
         log.info("loading the model's GPU part")
         service = build_gpu_service(
             config.gpu.with_workers(workers.addresses),
