@@ -146,7 +146,7 @@ class ChatChunks:
     def message(self, reasoning: str, content: str) -> dict:
         message: dict = {"role": "assistant", "content": content}
         if self.reader.splitter is not None:
-            message["reasoning_content"] = reasoning or None
+            message["reasoning_content"] = reasoning.rstrip() or None
         calls = self.reader.calls
         if calls:
             message["content"] = content.strip() or None
