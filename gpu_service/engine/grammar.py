@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 BITS = 32
+MASK_THREADS = 4  # threads that fill a step's masks (one row each at a time)
 # NOTE: canonical json.dumps spacing, no free whitespace: what templates render (tojson) and
 # models learnt, and a weak model cannot run away with blank space.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -130,7 +131,8 @@ class TokenMasker:
         import llguidance.torch
 
         if self._executor is None:
-            self._executor = llguidance.LLExecutor()
+            # NOTE: a few threads: the cores belong to the expert workers' kernels
+            self._executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
         batch, vocab = logits.shape
         words = -(-vocab // BITS)
         pinned = logits.is_cuda
