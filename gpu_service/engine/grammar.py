@@ -5,7 +5,8 @@ token mask applied to the logits on the model's device.
     executor thread      grammar = compiler.compile_lark(text) # cached by text; slow for big
                                                                # schemas, never on the engine thread
     Request              matcher = grammar.matcher()            # its own parser state
-    Runner, each step    TokenMasker(logits[rows], matchers)   # bitmask [B, V/32] int32 filled
+    Runner, each step    masker.fill(matchers)   (while the forward runs)
+                         masker.apply(logits[rows], masks)     # bitmask [B, V/32] int32 filled
                                                                # on the CPU (in parallel), copied
                                                                # once, -inf where a bit is 0
     Engine, each token   matcher.accept(token); matcher.done ends the request (stop)
@@ -19,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -120,30 +122,45 @@ class GrammarCompiler:
 
 
 class TokenMasker:
-    """Masks logits [B, V] in place: rows with a matcher keep only the tokens it allows."""
+    """Masks logits [B, V] in place: rows with a matcher keep only the tokens it allows.
+
+    `fill` computes the masks on a thread of its own (the runner starts it before the forward,
+    which does not change the matchers, so both overlap); `apply` waits for them and masks."""
 
     def __init__(self) -> None:
         self._executor = None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         self._shifts: dict[torch.device, torch.Tensor] = {}
 
-    def __call__(self, logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> None:
+    def fill(self, matchers: Sequence[GrammarMatcher | None], vocab: int,
+             pinned: bool) -> Future:  # fmt: skip
+        """The bitmask [B, ceil(V/32)] int32 of these rows (-1 where a row has no matcher)."""
+        return self._thread.submit(self._fill, list(matchers), vocab, pinned)
+
+    def _fill(self, matchers: list[GrammarMatcher | None], vocab: int, pinned: bool):
         import llguidance
         import llguidance.torch
 
         if self._executor is None:
             # NOTE: a few threads: the cores belong to the expert workers' kernels
             self._executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
-        batch, vocab = logits.shape
         words = -(-vocab // BITS)
-        pinned = logits.is_cuda
-        mask = torch.full((batch, words), -1, dtype=torch.int32, pin_memory=pinned)  # [B, W]
+        mask = torch.full((len(matchers), words), -1, dtype=torch.int32, pin_memory=pinned)
         rows = [(m.llm, i) for i, m in enumerate(matchers) if m is not None and not m.failed]
         if rows:
             llguidance.torch.fill_next_token_bitmask_par(self._executor, rows, mask)
+        return mask  # [B, W]
+
+    def apply(self, logits: torch.Tensor, mask: Future) -> None:
+        batch, vocab = logits.shape
         device = logits.device
         if device not in self._shifts:
             self._shifts[device] = torch.arange(BITS, dtype=torch.int32, device=device)
-        mask = mask.to(device, non_blocking=True)
-        allowed = (mask[:, :, None] >> self._shifts[device]) & 1  # [B, W, 32]
-        allowed = allowed.reshape(batch, words * BITS)[:, :vocab]  # [B, V]
+        words = mask.result()
+        words = words.to(device, non_blocking=True)
+        allowed = (words[:, :, None] >> self._shifts[device]) & 1  # [B, W, 32]
+        allowed = allowed.reshape(batch, -1)[:, :vocab]  # [B, V]
         logits.masked_fill_(allowed == 0, float("-inf"))
+
+    def __call__(self, logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> None:
+        self.apply(logits, self.fill(matchers, logits.shape[1], logits.is_cuda))

@@ -1,5 +1,5 @@
 """The runner executes what the scheduler decided: one forward step, the grammar masks of the
-requests that have one (grammar.py), then sampling. Given a
+requests that have one (grammar.py; computed while the forward runs), then sampling. Given a
 DecodeGraphConfig it builds DecodeGraphs (capturing batch 1's graphs now, the others on first
 use), and decode steps that fit go through them; everything else runs the model's forward."""
 
@@ -34,6 +34,7 @@ class Runner:
             self.decode_graphs.warm_up()
         self.sampler = Sampler()
         self.masker = TokenMasker()
+        self.vocab_size = model.config.vocab_size
 
     def run(self, step: ScheduledStep) -> StepResult:
         start = time.perf_counter()
@@ -41,13 +42,15 @@ class Runner:
         graphs = self.decode_graphs
         graphed = graphs is not None and graphs.supports(batch)
         model = graphs if graphed else self.model
-        logits = model.forward(batch)  # [B, V] float32
         rows = [i for i, s in enumerate(step.seqs) if s.samples]
         requests = [step.seqs[i].request for i in rows]
-        logits = logits[rows]  # [N, V]
         matchers = [r.matcher for r in requests]
-        if any(m is not None for m in matchers):
-            self.masker(logits, matchers)  # constrained decoding: disallowed tokens -inf
+        masks = None
+        if any(m is not None for m in matchers):  # constrained decoding: computed meanwhile
+            masks = self.masker.fill(matchers, self.vocab_size, self.model.device.type == "cuda")
+        logits = model.forward(batch)[rows]  # [N, V] float32
+        if masks is not None:
+            self.masker.apply(logits, masks)  # disallowed tokens -inf
         sampled = self.sampler(logits, [r.params for r in requests],
                                [r.generator for r in requests]) if rows else []  # fmt: skip
         tokens: list[SampledToken | None] = [None] * len(step.seqs)
