@@ -9,6 +9,7 @@ no call parses is content after all (the model wrote the marker, then something 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -115,6 +116,42 @@ def safe_prefix(text: str, closing: str) -> str:
     keep = next((n for n in range(min(len(closing) - 1, len(text)), 0, -1)
                  if closing.startswith(text[-n:])), 0)  # fmt: skip
     return text[: len(text) - keep].rstrip()
+
+
+# NOTE: {"name": ..., "arguments": ...} in the order templates write and models keep; another
+# order parses (call_object) but does not stream (open_call_object)
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def call_object(text: str) -> tuple[str, str] | None:
+    """(name, arguments as written) of a call object `{"name": ..., "arguments": {...}, ...}`."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    head = CALL_HEAD.match(text)
+    if head is not None and isinstance(obj.get("arguments"), dict):
+        _, end = json.JSONDecoder().raw_decode(text, head.end())
+        return obj["name"], text[head.end() : end]
+    args = arguments_json(obj.get("arguments", obj.get("parameters", {})))
+    return (obj["name"], args) if args is not None else None
+
+
+def open_call_object(text: str, closing: str) -> tuple[str, str] | None:
+    """(name, arguments so far) of a call object being written (see ToolParser.open_call):
+    once the arguments' JSON is whole, exactly it (whatever follows in the object)."""
+    head = CALL_HEAD.match(text)
+    if head is None:
+        return None
+    name = json.loads(f'"{head.group(1)}"')
+    rest = text[head.end() :]
+    try:
+        _, end = json.JSONDecoder().raw_decode(rest)
+    except json.JSONDecodeError:
+        return name, safe_prefix(rest, closing)
+    return name, rest[:end]
 
 
 def arguments_json(value: Any) -> str | None:

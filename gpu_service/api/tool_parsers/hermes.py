@@ -7,24 +7,20 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 from gpu_service.api.tool_parsers.base import (
     MAX_PARALLEL_CALLS,
     FunctionSpec,
     ToolParser,
-    arguments_json,
+    call_object,
     call_object_schema,
     lark_json,
-    raw_arguments,
-    safe_prefix,
+    open_call_object,
 )
 
 CLOSED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 OPEN_TAIL = re.compile(r"<tool_call>\s*(\{.*\})\s*$", re.DOTALL)
-# NOTE: the order templates write and models keep; another order parses whole, unstreamed
-HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
 
 class HermesToolParser(ToolParser):
@@ -40,20 +36,16 @@ class HermesToolParser(ToolParser):
                 bodies.append(tail.group(1))
         out = []
         for body in bodies:
-            call = _as_written(body) or _parsed(body)
+            call = call_object(body)
             if call is not None:
                 out.append(call)
         return out
 
     def open_call(self, section: str) -> tuple[str, str] | None:
         tail = section[section.rfind(self.start) + len(self.start) :]
-        head = HEAD.match(tail)
-        if "</tool_call>" in tail or head is None:
+        if "</tool_call>" in tail:
             return None
-        args = safe_prefix(tail[head.end() :], "</tool_call>")
-        if args.endswith("}"):  # perhaps the call object's own end
-            args = args[:-1].rstrip()
-        return json.loads(f'"{head.group(1)}"'), args
+        return open_call_object(tail, "</tool_call>")
 
     def after_start(self, functions: list[FunctionSpec], parallel: bool) -> str:
         first = '"\\n" call_object "\\n</tool_call>"'
@@ -63,24 +55,3 @@ class HermesToolParser(ToolParser):
             'call: "<tool_call>\\n" call_object "\\n</tool_call>"\n'
             f"call_object: {lark_json(call_object_schema(functions))}\n"
         )
-
-
-def _as_written(body: str) -> tuple[str, str] | None:
-    """(name, arguments as written) of `{"name": ..., "arguments": {...}}`."""
-    head = HEAD.match(body)
-    rest = body[head.end() :].rstrip() if head else ""
-    if not rest.endswith("}"):
-        return None
-    args = raw_arguments(rest[:-1])
-    return (json.loads(f'"{head.group(1)}"'), args) if args is not None else None
-
-
-def _parsed(body: str) -> tuple[str, str] | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = arguments_json(obj.get("arguments", obj.get("parameters", {})))
-    return (obj["name"], args) if args is not None else None

@@ -5,6 +5,7 @@
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}                              (v11 and later)
 
 Mistral's templates require tool-call ids of 9 letters and digits, so the ids made here are.
+The v3 form's calls stream (name, then arguments); the v11 form's each whole.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from gpu_service.api.tool_parsers.base import (
     FunctionSpec,
     ToolParser,
     arguments_json,
+    call_object,
     call_object_schema,
     lark_json,
+    open_call_object,
 )
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -39,18 +42,34 @@ class MistralToolParser(ToolParser):
     def calls(self, section: str, final: bool) -> list[tuple[str, str]]:
         if ARGS in section:
             return self._named(section, final)
-        body = section[len(TOOL_CALLS) :].strip()
-        try:
-            value, _ = json.JSONDecoder().raw_decode(body)
-        except json.JSONDecodeError:
-            return []
-        out = []
-        for obj in value if isinstance(value, list) else [value]:
-            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-                args = arguments_json(obj.get("arguments", {}))
-                if args is not None:
-                    out.append((obj["name"], args))
-        return out
+        calls, _ = self._listed(section)
+        return calls
+
+    def open_call(self, section: str) -> tuple[str, str] | None:
+        if ARGS in section:
+            return None  # the v11 form streams each call whole
+        _, tail = self._listed(section)
+        return open_call_object(tail, "]") if tail is not None else None
+
+    def _listed(self, section: str) -> tuple[list[tuple[str, str]], str | None]:
+        """The v3 form: the complete call objects of `[{...}, {...}` (a single object without
+        the list too), and the text of the one being written (None: none is)."""
+        body = section[len(TOOL_CALLS) :].lstrip()
+        at = 1 if body.startswith("[") else 0
+        decoder, calls = json.JSONDecoder(), []
+        while True:
+            at += len(body[at:]) - len(body[at:].lstrip(" \n\t,"))
+            if at >= len(body) or body[at] != "{":
+                return calls, None
+            try:
+                _, end = decoder.raw_decode(body, at)
+            except json.JSONDecodeError:
+                return calls, body[at:]
+            call = call_object(body[at:end])
+            if call is None:
+                return calls, None
+            calls.append(call)
+            at = end
 
     def _named(self, section: str, final: bool) -> list[tuple[str, str]]:
         heads = list(NAMED.finditer(section))
