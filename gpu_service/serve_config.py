@@ -1,5 +1,5 @@
-"""`ktserve serve`'s configuration: the HTTP API, the expert workers and the GPU service, one
-dataclass each; its flags are their fields'."""
+"""`ktserve serve`'s configuration: the HTTP API, the expert workers, chat output and the GPU
+service, one dataclass each; its flags are their fields'."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ log = logging.getLogger("ktserve.serve")
 API_KEY_ENV = "KTSERVE_API_KEY"
 API_KEY_FILE_ENV = "KTSERVE_API_KEY_FILE"
 MiB = 1 << 20
+# NOTE: the names of gpu_service.api.tool_parsers.PARSERS and api.reasoning.REASONING_PARSERS
+# (a test keeps them equal): --help must not import the API.
+TOOL_CALL_PARSERS = ("hermes", "deepseek_v3", "mistral")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -206,12 +210,54 @@ class WorkersConfig:
         return split_experts(num_experts, self.expert_workers)
 
 
+@dataclass(frozen=True)
+class ChatConfig:
+    """Chat output: how tool calls and reasoning are written and read, and constrained decoding."""
+
+    tool_call_parser: str | None = flag(
+        None,
+        choices=(*TOOL_CALL_PARSERS, "none"),
+        help="the format of tool calls: hermes (<tool_call>{json}</tool_call>: Qwen3, Qwen2.5, "
+        "Hermes), deepseek_v3 (<｜tool▁calls▁begin｜>: DeepSeek-V3/R1), mistral ([TOOL_CALLS]: "
+        "Mistral, Mixtral); none refuses requests with tools (default: the format the chat "
+        "template writes, else the model family's)",
+    )
+    reasoning_parser: str | None = flag(
+        None,
+        choices=(*REASONING_PARSERS, "none"),
+        help="split the thinking (<think>...</think>) into reasoning_content: deepseek_r1 (the "
+        "output starts in the thinking, opening tag or not), qwen3 (thinking only where it is "
+        "opened); none leaves it in content (default: deepseek_r1 or qwen3 by the model family "
+        "when the chat template writes <think>, else none)",
+    )
+    grammar_cache_size: int = flag(
+        64,
+        help="compiled grammars kept for reuse (tool_choice required or named, response_format "
+        "json_object/json_schema) (default %(default)s)",
+    )
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, "none", *TOOL_CALL_PARSERS):
+            raise ValueError(
+                f"--tool-call-parser must be one of {TOOL_CALL_PARSERS} or none, got "
+                f"{self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser not in (None, "none", *REASONING_PARSERS):
+            raise ValueError(
+                f"--reasoning-parser must be one of {REASONING_PARSERS} or none, got "
+                f"{self.reasoning_parser!r}"
+            )
+        if self.grammar_cache_size < 1:
+            raise ValueError(f"--grammar-cache-size must be >= 1, got {self.grammar_cache_size}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     """`ktserve serve`: the HTTP API, the expert workers and the GPU service on them."""
 
     http: HTTPConfig = field(default_factory=HTTPConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
     gpu: GPUServiceConfig
 
     @property

@@ -1,6 +1,7 @@
 """Train the demo model's byte-level BPE tokenizer and save it as a transformers tokenizer.
 
-Writes tokenizer.json, tokenizer_config.json (with a ChatML chat_template and eos_token) and
+Writes tokenizer.json, tokenizer_config.json (with a ChatML chat_template that renders tools
+in the Hermes format, and eos_token) and
 chat_template.jinja to --out-dir, so AutoTokenizer.from_pretrained(out_dir) and
 apply_chat_template work without any code from this project.
 
@@ -23,12 +24,9 @@ EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (EOS_TOKEN, IM_START, IM_END)  # ids 0, 1, 2
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# ChatML, with tools and tool calls written as Hermes / Qwen do (<tool_call>{json}</tool_call>),
+# so that a server on the demo model shows tool calling.
+CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
 
 
 def _batches(texts: list[str], size: int = 256) -> Iterator[list[str]]:

@@ -20,8 +20,10 @@ from gpu_service.api.admission import Admission
 from gpu_service.api.errors import ApiError, from_engine
 from gpu_service.api.generation import Generation
 from gpu_service.api.tokenizer import ServedTokenizer
+from gpu_service.api.tool_parsers import ToolParser
 from gpu_service.engine import Engine, EngineError, SamplingParams
 from gpu_service.engine.errors import EngineStopped
+from gpu_service.engine.grammar import GrammarCompiler
 
 
 @dataclass
@@ -32,7 +34,10 @@ class ApiContext:
     state for /health (dicts with at least "address" and "alive"). request_timeout_s: every
     request's deadline (None: only those that send `timeout` have one). max_request_bytes: the
     body's bound (413). metrics_public: /metrics needs no key. admission: the in-flight bound and
-    the draining flag (admission.py). generations: those not yet closed."""
+    the draining flag (admission.py). generations: those not yet closed. tool_parser: how tool
+    calls are written and read (None: tools are refused). reasoning_parser: a REASONING_PARSERS
+    name (None: no split). grammars: compiles the grammars of constrained decoding (None: it is
+    refused)."""
 
     engine: Engine
     tokenizer: ServedTokenizer
@@ -45,6 +50,9 @@ class ApiContext:
     max_request_bytes: int = 8 << 20
     metrics_public: bool = False
     admission: Admission = field(default_factory=Admission)
+    tool_parser: ToolParser | None = None
+    reasoning_parser: str | None = None
+    grammars: GrammarCompiler | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     generations: weakref.WeakSet[Generation] = field(default_factory=weakref.WeakSet)
     _tokenize: ThreadPoolExecutor = field(
@@ -59,10 +67,14 @@ class ApiContext:
             raise from_engine(exc, param) from exc
         return await self._off_loop(self.tokenizer.encode, text)
 
-    async def render_chat(self, messages: list[dict], param: str = "messages") -> list[int]:
-        """The conversation's prompt ids (ServedTokenizer.render_chat) off the event loop."""
+    async def render_chat(self, messages: Callable[[bool], list[dict]],
+                          tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                          param: str = "messages") -> tuple[list[int], str]:  # fmt: skip
+        """The conversation's prompt ids and text (ServedTokenizer.render_chat) off the event
+        loop."""
         try:
-            return await self._off_loop(self.tokenizer.render_chat, messages, self.max_model_len)
+            return await self._off_loop(self.tokenizer.render_chat, messages, tools,
+                                        template_kwargs, self.max_model_len)  # fmt: skip
         except EngineError as exc:
             raise from_engine(exc, param) from exc
 

@@ -36,7 +36,7 @@ def check_request(ctx: ApiContext, body: _Sampling) -> None:
 
 
 def sampling_params(
-    body: _Sampling, max_tokens: int, logprobs: bool, top_logprobs: int
+    body: _Sampling, max_tokens: int, logprobs: bool, top_logprobs: int, grammar=None
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -50,6 +50,7 @@ def sampling_params(
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
+            grammar=grammar,
         )
     except ValueError as exc:
         raise invalid(str(exc)) from exc

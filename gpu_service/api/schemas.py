@@ -7,10 +7,12 @@ known fields it cannot honour are refused by `unsupported()` with a message nami
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gpu_service.api.tool_schemas import MessageToolCall, NamedToolChoice, ResponseFormat, Tool
 from gpu_service.engine.sampling import MAX_TOP_LOGPROBS
 
 
@@ -31,9 +33,14 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
-    def to_template(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content as one string."""
+    def to_template(self, arguments_as_text: bool = False) -> dict[str, Any]:
+        """The message as chat templates expect it: content as one string; tool calls with
+        their arguments as objects (as Hugging Face templates take them), or as the JSON text
+        OpenAI sends (templates that concatenate them, such as DeepSeek's)."""
         if isinstance(self.content, list):
             kinds = sorted({p.type for p in self.content if p.type != "text"})
             if kinds:
@@ -44,7 +51,32 @@ class ChatMessage(_Body):
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": c.function.arguments
+                        if arguments_as_text
+                        else _arguments(c.function.arguments),
+                    },
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"tool call arguments are not JSON: {text[:80]!r}") from None
 
 
 class _Sampling(_Body):
@@ -93,9 +125,15 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # extension (vLLM's name): extra variables for the chat template, e.g. enable_thinking
+    chat_template_kwargs: dict[str, Any] | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated predecessors of tools: refused
+    function_call: Any = None
+    reasoning_effort: str | None = None  # refused: thinking is the template's (enable_thinking)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -107,10 +145,14 @@ class ChatCompletionRequest(_Sampling):
             return found
         if self.top_logprobs and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
-        if self.tools:
-            return "tools", "tool calling is not supported"
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format", "only response_format type 'text' is supported"
+        if self.functions is not None or self.function_call is not None:
+            name = "functions" if self.functions is not None else "function_call"
+            return name, f"{name} is deprecated and not supported: use tools and tool_choice"
+        if self.reasoning_effort is not None:
+            return "reasoning_effort", (
+                "reasoning_effort is not supported; whether the model thinks is up to its chat "
+                'template: e.g. chat_template_kwargs {"enable_thinking": false}'
+            )
         return None
 
 

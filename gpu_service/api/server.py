@@ -25,13 +25,17 @@ import uvicorn
 from gpu_service.api.admission import Admission
 from gpu_service.api.app import create_app
 from gpu_service.api.context import ApiContext
+from gpu_service.api.reasoning import END, START, choose_reasoning_parser
 from gpu_service.api.shutdown import DrainingServer
-from gpu_service.api.tokenizer import load_tokenizer
+from gpu_service.api.tokenizer import ServedTokenizer, load_tokenizer
+from gpu_service.api.tool_parsers import ToolParser, choose_tool_parser, tool_parser
 from gpu_service.api.worker_metrics import worker_registry
+from gpu_service.engine.grammar import GrammarCompiler
 from gpu_service.external_workers import ExternalWorkers
-from gpu_service.serve_config import ServeConfig
+from gpu_service.serve_config import ChatConfig, ServeConfig
 from gpu_service.service import GPUService, build_gpu_service
 from gpu_service.supervisor import Supervisor, worker_specs
+from ktserve.checkpoint import HFConfig
 from ktserve.checkpoint.spec import ModelSpec
 
 log = logging.getLogger("ktserve.serve")
@@ -64,14 +68,29 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
     service: GPUService | None = None
     try:
         tokenizer = load_tokenizer(config.model_dir)
-        spec = ModelSpec.from_config_dir(config.model_dir)
+        hf = HFConfig.from_dir(config.model_dir)
+        spec = ModelSpec.from_hf(hf)
+        parser, reasoning = chat_parsers(config.chat, tokenizer, hf)
         workers = _workers(config, spec)
         workers.start(config.workers.worker_start_timeout_s)
+        grammars = GrammarCompiler(
+            tokenizer.tokenizer,
+            vocab_size=hf.int("vocab_size", len(tokenizer.tokenizer)),
+            eos_token_ids=tokenizer.eos_token_ids,
+            cache_size=config.chat.grammar_cache_size,
+        )
+        try:
+            grammars.prepare()
+        except Exception as exc:  # noqa: BLE001 - llguidance refuses some tokenizers
+            log.warning("constrained decoding is off (tool_choice required/named and "
+                        "response_format are refused): %s", exc)  # fmt: skip
+            grammars = None
         log.info("loading the model's GPU part")
         service = build_gpu_service(
             config.gpu.with_workers(workers.addresses),
             eos_token_ids=tokenizer.eos_token_ids,
             decode=tokenizer.decode,
+            hf=hf,
         )
         worker_status = _worker_status(workers, service)
         http = config.http
@@ -88,6 +107,9 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
             max_request_bytes=http.max_request_bytes,
             metrics_public=http.metrics_public,
             admission=Admission(max_in_flight),
+            tool_parser=parser,
+            reasoning_parser=reasoning,
+            grammars=grammars,
         )
         server = DrainingServer(
             uvicorn.Config(
@@ -111,6 +133,23 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
             workers.stop()
         sock.close()
         log.info("stopped")
+
+
+def chat_parsers(
+    chat: ChatConfig, tokenizer: ServedTokenizer, hf: HFConfig
+) -> tuple[ToolParser | None, str | None]:
+    """The tool-call parser and the reasoning parser's name: as the flags say, or as the
+    checkpoint's template and family suggest. Their markers are decoded as text."""
+    template = tokenizer.tokenizer.chat_template
+    template = template if isinstance(template, str) else str(template or "")
+    model_type = hf.model_type
+    tool_name = chat.tool_call_parser or choose_tool_parser(template, model_type)
+    reasoning = chat.reasoning_parser or choose_reasoning_parser(template, model_type)
+    parser = tool_parser(tool_name) if tool_name not in (None, "none") else None
+    reasoning = reasoning if reasoning != "none" else None
+    log.info("tool-call parser: %s, reasoning parser: %s", tool_name, reasoning)
+    tokenizer.keep_tokens([*(parser.markers if parser else ()), START, END])
+    return parser, reasoning
 
 
 def _workers(config: ServeConfig, spec: ModelSpec) -> Supervisor | ExternalWorkers:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ class ServedTokenizer:
         # NOTE: a byte-level token's name has one character per byte, so no token's text is
         # longer: a text longer than n * max_token_chars has more than n tokens.
         self.max_token_chars = max(map(len, vocab), default=1) or 1
+        self._special: set[int] = set()
+        self._kept: set[int] = set()
 
     def check_length(self, num_chars: int, max_tokens: int, param: str = "prompt") -> None:
         """Raise PromptTooLong when a text of num_chars characters surely has max_tokens tokens
@@ -55,34 +57,58 @@ class ServedTokenizer:
             return list(self.encoder(text, add_special_tokens=add_special_tokens).input_ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text shown to users: special tokens left out."""
+        """Text shown to users: special tokens left out, except those kept (keep_tokens)."""
         with self._lock:
+            if self._kept:
+                ids = [i for i in ids if i in self._kept or i not in self._special]
+                return self.tokenizer.decode(list(ids), skip_special_tokens=False)
             return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def keep_tokens(self, texts: Sequence[str]) -> None:
+        """Decode these special tokens as their text (the markers tool and reasoning parsers
+        read, special in some checkpoints' tokenizers); call before decoding starts."""
+        with self._lock:
+            added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+            self._special = {i for i, t in added.items() if getattr(t, "special", False)}
+            self._special |= set(getattr(self.tokenizer, "all_special_ids", ()))
+            vocab = self.tokenizer.get_vocab()
+            self._kept = {vocab[t] for t in texts if t in vocab and vocab[t] in self._special}
 
     def token_texts(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text (special tokens included), as logprobs report them."""
         with self._lock:
             return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
-    def render_chat(self, messages: list[dict], max_tokens: int | None = None) -> list[int]:
-        """Prompt ids of a conversation through the checkpoint's chat template, ending with the
-        assistant's turn opened (add_generation_prompt). max_tokens: PromptTooLong, before
-        tokenizing, for a rendered text that surely has that many tokens (check_length)."""
+    def render_chat(self, messages: Callable[[bool], list[dict]], tools: list[dict] | None = None,
+                    template_kwargs: dict | None = None,
+                    max_tokens: int | None = None) -> tuple[list[int], str]:  # fmt: skip
+        """Prompt ids and text of a conversation through the checkpoint's chat template, ending
+        with the assistant's turn opened (add_generation_prompt). messages(arguments_as_text):
+        the conversation, tool-call arguments as objects (Hugging Face's convention, tried
+        first) or as JSON text (for templates that concatenate them). max_tokens:
+        PromptTooLong, before tokenizing, for a rendered text that surely has that many tokens
+        (check_length)."""
         if not self.has_chat_template:
             raise TokenizerError(
                 "this model's tokenizer has no chat template; use /v1/completions with a prompt"
             )
         with self._encode_lock:
-            try:
-                text = self.encoder.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False
-                )
-            except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
-                raise TokenizerError(f"the chat template failed on these messages: {exc}") from exc
+            text = None
+            for as_text in (False, True):
+                try:
+                    text = self.encoder.apply_chat_template(
+                        messages(as_text), tools=tools, add_generation_prompt=True,
+                        tokenize=False, **(template_kwargs or {}),
+                    )  # fmt: skip
+                    break
+                except Exception as exc:  # noqa: BLE001 - template errors are the caller's input
+                    error = exc
+            if text is None:
+                raise TokenizerError(f"the chat template failed on these messages: {error}")
             if max_tokens is not None:
                 self.check_length(len(text), max_tokens, param="conversation")
             # NOTE: the template writes any BOS itself; adding special tokens would double it.
-            return list(self.encoder(text, add_special_tokens=False).input_ids)
+            return list(self.encoder(text, add_special_tokens=False).input_ids), text
 
 
 def load_tokenizer(model_dir: str | Path) -> ServedTokenizer:

@@ -209,6 +209,9 @@ class Engine:
         tracked.last_token_time = now
         reason = None
         text = ""
+        matcher = request.matcher
+        if matcher is not None and (not matcher.accept(token.token_id) or matcher.done):
+            reason = FinishReason.STOP  # the grammar is complete (or, failing, cannot go on)
         if tracked.detok is not None:
             text = tracked.detok.add([t.token_id for t in request.output])
             if tracked.detok.stopped:

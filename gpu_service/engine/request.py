@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_service.engine.errors import EngineError
+from gpu_service.engine.grammar import GrammarMatcher
 from gpu_service.engine.sampling import SampledToken, SamplingParams
 from gpu_service.models.kv_cache import SeqCache
 
@@ -61,8 +62,11 @@ class Request:
     num_cached_prompt_tokens: int | None = None  # found in the prefix cache at first admission
     block_hashes: list[bytes] = field(default_factory=list)  # of all_ids's full blocks, chained
     generator: torch.Generator = field(init=False)
+    matcher: GrammarMatcher | None = field(init=False, default=None)  # with params.grammar
 
     def __post_init__(self) -> None:
+        if self.params.grammar is not None:
+            self.matcher = self.params.grammar.matcher()
         seed = self.params.seed
         if seed is None:
             seed = int.from_bytes(os.urandom(8), "little") >> 1

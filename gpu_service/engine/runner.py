@@ -1,4 +1,5 @@
-"""The runner executes what the scheduler decided: one forward step, then sampling. Given a
+"""The runner executes what the scheduler decided: one forward step, the grammar masks of the
+requests that have one (grammar.py; computed while the forward runs), then sampling. Given a
 DecodeGraphConfig it builds DecodeGraphs (capturing batch 1's graphs now, the others on first
 use), and decode steps that fit go through them; everything else runs the model's forward.
 A step's copies between KV-cache tiers (prefix blocks evicted to host RAM or brought back) run
@@ -10,6 +11,7 @@ import time
 from dataclasses import dataclass
 
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
+from gpu_service.engine.grammar import TokenMasker
 from gpu_service.engine.sampling import SampledToken, Sampler
 from gpu_service.engine.scheduler import ScheduledStep
 from gpu_service.models.batch import Batch, SeqInput
@@ -33,6 +35,8 @@ class Runner:
             self.decode_graphs = DecodeGraphs(model, graph_config)
             self.decode_graphs.warm_up()
         self.sampler = Sampler()
+        self.masker = TokenMasker()
+        self.vocab_size = model.config.vocab_size
 
     def run(self, step: ScheduledStep) -> StepResult:
         start = time.perf_counter()
@@ -43,10 +47,16 @@ class Runner:
         graphs = self.decode_graphs
         graphed = graphs is not None and graphs.supports(batch)
         model = graphs if graphed else self.model
-        logits = model.forward(batch)  # [B, V] float32
         rows = [i for i, s in enumerate(step.seqs) if s.samples]
         requests = [step.seqs[i].request for i in rows]
-        sampled = self.sampler(logits[rows], [r.params for r in requests],
+        matchers = [r.matcher for r in requests]
+        masks = None
+        if any(m is not None for m in matchers):  # constrained decoding: computed meanwhile
+            masks = self.masker.fill(matchers, self.vocab_size, self.model.device.type == "cuda")
+        logits = model.forward(batch)[rows]  # [N, V] float32
+        if masks is not None:
+            self.masker.apply(logits, masks)  # disallowed tokens -inf
+        sampled = self.sampler(logits, [r.params for r in requests],
                                [r.generator for r in requests]) if rows else []  # fmt: skip
         tokens: list[SampledToken | None] = [None] * len(step.seqs)
         for i, token in zip(rows, sampled):

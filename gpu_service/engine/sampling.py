@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from gpu_service.engine.grammar import Grammar
 
 MAX_TOP_LOGPROBS = 20
 
@@ -15,6 +19,7 @@ class SamplingParams:
     reproducible whatever else runs beside it. Generation stops at max_tokens, at an EOS (unless
     ignore_eos), at any of stop_token_ids, or at any of the stop strings (which are not returned).
     logprobs: return each sampled token's logprob and the top_logprobs most likely alternatives.
+    grammar: a compiled grammar (grammar.py) the output must follow (constrained decoding).
     """
 
     max_tokens: int = 256
@@ -27,6 +32,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
+    grammar: Grammar | None = field(default=None, compare=False)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

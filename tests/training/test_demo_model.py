@@ -124,3 +124,24 @@ def test_heldout_perplexity_below_measured_bound(model, tokenizer) -> None:
     # The helper is the same computation as on a loaded model (what training reports).
     ids = tokenizer(HELDOUT_SAMPLE.read_text(), add_special_tokens=False)["input_ids"][:16384]
     assert perplexity_of_ids(model, ids, 512) == pytest.approx(ppl, rel=1e-6)
+
+
+def test_chat_template_is_trainings_and_writes_tools_as_hermes(tokenizer) -> None:
+    """The committed template is the one training writes (tokenizer_config.json's copy too), and
+    it renders tools and tool calls in the Hermes format ktserve reads (`make serve` shows it)."""
+    from training.train_tokenizer import CHAT_TEMPLATE
+
+    config = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())
+    assert (MODEL_DIR / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    assert config["chat_template"] == CHAT_TEMPLATE
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+    assert '<tools>\n{"type": "function", "function": {"name": "f"' in text
+    assert '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\ndone\n</tool_response><|im_end|>" in text
