@@ -81,6 +81,7 @@ class ExpertWorker:
         # the gaps between a reply and the next request on the same channel, under IDLE_GAP_S
         self.idle_seconds, self.idle_gaps = 0.0, 0
         self.drained = threading.Event()
+        self._parent = os.getppid()
         self.exit_requested = threading.Event()
 
     # ------------------------------------------------------------------------------- model
@@ -159,6 +160,7 @@ class ExpertWorker:
 
     def _serve_channel(self, channel: ktshm.Channel, stop: threading.Event) -> None:
         replied = None  # when this channel's last call was answered
+        producer_died = False
         try:
             while True:
                 draining = self.state == WorkerState.DRAINING
@@ -172,6 +174,7 @@ class ExpertWorker:
                     continue
                 except ktshm.PeerDied:
                     log.warning("channel %s: the GPU service is gone; detaching", channel.name)
+                    producer_died = True
                     return
                 except ktshm.PeerRestarted:
                     log.warning("channel %s: another worker attached; detaching", channel.name)
@@ -188,6 +191,15 @@ class ExpertWorker:
                 self._execute(channel, req)
                 replied = time.perf_counter()
         finally:
+            # NOTE: a killed GPU service cannot unlink its segments: the consumer does, once the
+            # producer's heartbeat shows it gone (waited for when our parent died with it).
+            orphaned = os.getppid() != self._parent
+            wait_s = 2 * channel.config.peer_timeout_s if orphaned and not producer_died else 0.0
+            try:
+                if channel.unlink_if_producer_gone(wait_s):
+                    log.info("channel %s: unlinked (its producer is gone)", channel.name)
+            except ktshm.KtshmError:
+                pass
             channel.close()
             with self._lock:
                 mine = self._channels.get(channel.name)

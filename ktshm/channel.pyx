@@ -445,6 +445,22 @@ cdef class Channel:
         """The epoch this end works in (consumer: the one it attached as)."""
         return self._known_epoch
 
+    def unlink_if_producer_gone(self, wait_s=0.0):
+        """Consumer: when the producer is gone (its heartbeat older than peer_timeout_s, waited
+        for up to wait_s), unlink the segment and semaphores it can no longer unlink itself (a
+        killed GPU service's segments would otherwise stay in RAM until the next start).
+        Returns True if it unlinked them."""
+        self._check_open()
+        if self.is_producer:
+            raise errors.KtshmError("unlink_if_producer_gone() is the consumer's")
+        deadline = time.monotonic() + wait_s
+        while kt_heartbeat_age_ns(&self._hdr.producer_heartbeat_ns) < self._peer_timeout_ns:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        _unlink_all(self.name)
+        return True
+
     def peer_alive(self):
         """True when the other side's heartbeat is fresh."""
         self._check_open()

@@ -301,6 +301,23 @@ def test_signal_stops_everything(checkpoint, sig):
     assert not shm_entries() - before
 
 
+def test_kill_9_leaves_no_segments_behind(checkpoint):
+    """kill -9 of `ktserve serve`: its workers (SIGTERM from the kernel as their parent dies)
+    unlink the segments their dead producer cannot, then exit."""
+    before = shm_entries()
+    server = ServerProcess(checkpoint, *FLAGS, "--expert-workers", "1")
+    try:
+        _, health = server.health()
+        pids = [w["pid"] for w in health["workers"]]
+        assert pids and len(shm_entries() - before) > 0
+        server.proc.kill()
+        server.proc.wait(30)
+        server.wait_until(lambda: not any(pid_alive(p) for p in pids), 30, "the workers' exit")
+        server.wait_until(lambda: not shm_entries() - before, 10, "no segments left")
+    finally:
+        server.close()
+
+
 def test_sigterm_while_loading_stops_everything(checkpoint):
     before = shm_entries()
     server = ServerProcess(checkpoint, *FLAGS, "--expert-workers", "2", wait=False)
