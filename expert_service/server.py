@@ -16,6 +16,7 @@ from ktserve import checkpoint
 from ktserve.names import weight_format_from_pb, weight_format_to_pb
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.protocol import expert_pb2_grpc as pb_grpc
+from ktserve.worker_auth import CheckToken
 
 log = logging.getLogger("ktserve.expert")
 
@@ -210,12 +211,14 @@ def _mem_total() -> int:
 
 
 def build_server(
-    worker: ExpertWorker, listen: str
+    worker: ExpertWorker, listen: str, token: str | None = None
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
-    """A started-but-not-yet-serving gRPC server bound to `listen`; returns it and its port."""
+    """A started-but-not-yet-serving gRPC server bound to `listen`; returns it and its port.
+    token: every call but health must carry it (ktserve/worker_token.py)."""
+    interceptors = [CheckToken(token)] if token else []
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="grpc"),
-        interceptors=[ErrorInterceptor()],
+        interceptors=[*interceptors, ErrorInterceptor()],
     )
     health_servicer = health.HealthServicer()
     set_serving(health_servicer, False)

@@ -69,6 +69,7 @@ class ExpertClientConfig:
     num_slots: int = 4
     spin_us: float = 500.0
     pin_memory: bool = True
+    token: str | None = field(default=None, repr=False)  # the workers' (ktserve/worker_token.py)
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in wire.X_DTYPES:
@@ -192,6 +193,6 @@ class GPUServiceConfig:
                 f"--cuda-graph-max-batch must be >= 1, got {self.cuda_graph_max_batch}"
             )
 
-    def with_workers(self, workers: tuple[str, ...]) -> GPUServiceConfig:
-        """This service on the expert workers at these gRPC addresses."""
-        return replace(self, experts=replace(self.experts, workers=workers))
+    def with_workers(self, workers: tuple[str, ...], token: str | None = None) -> GPUServiceConfig:
+        """This service on the expert workers at these gRPC addresses (calls carry token)."""
+        return replace(self, experts=replace(self.experts, workers=workers, token=token))

@@ -23,6 +23,7 @@ from gpu_service.supervisor import WorkerStartError
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.protocol import expert_pb2_grpc as pb_grpc
+from ktserve.worker_auth import worker_channel
 
 log = logging.getLogger("ktserve.workers")
 
@@ -108,10 +109,10 @@ def _runs(ids: list[int]) -> str:
 
 
 class _Remote:
-    def __init__(self, index: int, address: str) -> None:
+    def __init__(self, index: int, address: str, token: str | None = None) -> None:
         self.index = index
         self.address = address
-        self.grpc_channel = grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
+        self.grpc_channel = worker_channel(address, token, RECONNECT_OPTIONS)
         self.stub = pb_grpc.ExpertServiceStub(self.grpc_channel)
         self.state = UNREACHABLE
         self.pid: int | None = None
@@ -122,6 +123,12 @@ class _Remote:
         try:
             info = self.stub.GetInfo(pb.GetInfoRequest(), timeout=timeout_s)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise WorkerStartError(
+                    f"expert worker {self.address} refused the call: {exc.details()}; give this "
+                    "server the worker's token (--worker-token-file, KTSERVE_WORKER_TOKEN_FILE "
+                    "or KTSERVE_WORKER_TOKEN)"
+                ) from None
             self.state, self.detail = UNREACHABLE, f"{exc.code().name}: {exc.details()}"
             return None
         self.state = STATES.get(info.state, "unknown")
@@ -134,9 +141,12 @@ class _Remote:
 class ExternalWorkers:
     """Same interface as Supervisor (start, addresses, status, stop) for workers run elsewhere."""
 
-    def __init__(self, addresses: tuple[str, ...], spec: ModelSpec) -> None:
+    def __init__(self, addresses: tuple[str, ...], spec: ModelSpec,
+                 token: str | None = None) -> None:  # fmt: skip
+        """token: the workers' control-plane token (ktserve/worker_token.py), sent on every call."""
         self.spec = spec
-        self.workers = [_Remote(i, address) for i, address in enumerate(addresses)]
+        self.token = token
+        self.workers = [_Remote(i, address, token) for i, address in enumerate(addresses)]
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
 

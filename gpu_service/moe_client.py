@@ -30,6 +30,7 @@ from ktserve import wire
 from ktserve.names import float_dtype
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.protocol import expert_pb2_grpc as pb_grpc
+from ktserve.worker_auth import worker_channel
 
 log = logging.getLogger("ktserve.gpu")
 
@@ -51,9 +52,9 @@ RECONNECT_OPTIONS = (
 class _Worker:
     """One expert worker: its gRPC stub and the ktshm channel this service created for it."""
 
-    def __init__(self, address: str, channel: ktshm.Channel) -> None:
+    def __init__(self, address: str, channel: ktshm.Channel, token: str | None = None) -> None:
         self.address = address
-        self.grpc_channel = grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
+        self.grpc_channel = worker_channel(address, token, RECONNECT_OPTIONS)
         self.stub = pb_grpc.ExpertServiceStub(self.grpc_channel)
         self.channel = channel
         self.device_channels: list[ktshm.Channel] = []
@@ -112,7 +113,7 @@ class ShmExperts:
         deadline = time.monotonic() + config.worker_timeout_s
         try:
             for address in config.workers:
-                worker = _Worker(address, ktshm.Channel.create(channel_config))
+                worker = _Worker(address, ktshm.Channel.create(channel_config), config.token)
                 self.workers.append(worker)
                 self._pin(worker.channel)
                 worker.attach(deadline)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +35,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpu_service.moe_client import RECONNECT_OPTIONS
 from ktserve.protocol import expert_pb2 as pb
+from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV
 
 log = logging.getLogger("ktserve.supervisor")
 
@@ -66,11 +69,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def worker_specs(
-    model_dir: str, ranges: tuple[str, ...], weight_format: str, threads: int | None
+    model_dir: str,
+    ranges: tuple[str, ...],
+    weight_format: str,
+    threads: int | None,
+    socket_dir: str | None = None,
 ) -> list[WorkerSpec]:
+    """socket_dir: the workers listen on Unix sockets there (a 0700 directory: no other user
+    reaches them); None: on free loopback ports."""
     specs = []
     for i, experts in enumerate(ranges):
-        address = f"127.0.0.1:{free_port()}"
+        if socket_dir is not None:
+            address = f"unix:{socket_dir}/worker-{i}.sock"
+        else:
+            address = f"127.0.0.1:{free_port()}"
         argv = [
             sys.executable,
             "-m",
@@ -119,9 +131,22 @@ class Supervisor:
     """Starts the workers, waits until they serve, restarts those that exit, stops them all."""
 
     def __init__(
-        self, specs: list[WorkerSpec], restart: bool = True, drain_timeout_s: float = 35.0
+        self,
+        specs: list[WorkerSpec],
+        restart: bool = True,
+        drain_timeout_s: float = 35.0,
+        token: str | None = None,
+        socket_dir: str | None = None,
     ) -> None:
+        """token: the workers' control-plane token, given to them in their environment.
+        socket_dir: removed by stop() (worker_specs put the workers' sockets there)."""
         self.workers = [_Worker(spec) for spec in specs]
+        self.token = token
+        self.socket_dir = socket_dir
+        self._env = None
+        if token is not None:
+            env = {k: v for k, v in os.environ.items() if k != TOKEN_FILE_ENV}
+            self._env = {**env, TOKEN_ENV: token}
         self.restart = restart
         self.drain_timeout_s = drain_timeout_s
         self._lock = threading.Lock()
@@ -192,6 +217,8 @@ class Supervisor:
                 log.warning("expert worker pid %d ignored SIGTERM; killing it", proc.pid)
                 proc.kill()
                 proc.wait()
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ internals
     def _spawn(self, worker: _Worker, watch_health: bool = True) -> None:
@@ -199,6 +226,7 @@ class Supervisor:
         with self._fork_lock:
             proc = subprocess.Popen(
                 worker.spec.argv,
+                env=self._env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=None,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import signal
 import socket
+import tempfile
 from collections.abc import Callable
 
 import uvicorn
@@ -37,6 +38,7 @@ from gpu_service.service import GPUService, build_gpu_service
 from gpu_service.supervisor import Supervisor, worker_specs
 from ktserve.checkpoint import HFConfig
 from ktserve.checkpoint.spec import ModelSpec
+from ktserve.worker_token import new_token, read_token
 
 log = logging.getLogger("ktserve.serve")
 
@@ -87,7 +89,7 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
             grammars = None
         log.info("loading the model's GPU part")
         service = build_gpu_service(
-            config.gpu.with_workers(workers.addresses),
+            config.gpu.with_workers(workers.addresses, workers.token),
             eos_token_ids=tokenizer.eos_token_ids,
             decode=tokenizer.decode,
             hf=hf,
@@ -156,7 +158,9 @@ def _workers(config: ServeConfig, spec: ModelSpec) -> Supervisor | ExternalWorke
     workers = config.workers
     if workers.expert_addresses is not None:
         log.info("connecting to expert workers at %s", ", ".join(workers.expert_addresses))
-        return ExternalWorkers(workers.expert_addresses, spec)
+        return ExternalWorkers(
+            workers.expert_addresses, spec, read_token(workers.worker_token_file)
+        )
     ranges = workers.expert_ranges(spec.num_experts)
     log.info(
         "starting %d expert worker(s) (experts %s, %s)",
@@ -164,10 +168,12 @@ def _workers(config: ServeConfig, spec: ModelSpec) -> Supervisor | ExternalWorke
         ", ".join(ranges),
         workers.weight_format,
     )
-    return Supervisor(
-        worker_specs(config.model_dir, ranges, workers.weight_format, workers.threads),
-        restart=workers.restart_workers,
-    )
+    # NOTE: mkdtemp makes the directory 0700: no other user reaches the workers' sockets
+    socket_dir = tempfile.mkdtemp(prefix="ktserve-workers-")
+    specs = worker_specs(config.model_dir, ranges, workers.weight_format, workers.threads,
+                         socket_dir)  # fmt: skip
+    return Supervisor(specs, restart=workers.restart_workers, token=new_token(),
+                      socket_dir=socket_dir)  # fmt: skip
 
 
 def _worker_status(

@@ -26,6 +26,7 @@ from ktserve.checkpoint import parse_expert_range
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.cli import build_parser
 from ktserve.config_flags import from_args
+from ktserve.worker_token import TOKEN_CREATE_ENV, TOKEN_FILE_ENV
 from tests.support.api_server import ServerProcess
 from tests.support.compose_file import (
     Reset,
@@ -196,7 +197,7 @@ def run_healthcheck(service: dict, address: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)  # fmt: skip
 
 
-def test_every_dashboard_metric_is_exported(compose):
+def test_every_dashboard_metric_is_exported(compose, tmp_path):
     """The compose commands themselves (container paths, addresses and ports made local), a chat
     completion, then every metric a panel queries must be in a scrape of the services."""
     wanted = dashboard_metrics()
@@ -204,6 +205,18 @@ def test_every_dashboard_metric_is_exported(compose):
     before = shm_entries()
     gpu = compose["services"]["gpu"]
     experts, server, local = [], None, {}
+    token_file = tmp_path / "worker-token"  # the compose file's, off the shared /dev/shm
+    token_env = {
+        name: str(token_file) if name == TOKEN_FILE_ENV else value
+        for name, value in environment(gpu).items()
+        if name.startswith("KTSERVE_WORKER")
+    }
+    assert token_env == {TOKEN_FILE_ENV: str(token_file), TOKEN_CREATE_ENV: "1"}
+    for service in expert_services(compose).values():
+        assert {k: v for k, v in environment(service).items() if k in token_env} == {
+            **token_env,
+            TOKEN_FILE_ENV: environment(gpu)[TOKEN_FILE_ENV],
+        }
     try:
         for name, service in expert_services(compose).items():
             listen, metrics = f"127.0.0.1:{free_port()}", free_port()
@@ -211,7 +224,7 @@ def test_every_dashboard_metric_is_exported(compose):
                 "--model": str(host_path(REPO, service, flag(service["command"], "--model"))),
                 "--listen": listen, "--metrics-host": "127.0.0.1", "--metrics-port": str(metrics),
             })  # fmt: skip
-            proc = WatchedProcess([sys.executable, "-m", "ktserve", *argv])
+            proc = WatchedProcess([sys.executable, "-m", "ktserve", *argv], token_env)
             experts.append(proc)
             local[name] = (listen, metrics)
         for proc in experts:
@@ -231,7 +244,7 @@ def test_every_dashboard_metric_is_exported(compose):
             {"--host": "127.0.0.1", "--port": "0",
              "--expert-address": ",".join(local[a.rpartition(":")[0]][0] for a in addresses(gpu))},
         )  # fmt: skip
-        server = ServerProcess(None, *argv, env={DEVICE_ENV: "cpu"}, timeout=300)
+        server = ServerProcess(None, *argv, env={DEVICE_ENV: "cpu", **token_env}, timeout=300)
         name = flag(gpu["command"], "--served-model-name")
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         r = client.chat.completions.create(

@@ -21,6 +21,9 @@ import ktshm
 from ktserve import wire
 from ktserve.checkpoint import ModelSpec
 from ktserve.protocol import expert_pb2 as pb
+from ktserve.protocol import expert_pb2_grpc as pb_grpc
+from ktserve.worker_auth import worker_channel
+from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint, moe_block
 from tests.support.expert_procs import (  # noqa: F401 - no_segments_left_behind is an autouse fixture
     FORMAT_PB,
@@ -416,3 +419,49 @@ def test_cli_reports_errors_clearly(tmp_path):
         cwd=REPO, capture_output=True, text=True, env=CHILD_ENV,
     )  # fmt: skip
     assert result.returncode == 2 and "comes before" in result.stderr
+
+
+# ------------------------------------------------------------------------ control plane
+def test_worker_takes_calls_only_with_its_token(checkpoints, procs, channel):
+    """With a token (from the environment, never a flag) every RPC but health needs it: GetInfo,
+    Attach and Drain without it are UNAUTHENTICATED, and nothing happened; with it they work."""
+    token = "t0k3n-" + os.urandom(8).hex()
+    worker = procs("--model", str(checkpoints["mixtral"]), "--format", "bf16",
+                   env={TOKEN_ENV: token})  # fmt: skip
+    assert token not in " ".join(worker.proc.args)
+    calls = [
+        lambda stub: stub.GetInfo(pb.GetInfoRequest(), timeout=10),
+        lambda stub: stub.Attach(pb.AttachRequest(channel_name=channel.name), timeout=10),
+        lambda stub: stub.Drain(pb.DrainRequest(exit=True), timeout=10),
+    ]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as info:
+            call(worker.stub)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    wrong = worker_channel(worker.address, "not-" + token)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.ExpertServiceStub(wrong).GetInfo(pb.GetInfoRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        wrong.close()
+    assert worker.proc.poll() is None and not channel.peer_alive()  # no Drain, no Attach
+    health = health_pb2_grpc.HealthStub(worker.grpc_channel).Check(
+        health_pb2.HealthCheckRequest(), timeout=10
+    )
+    assert health.status == health_pb2.HealthCheckResponse.SERVING  # open: liveness probes
+    right = worker_channel(worker.address, token)
+    try:
+        stub = pb_grpc.ExpertServiceStub(right)
+        assert stub.GetInfo(pb.GetInfoRequest(), timeout=10).state == pb.WORKER_STATE_SERVING
+        stub.Attach(pb.AttachRequest(channel_name=channel.name), timeout=10)
+        channel.wait_for_peer(timeout=10)
+    finally:
+        right.close()
+
+
+def test_a_worker_reachable_from_other_machines_needs_a_token():
+    done = subprocess.run([sys.executable, "-m", "ktserve", "expert", "--listen", "0.0.0.0:0"],
+                          env=CHILD_ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert "token" in done.stderr and TOKEN_FILE_ENV in done.stderr

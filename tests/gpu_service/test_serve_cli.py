@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -289,6 +290,11 @@ def test_signal_stops_everything(checkpoint, sig):
         pids = [w["pid"] for w in health["workers"]]
         assert len(pids) == 2 and all(pid_alive(p) for p in pids)
         assert len(shm_entries() - before) > 0  # the GPU side's channels exist while it serves
+        # the workers listen on Unix sockets in a directory no other user may enter, not TCP
+        sockets = [Path(w["address"].removeprefix("unix:")) for w in health["workers"]]
+        assert all(w["address"].startswith("unix:") and p.is_socket() for w, p in
+                   zip(health["workers"], sockets))  # fmt: skip
+        assert {p.parent.stat().st_mode & 0o777 for p in sockets} == {0o700}
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         r = client.completions.create(model="tiny", prompt="hi", max_tokens=3)
         assert r.usage.completion_tokens <= 3
@@ -299,6 +305,7 @@ def test_signal_stops_everything(checkpoint, sig):
         server.close()
     assert not any(pid_alive(p) for p in pids)
     assert not shm_entries() - before
+    assert not sockets[0].parent.exists()
 
 
 def test_kill_9_leaves_no_segments_behind(checkpoint):

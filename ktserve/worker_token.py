@@ -1,0 +1,94 @@
+"""The expert workers' control-plane token: a shared secret every gRPC call but health carries.
+
+A worker reachable over TCP takes calls (GetInfo, LoadModel, Attach, Drain, ...) only with the
+token; `ktserve serve` starts its own workers on Unix sockets in a 0700 directory with a fresh
+token, and remote or compose workers share one from a file or the environment, never a command
+line (which every local user sees in `ps`):
+
+    KTSERVE_WORKER_TOKEN_FILE   a file whose first line is the token (or --worker-token-file)
+    KTSERVE_WORKER_TOKEN        the token itself
+    KTSERVE_WORKER_TOKEN_CREATE=1   the first process to find the token file missing writes a
+                                random one there (0600), the others read it: containers that
+                                share a private tmpfs (compose.yaml) agree on a token that way
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import secrets
+import stat
+from pathlib import Path
+
+TOKEN_ENV = "KTSERVE_WORKER_TOKEN"
+TOKEN_FILE_ENV = "KTSERVE_WORKER_TOKEN_FILE"
+TOKEN_CREATE_ENV = "KTSERVE_WORKER_TOKEN_CREATE"
+METADATA_KEY = "x-ktserve-worker-token"
+OPEN_METHODS = ("/grpc.health.v1.Health/",)  # liveness for Docker, Kubernetes, the supervisor
+
+
+class TokenError(ValueError):
+    """The token file is missing, unreadable or empty."""
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def read_token(path: str | None = None, environ: dict | None = None) -> str | None:
+    """The token from `path`, else $KTSERVE_WORKER_TOKEN_FILE, else $KTSERVE_WORKER_TOKEN; None
+    when none is set."""
+    env = os.environ if environ is None else environ
+    path = path or env.get(TOKEN_FILE_ENV)
+    if path and env.get(TOKEN_CREATE_ENV) == "1":
+        create_token_file(path)
+    if path:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise TokenError(f"worker token file {path}: {exc.strerror}") from None
+        token = text.splitlines()[0].strip() if text.strip() else ""
+        if not token:
+            raise TokenError(f"worker token file {path} is empty")
+        if os.stat(path).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            logging.getLogger("ktserve").warning(
+                "worker token file %s can be read by other users (chmod 600 it)", path
+            )
+        return token
+    return env.get(TOKEN_ENV) or None
+
+
+def create_token_file(path: str) -> bool:
+    """Write a random token to `path` (0600) unless it exists; True if this call wrote it. The
+    file appears whole or not at all (written aside, then linked), so a reader racing the
+    writer never sees it empty."""
+    target = Path(path)
+    if target.exists():
+        return False
+    aside = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, (new_token() + "\n").encode())
+    finally:
+        os.close(fd)
+    try:
+        os.link(aside, target)  # NOTE: fails if another process linked its file first
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        aside.unlink()
+
+
+def is_local_listener(listen: str) -> bool:
+    """A Unix socket or a loopback TCP address (reachable from this machine only)."""
+    if listen.startswith("unix:"):
+        return True
+    host = listen.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
