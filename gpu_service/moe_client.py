@@ -121,6 +121,7 @@ class ShmExperts:
             self.close()
             raise
         self.stats = MoEStats()
+        self.broken: set[str] = set()  # workers whose channel is being replaced (corrupt)
         self.on_round_trip: Callable[[float], None] | None = None
         self._staging: torch.Tensor | None = None  # [bytes] uint8 on the device
 
@@ -174,7 +175,7 @@ class ShmExperts:
         ]
         calls, first = [], None
         for worker in self.workers:
-            msg = worker.channel.begin(wire.KIND_MOE, layer, specs, num_tokens)
+            msg = self._begin(worker, layer, specs, num_tokens)
             if first is None:
                 self._packed(msg, (x, ids, weights), self._arg_dtypes)
             else:
@@ -183,6 +184,37 @@ class ShmExperts:
             calls.append((worker, worker.channel.commit(msg)))
         self.stats.transfer_s += time.perf_counter() - start
         return PendingShm(self, layer, calls, num_tokens, start)
+
+    def _begin(self, worker: _Worker, layer: int, specs: list, num_tokens: int) -> ktshm.Message:
+        """The next slot of worker's channel; a channel found in an impossible state (a slot
+        held though nothing is in flight: its memory was overwritten) is replaced by a new one,
+        attached over gRPC, before the call goes out."""
+        try:
+            return worker.channel.begin(wire.KIND_MOE, layer, specs, num_tokens)
+        except ktshm.ChannelFull as exc:
+            if worker.channel.inflight():
+                raise  # really full: calls of ours hold every slot
+            log.error("expert worker %s: channel %s is corrupt (%s); replacing it",
+                      worker.address, worker.channel.name, exc)  # fmt: skip
+            self._replace_channel(worker)
+        return worker.channel.begin(wire.KIND_MOE, layer, specs, num_tokens)
+
+    def _replace_channel(self, worker: _Worker) -> None:
+        old = worker.channel
+        self.broken.add(worker.address)
+        worker.channel = ktshm.Channel.create(old.config)
+        try:
+            self._pin(worker.channel)
+            worker.attach(time.monotonic() + self.config.worker_timeout_s)
+        finally:
+            self._unpin(old)
+            old.close()
+        self.broken.discard(worker.address)
+
+    def _unpin(self, channel: ktshm.Channel) -> None:
+        if channel.address in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(channel.address)
+            self._registered.remove(channel.address)
 
     def _packed(self, msg: ktshm.Message, tensors: tuple[torch.Tensor, ...],
                 dtypes: tuple[torch.dtype, ...]) -> None:  # fmt: skip
@@ -204,7 +236,9 @@ class ShmExperts:
         deadline = time.monotonic() + self.config.worker_timeout_s
         while True:
             try:
-                return worker.channel.recv(seq, timeout=max(deadline - time.monotonic(), 0.0))
+                reply = worker.channel.recv(seq, timeout=max(deadline - time.monotonic(), 0.0))
+                self.broken.discard(worker.address)
+                return reply
             except ktshm.PeerDied:
                 log.warning("expert worker %s died; waiting for it to come back", worker.address)
                 worker.attach(deadline)
@@ -225,7 +259,9 @@ class ShmExperts:
                 raise ExpertsUnavailable(f"expert worker {worker.address} did not come back")
 
     def alive(self) -> dict[str, bool]:
-        return {w.address: w.channel.peer_alive() for w in self.workers}
+        """Each worker: its channel is sound and its consumer's heartbeat fresh."""
+        return {w.address: w.address not in self.broken and w.channel.peer_alive()
+                for w in self.workers}  # fmt: skip
 
     def close(self) -> None:
         if self._registered:
