@@ -255,6 +255,11 @@ class PendingShm:
         self.calls = calls
         self.num_tokens = num_tokens
 
+    def abandon(self) -> None:
+        """Give up on the replies (an error elsewhere): their slots are freed when they come."""
+        for worker, seq in self.calls:
+            worker.channel.abandon(seq)
+
     def wait(self) -> torch.Tensor:
         owner = self.owner
         start = time.perf_counter()
