@@ -48,9 +48,11 @@ def main() -> None:
             ppl = served_perplexity(model, address, ids, args.seq_len, args.device, deferred)
             rows.append((deferred, ppl, time.perf_counter() - start))
 
-    print(f"held-out perplexity with expert deferral: {model.name} (top_k {top_k}, "
-          f"{len(spec.moe_layers)} MoE layers, the last never defers), {len(ids)} tokens of "
-          f"{Path(args.text).name}, windows of {args.seq_len}, GPU part on {args.device}")  # fmt: skip
+    print(
+        f"held-out perplexity with expert deferral: {model.name} (top_k {top_k}, "
+        f"{len(spec.moe_layers)} MoE layers, the last never defers), {len(ids)} tokens of "
+        f"{Path(args.text).name}, windows of {args.seq_len}, GPU part on {args.device}"
+    )
     columns = [Column("deferred D", 10), Column("immediate", 9), Column("perplexity", 10),
                Column("vs D=0", 8), Column("target", 7), Column("s", 5),
                Column("", 6, "<")]  # fmt: skip

@@ -24,9 +24,9 @@ from torch import nn
 
 from gpu_service.models.batch import AttentionMetadata, Batch, StepContext
 from gpu_service.models.config import BaseConfig
+from gpu_service.models.experts import abandon
 from gpu_service.models.kv_cache import KVCache
 from gpu_service.models.layers import Linear, RMSNorm
-from gpu_service.models.experts import abandon
 from gpu_service.models.loader import WeightLoader
 from gpu_service.models.moe import MoE
 from gpu_service.models.rope import Rotary

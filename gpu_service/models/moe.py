@@ -133,9 +133,9 @@ class MoE(nn.Module):
             shared = torch.sigmoid(self.shared_gate(x)) * shared
         return shared
 
-    def split(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[
-        tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None
-    ]:
+    def split(
+        self, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
         """(ids, weights) [T, k] of the immediate call and, with num_deferred, of the deferred
         one (else None): each token's num_deferred lowest-weight experts are deferred (ties: the
         later column); each call's ids of the other's experts are -1, their weights 0."""
@@ -180,4 +180,3 @@ class MoE(nn.Module):
         if self.num_deferred:
             raise RuntimeError("a deferring MoE layer runs through step(), not forward()")
         return self.step(x)[0]
-

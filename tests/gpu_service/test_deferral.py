@@ -142,8 +142,11 @@ def test_no_deferral_is_the_forward_of_today(checkpoints, seed) -> None:
         assert torch.equal(got, want), family
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f in ("deepseek_v3", "qwen3_moe")]
-                         + [f for f in FAMILIES if f not in ("deepseek_v3", "qwen3_moe")])
+@pytest.mark.parametrize(
+    "family",
+    [f for f in FAMILIES if f in ("deepseek_v3", "qwen3_moe")]
+    + [f for f in FAMILIES if f not in ("deepseek_v3", "qwen3_moe")],
+)
 def test_deferral_matches_the_reference(checkpoints, seed, family: str) -> None:
     """For each D in 1..top_k-1: chunked prefill and eager decode (CausalLM.forward) and
     segmented decode (DecodeGraphs, capture off) of three sequences give the reference's logits
@@ -192,8 +195,10 @@ def test_deferral_matches_the_reference(checkpoints, seed, family: str) -> None:
             worst = max(worst, _rel_err(got_eager, want), _rel_err(got_seg, want))
         off = reference.logits(seqs[0][:-1], 0)
         change = _rel_err(full[0], off)
-        print(f"[{family} D={deferred}] seed {seed}: max rel logits err {worst:.2e}; "
-              f"deferral moved the logits by {change:.2e}")
+        print(
+            f"[{family} D={deferred}] seed {seed}: max rel logits err {worst:.2e}; "
+            f"deferral moved the logits by {change:.2e}"
+        )
         assert worst < 1e-4
         assert change > 1e-5  # deferral does something
 
@@ -279,8 +284,10 @@ def test_a_real_worker_gives_the_tokens_of_torch_experts(checkpoints, seed, fami
             worst = max(worst, _rel_err(outs[0], outs[1]))
             tokens.append(outs[1].argmax(-1).tolist())
             pos = [p + 1 for p in pos]
-        print(f"[{family} worker D={deferred}] seed {seed}: max rel err {worst:.2e}, "
-              f"{mismatches} of 12 tokens differ (near-ties)")
+        print(
+            f"[{family} worker D={deferred}] seed {seed}: max rel err {worst:.2e}, "
+            f"{mismatches} of 12 tokens differ (near-ties)"
+        )
         assert worst < 2e-2  # bf16 expert weights against float32 torch experts
         assert experts.stats.calls > 0
     finally:
