@@ -164,8 +164,7 @@ class GPUServiceConfig:
         help="expert deferral, speed for quality: each token's N lowest-weight routed experts "
         "of an MoE layer are computed by the CPU while the GPU runs the next layer, their output "
         "joining the next MoE layer's instead of their own (the last MoE layer defers none); N "
-        "must be below the model's experts per token; decode steps then call the experts "
-        "between graph segments, not from the GPU stream (default %(default)s: off)",
+        "must be below the model's experts per token (default %(default)s: off)",
     )
     cuda_graph_max_batch: int = flag(
         32,

@@ -138,8 +138,9 @@ class ShmExperts:
         self._registered.append(channel.address)
 
     def device_calls(self, layers: tuple[int, ...], max_rows: int) -> DeviceCalls:
-        """A device channel per worker, one slot per MoE layer in `layers`, for decode steps of
-        up to max_rows sequences whose expert calls the device stream makes (device_calls.py)."""
+        """A device channel per worker, one slot per entry of `layers` (a call's MoE layer), for
+        decode steps of up to max_rows sequences whose expert calls the device stream makes
+        (device_calls.py)."""
         region = region_bytes(max_rows, self.hidden_size, self.top_k)
         config = ktshm.ChannelConfig(
             num_slots=len(layers), region_bytes=region, spin_us=self.config.spin_us,

@@ -15,7 +15,9 @@ each part one of the methods CausalLM.forward runs too (the layers are split the
 With expert deferral (MoE.num_deferred, models/moe.py) segment j also splits m_j's routing into
 an immediate and a deferred call; the host submits both, waits for the immediate one after
 shared j and for m_{j-1}'s deferred one (into a second static buffer), which segment j + 1's
-combine adds, as CausalLM.forward does. Such steps always call the experts between segments.
+combine adds, as CausalLM.forward does. With device calls a deferring layer has two slots
+(immediate, deferred, in that order: workers take the lowest posted slot first), and the step
+collects m_{j-1}'s deferred reply right after m_j's immediate one.
 
 With expert calls in the graph (DecodeGraphConfig.experts_in_graph, where the experts offer
 device calls: gpu_service/device_calls.py), the device stream itself copies each MoE layer's
@@ -188,12 +190,15 @@ class DecodeGraphs:
             log.info("decode steps call the experts between graph segments: %s makes no device "
                      "calls", type(backend).__name__)  # fmt: skip
             return None
-        if any(moe.num_deferred for moe in self.moes):
-            log.info("decode steps call the experts between graph segments: expert deferral "
-                     "makes two calls per MoE layer, device calls make one")  # fmt: skip
-            return None
-        layers = tuple(moe.layer for moe in self.moes)
-        return backend.device_calls(layers, self.config.max_batch)
+        slots: list[int] = []  # the MoE layer of each device slot
+        self.slot_now, self.slot_later = [], []  # per MoE layer j: its slots (later: or None)
+        for moe in self.moes:
+            self.slot_now.append(len(slots))
+            slots.append(moe.layer)
+            self.slot_later.append(len(slots) if moe.num_deferred else None)
+            if moe.num_deferred:
+                slots.append(moe.layer)
+        return backend.device_calls(tuple(slots), self.config.max_batch)
 
     def warm_up(self, batch_sizes: tuple[int, ...] = (1,)) -> None:
         """Capture the buckets of these batch sizes at the shortest context now, not mid-request."""
@@ -267,9 +272,13 @@ class DecodeGraphs:
         out = self._segment(bucket, 0, None, None)
         for j, moe in enumerate(self.moes):
             x, ids, weights = out.moe_in
-            calls.call(j, x, ids, weights)
+            calls.call(self.slot_now[j], x, ids, weights)
+            if out.later is not None:
+                calls.call(self.slot_later[j], x, *out.later)
             shared = moe.shared_out(x) if moe.shared is not None else None
-            calls.collect(j, bucket.routed)
+            calls.collect(self.slot_now[j], bucket.routed)
+            if j >= 1 and self.slot_later[j - 1] is not None:
+                calls.collect(self.slot_later[j - 1], bucket.deferred)
             out = self._segment(bucket, j + 1, out, shared)
         calls.end_step()
         return out

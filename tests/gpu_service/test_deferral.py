@@ -242,7 +242,7 @@ def _free_port() -> int:
 def test_a_real_worker_gives_the_tokens_of_torch_experts(checkpoints, seed, family) -> None:
     """Two calls per MoE layer in flight on the worker's channel (the deferred one waited for a
     layer later): greedy tokens of eager and segmented decode as with TorchExperts, logits
-    within bf16 tolerance; the graphs fall back from device calls to segments."""
+    within bf16 tolerance."""
     path = checkpoints[family]
     spec = CheckpointReader(path).spec
     deferred = spec.num_experts_per_tok - 1
@@ -254,8 +254,7 @@ def test_a_real_worker_gives_the_tokens_of_torch_experts(checkpoints, seed, fami
     )  # fmt: skip
     try:
         shm, oracle = _load(path, deferred, experts), _load(path, deferred)
-        graphs = DecodeGraphs(shm, DecodeGraphConfig(4, 8, capture=False))
-        assert graphs.calls is None  # deferral: calls between segments, not device calls
+        graphs = DecodeGraphs(shm, DecodeGraphConfig(4, 8, False, experts_in_graph=False))
         reference = DecodeGraphs(oracle, DecodeGraphConfig(4, 8, capture=False))
         gen = torch.Generator().manual_seed(seed)
         prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (7, 3)]
@@ -290,6 +289,68 @@ def test_a_real_worker_gives_the_tokens_of_torch_experts(checkpoints, seed, fami
         )
         assert worst < 2e-2  # bf16 expert weights against float32 torch experts
         assert experts.stats.calls > 0
+    finally:
+        experts.close()
+        worker.close()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("family", [f for f in ("deepseek_v3", "qwen3_moe") if f in FAMILIES])
+def test_device_calls_with_deferral_give_the_calls_between_segments(
+    checkpoints, seed, family, device
+):
+    """Device calls (on CUDA one captured graph per step; on the CPU the host runs the same
+    calls in the same order) with two slots per deferring layer give exactly the logits of the
+    calls between segments on the same worker, and torch experts' within bf16 tolerance."""
+    path = checkpoints[family]
+    spec = CheckpointReader(path).spec
+    deferred = spec.num_experts_per_tok - 1
+    worker = ExpertProcess("--model", str(path), "--format", "bf16", "--listen",
+                           f"127.0.0.1:{_free_port()}")  # fmt: skip
+    experts = ShmExperts(
+        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
+        hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
+        device=device,
+    )  # fmt: skip
+
+    def load(backend):
+        return load_model(path, device, torch.float32, experts=backend,
+                          max_num_tokens_in_cache=512, block_size=BLOCK,
+                          max_deferred_experts_per_token=deferred)  # fmt: skip
+
+    try:
+        capture = device == "cuda"
+        in_graph, between = load(experts), load(experts)
+        eager = load(TorchExperts(CheckpointReader(path), device, torch.float32))
+        graphs = DecodeGraphs(in_graph, DecodeGraphConfig(4, 8, capture))
+        assert graphs.calls is not None
+        num_moes = len(graphs.moes)
+        assert len(graphs.calls.layers) == 2 * num_moes - 1  # the last MoE layer defers none
+        segmented = DecodeGraphs(between, DecodeGraphConfig(4, 8, capture, experts_in_graph=False))
+        reference = DecodeGraphs(eager, DecodeGraphConfig(4, 8, capture=False))
+        gen = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (5, 9, 2)]
+        sides = []
+        for model, g in ((in_graph, graphs), (between, segmented), (eager, reference)):
+            caches = [model.kv_cache.allocate(len(p)) for p in prompts]
+            model.forward(Batch(tuple(SeqInput(p, c, 0) for p, c in zip(prompts, caches))))
+            sides.append((model, g, caches))
+        tokens, pos, worst = [1, 2, 3], [len(p) for p in prompts], 0.0
+        for step in range(6):
+            outs = []
+            for model, g, caches in sides:
+                for c, p in zip(caches, pos):
+                    model.kv_cache.extend(c, p + 1)
+                batch = Batch(tuple(SeqInput([t], c, p) for t, c, p in
+                                    zip(tokens, caches, pos)))  # fmt: skip
+                outs.append(g.forward(batch).clone())
+            assert torch.equal(outs[0], outs[1]), f"step {step}: device calls changed the logits"
+            worst = max(worst, _rel_err(outs[0], outs[2]))
+            tokens, pos = outs[2].argmax(-1).tolist(), [p + 1 for p in pos]
+        print(f"[device calls {family} D={deferred} {device}] seed {seed}: max rel err {worst:.2e}")
+        assert worst < 2e-2
+        bells = [graphs.calls.channels[0].bells(j) for j in range(len(graphs.calls.layers))]
+        assert bells == [(0, 0)] * len(bells), "every slot is idle between steps"
     finally:
         experts.close()
         worker.close()
