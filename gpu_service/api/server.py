@@ -27,7 +27,7 @@ from gpu_service.api.tokenizer import load_tokenizer
 from gpu_service.api.worker_metrics import worker_registry
 from gpu_service.external_workers import ExternalWorkers
 from gpu_service.serve_config import ServeConfig
-from gpu_service.service import GPUService, build_gpu_service
+from gpu_service.service import GPUService, build_gpu_service, check_model_fits
 from gpu_service.supervisor import Supervisor, worker_specs
 from ktserve.checkpoint.spec import ModelSpec
 
@@ -62,6 +62,7 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
     try:
         tokenizer = load_tokenizer(config.model_dir)
         spec = ModelSpec.from_config_dir(config.model_dir)
+        check_model_fits(config.gpu, spec)
         workers = _workers(config, spec)
         workers.start(config.workers.worker_start_timeout_s)
         log.info("loading the model's GPU part")
