@@ -244,7 +244,7 @@ class DecodeGraphs:
             return logits
         run = bucket.replayer() if self.config.capture else _compute
         out = run(self._segment, bucket, 0, None, None)
-        deferred = later = None  # m_{j-1}'s deferred call, m_j's
+        pending = deferred = later = None  # m_j's immediate call, m_{j-1}'s deferred one, m_j's
         try:
             for j, moe in enumerate(self.moes):
                 x, ids, weights = out.moe_in
@@ -261,8 +261,8 @@ class DecodeGraphs:
                 deferred, later = later, None
                 out = run(self._segment, bucket, j + 1, out, shared)
         except BaseException:
-            abandon(deferred)
-            abandon(later)
+            for call in (pending, deferred, later):
+                abandon(call)
             raise
         return out
 

@@ -171,7 +171,7 @@ class MoE(nn.Module):
             routed = pending.wait()
             joined = deferred.wait() if deferred is not None else None
         except BaseException:
-            abandon(deferred)
+            abandon(pending)  # NOTE: `deferred` stays the caller's to abandon
             abandon(pending_later)
             raise
         return self.combine(routed, shared, x.dtype, joined), pending_later

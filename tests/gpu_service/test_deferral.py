@@ -289,6 +289,15 @@ def test_a_real_worker_gives_the_tokens_of_torch_experts(checkpoints, seed, fami
         )
         assert worst < 2e-2  # bf16 expert weights against float32 torch experts
         assert experts.stats.calls > 0
+        # calls an error left unwaited are abandoned: their slots serve the next calls
+        x = torch.zeros(2, spec.hidden_size)
+        ids = torch.tensor([[0] * spec.num_experts_per_tok] * 2, dtype=torch.int32)
+        weights = torch.ones(2, spec.num_experts_per_tok)
+        layer = spec.moe_layers[0]
+        for _ in range(3):
+            for pending in [experts.submit(layer, x, ids, weights) for _ in range(3)]:
+                pending.abandon()
+        assert experts.submit(layer, x, ids, weights).wait().shape == (2, spec.hidden_size)
     finally:
         experts.close()
         worker.close()
@@ -354,3 +363,48 @@ def test_device_calls_with_deferral_give_the_calls_between_segments(
     finally:
         experts.close()
         worker.close()
+
+
+class _Failing:
+    """TorchExperts whose calls record abandon() and fail, at `fail_layer`, when waited for."""
+
+    def __init__(self, inner: TorchExperts, fail_layer: int) -> None:
+        self.inner, self.fail_layer = inner, fail_layer
+        self.abandoned: list[int] = []
+
+    def submit(self, layer, x, ids, weights):
+        owner, result = self, self.inner.submit(layer, x, ids, weights)
+
+        class Pending:
+            def wait(self):
+                if layer == owner.fail_layer:
+                    raise RuntimeError("expert worker failed")
+                return result.wait()
+
+            def abandon(self):
+                owner.abandoned.append(layer)
+
+        return Pending()
+
+
+@pytest.mark.parametrize("path_kind", ["eager", "segments"])
+def test_an_expert_error_abandons_the_deferred_call_in_flight(checkpoints, seed, path_kind):
+    """The next MoE layer's call fails: the deferred call still in flight is abandoned (its
+    slots freed), not left for the next step, and the error comes through."""
+    path = checkpoints["qwen3_moe" if "qwen3_moe" in FAMILIES else FAMILIES[0]]
+    reader = CheckpointReader(path)
+    moe_layers = reader.spec.moe_layers
+    backend = _Failing(TorchExperts(reader, "cpu", torch.float32), fail_layer=-1)
+    model = _load(path, 1, backend)
+    cache = model.kv_cache.allocate(4)
+    model.forward(Batch((SeqInput([1, 2, 3], cache, 0),)))
+    backend.fail_layer = moe_layers[1]
+    if path_kind == "eager":
+        with pytest.raises(RuntimeError, match="expert worker failed"):
+            model.forward(Batch((SeqInput([4], cache, 3),)))
+    else:
+        graphs = DecodeGraphs(model, DecodeGraphConfig(2, 8, capture=False))
+        with pytest.raises(RuntimeError, match="expert worker failed"):
+            graphs.forward(Batch((SeqInput([4], cache, 3),)))
+    # the first MoE layer's deferred call, and the failing layer's own calls
+    assert sorted(set(backend.abandoned)) == [moe_layers[0], moe_layers[1]]
