@@ -174,7 +174,7 @@ class ShmExperts:
         ]
         calls, first = [], None
         for worker in self.workers:
-            msg = worker.channel.begin(wire.KIND_MOE, layer, specs, num_tokens)
+            msg = self._begin(worker, layer, specs, num_tokens)
             if first is None:
                 self._packed(msg, (x, ids, weights), self._arg_dtypes)
             else:
@@ -183,6 +183,23 @@ class ShmExperts:
             calls.append((worker, worker.channel.commit(msg)))
         self.stats.transfer_s += time.perf_counter() - start
         return PendingShm(self, layer, calls, num_tokens, start)
+
+    def _begin(self, worker: _Worker, layer: int, specs: list, num_tokens: int) -> ktshm.Message:
+        """The worker channel's next request slot. One that an abandoned call holds (the worker
+        is still computing it) frees when the worker replies: waited for, up to the timeout."""
+        deadline = time.monotonic() + self.config.worker_timeout_s
+        while True:
+            try:
+                return worker.channel.begin(wire.KIND_MOE, layer, specs, num_tokens)
+            except ktshm.ChannelFull:
+                if len(worker.channel.inflight()) >= worker.channel.num_slots:
+                    raise  # every slot holds a call someone will wait for: a caller's bug
+                if time.monotonic() >= deadline:
+                    raise ExpertsUnavailable(
+                        f"expert worker {worker.address} did not finish an abandoned call in "
+                        f"{self.config.worker_timeout_s:.0f} s"
+                    ) from None
+            time.sleep(20e-6)  # NOTE: the slot frees as soon as the worker replies
 
     def _packed(self, msg: ktshm.Message, tensors: tuple[torch.Tensor, ...],
                 dtypes: tuple[torch.dtype, ...]) -> None:  # fmt: skip
