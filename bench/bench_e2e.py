@@ -4,6 +4,8 @@ One expert worker (`ktserve expert`, a subprocess) on CHECKPOINT (bench/real_che
 writes them) and the GPU service in this process, once per mode:
   graph     CUDA graphs, the expert calls inside them (the whole decode step is one graph)
   segments  CUDA graphs of the segments between MoE layers, the host calls the experts
+  graph-d1, segments-d1  the same with one expert per token deferred (--modes names them; the
+            worker's per-call phases are then per call, two per deferring layer)
 For each: decode tok/s at each batch size (greedy, ignore_eos, 16-token prompts), the per-MoE-
 layer split of a step (the GPU's part is the segments mode's measured GPU time; the worker's
 dispatch, kernel, publish and bookkeeping come from its GetStats; hand-off is what is left of the
@@ -47,7 +49,11 @@ from ktserve.protocol import expert_pb2_grpc as pb_grpc  # noqa: E402
 
 MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
          "segments": dict(cuda_graphs=True, graph_expert_calls=False),
-         "eager": dict(cuda_graphs=False)}  # fmt: skip
+         "eager": dict(cuda_graphs=False),
+         "graph-d1": dict(cuda_graphs=True, graph_expert_calls=True,
+                          max_deferred_experts_per_token=1),
+         "segments-d1": dict(cuda_graphs=True, graph_expert_calls=False,
+                             max_deferred_experts_per_token=1)}  # fmt: skip
 PHASES = ("dispatch", "kernel", "publish", "bookkeeping")
 
 

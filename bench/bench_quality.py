@@ -33,29 +33,37 @@ TARGETS = {"bf16": 0.001, "int8": 0.005, "int4": 0.03}
 def ktserve_perplexity(model: Path, ids: list[int], seq_len: int, fmt: str, threads: int,
                        device: str) -> float:  # fmt: skip
     with expert_worker(model, fmt, threads) as address:
-        config = GPUServiceConfig(
-            model_dir=str(model), device=device, dtype="float32", kv_cache_tokens=seq_len + 16,
-            scheduler=SchedulerConfig(max_num_batched_tokens=seq_len, max_model_len=seq_len + 1),
-            experts=ExpertClientConfig((address,), wire_dtype="float32"),
-        )  # fmt: skip
-        service = build_gpu_service(config)
-        try:
-            service.engine.stop()  # this benchmark drives the model directly, one window at a time
-            net = service.engine.model
-            total, count = 0.0, 0
-            for window in windows(ids, seq_len):
-                cache = net.kv_cache.allocate(len(window))
-                try:
-                    logits = net.forward(Batch((SeqInput(window, cache, 0),)), all_positions=True)
-                finally:
-                    net.kv_cache.free(cache)
-                logp = torch.log_softmax(logits[:-1].float().cpu(), dim=-1)  # [n-1, V]
-                target = torch.tensor(window[1:])
-                total -= logp.gather(1, target[:, None]).sum().item()
-                count += target.numel()
-            return math.exp(total / count)
-        finally:
-            service.close()
+        return served_perplexity(model, address, ids, seq_len, device)
+
+
+def served_perplexity(model: Path, address: str, ids: list[int], seq_len: int, device: str,
+                      deferred: int = 0) -> float:  # fmt: skip
+    """Perplexity of the GPU service on the worker at `address`, `deferred` experts per token
+    deferred (--max-deferred-experts-per-token)."""
+    config = GPUServiceConfig(
+        model_dir=str(model), device=device, dtype="float32", kv_cache_tokens=seq_len + 16,
+        max_deferred_experts_per_token=deferred,
+        scheduler=SchedulerConfig(max_num_batched_tokens=seq_len, max_model_len=seq_len + 1),
+        experts=ExpertClientConfig((address,), wire_dtype="float32"),
+    )  # fmt: skip
+    service = build_gpu_service(config)
+    try:
+        service.engine.stop()  # this benchmark drives the model directly, one window at a time
+        net = service.engine.model
+        total, count = 0.0, 0
+        for window in windows(ids, seq_len):
+            cache = net.kv_cache.allocate(len(window))
+            try:
+                logits = net.forward(Batch((SeqInput(window, cache, 0),)), all_positions=True)
+            finally:
+                net.kv_cache.free(cache)
+            logp = torch.log_softmax(logits[:-1].float().cpu(), dim=-1)  # [n-1, V]
+            target = torch.tensor(window[1:])
+            total -= logp.gather(1, target[:, None]).sum().item()
+            count += target.numel()
+        return math.exp(total / count)
+    finally:
+        service.close()
 
 
 def main() -> None:

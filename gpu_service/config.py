@@ -159,6 +159,14 @@ class GPUServiceConfig:
         "hidden states to the workers and waits for their replies, so a step is one graph; "
         "--gpu-experts and --expert-placement always use segments)",
     )
+    max_deferred_experts_per_token: int = flag(
+        0,
+        metavar="N",
+        help="expert deferral, speed for quality: each token's N lowest-weight routed experts "
+        "of an MoE layer are computed by the CPU while the GPU runs the next layer, their output "
+        "joining the next MoE layer's instead of their own (the last MoE layer defers none); N "
+        "must be below the model's experts per token (default %(default)s: off)",
+    )
     cuda_graph_max_batch: int = flag(
         32,
         help="largest decode batch run with CUDA graphs; larger ones run eagerly (default "
@@ -188,6 +196,16 @@ class GPUServiceConfig:
             )
         if self.expert_placement is not None and not Path(self.expert_placement).is_file():
             raise ValueError(f"--expert-placement {self.expert_placement!r} is not a file")
+        if self.max_deferred_experts_per_token < 0:
+            raise ValueError(
+                "--max-deferred-experts-per-token must be >= 0, got "
+                f"{self.max_deferred_experts_per_token}"
+            )
+        if self.max_deferred_experts_per_token and self.experts.num_slots < 3:
+            raise ValueError(
+                "--max-deferred-experts-per-token needs 3 slots per expert channel (a deferred "
+                f"call, the next layer's two), got num_slots={self.experts.num_slots}"
+            )
         if self.cuda_graph_max_batch < 1:
             raise ValueError(
                 f"--cuda-graph-max-batch must be >= 1, got {self.cuda_graph_max_batch}"

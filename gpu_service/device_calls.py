@@ -1,7 +1,8 @@
 """The expert calls of a decode step made by the device stream, so the step is one CUDA graph.
 
-Each expert worker gets a ktshm device channel beside its ordinary one, one slot per MoE layer
-(ktshm's module docstring has the bell protocol). Per MoE layer j of a step, for each worker w:
+Each expert worker gets a ktshm device channel beside its ordinary one, one slot per call of a
+step: one per MoE layer, two where it defers experts (decode_graphs.py; ktshm's module docstring
+has the bell protocol). Per call j of a step, for each worker w:
 
     stream: staging [bytes] <- x, ids, weights in the wire dtypes, laid out as slot j's request
             copy staging -> w's request region j             (mapped host memory)
@@ -186,8 +187,9 @@ class HostStream:
 
 
 class DeviceCalls:
-    """The MoE layers' expert calls of decode steps, one device-channel slot per MoE layer and
-    worker (see the module docstring). Built by ShmExperts.device_calls."""
+    """The MoE layers' expert calls of decode steps, one device-channel slot per call and worker
+    (layers[j]: the MoE layer of slot j; see the module docstring). Built by
+    ShmExperts.device_calls."""
 
     def __init__(self, owner, channels: list[ktshm.Channel], layers: tuple[int, ...],
                  max_rows: int, device: torch.device) -> None:  # fmt: skip

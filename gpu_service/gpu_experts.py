@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gpu_service.models.experts import abandon
 from gpu_service.moe_client import ShmExperts
 from ktserve.checkpoint import CheckpointReader
 from ktserve.protocol import expert_pb2 as pb
@@ -226,3 +227,6 @@ class _Sum:
 
     def wait(self) -> torch.Tensor:
         return self.pending.wait().to(self.gpu_part.device).add_(self.gpu_part)
+
+    def abandon(self) -> None:
+        abandon(self.pending)

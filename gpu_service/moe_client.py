@@ -140,8 +140,9 @@ class ShmExperts:
         self._registered.append(channel.address)
 
     def device_calls(self, layers: tuple[int, ...], max_rows: int) -> DeviceCalls:
-        """A device channel per worker, one slot per MoE layer in `layers`, for decode steps of
-        up to max_rows sequences whose expert calls the device stream makes (device_calls.py)."""
+        """A device channel per worker, one slot per entry of `layers` (a call's MoE layer), for
+        decode steps of up to max_rows sequences whose expert calls the device stream makes
+        (device_calls.py)."""
         region = region_bytes(max_rows, self.hidden_size, self.top_k)
         config = ktshm.ChannelConfig(
             num_slots=len(layers), region_bytes=region, spin_us=self.config.spin_us,
@@ -186,18 +187,33 @@ class ShmExperts:
         return PendingShm(self, layer, calls, num_tokens, start)
 
     def _begin(self, worker: _Worker, layer: int, specs: list, num_tokens: int) -> ktshm.Message:
-        """The next slot of worker's channel; a channel found in an impossible state (a slot
-        held though nothing is in flight: its memory was overwritten) is replaced by a new one,
-        attached over gRPC, before the call goes out."""
-        try:
-            return worker.channel.begin(wire.KIND_MOE, layer, specs, num_tokens)
-        except ktshm.ChannelFull as exc:
-            if worker.channel.inflight():
-                raise  # really full: calls of ours hold every slot
-            log.error("expert worker %s: channel %s is corrupt (%s); replacing it",
-                      worker.address, worker.channel.name, exc)  # fmt: skip
-            self._replace_channel(worker)
-        return worker.channel.begin(wire.KIND_MOE, layer, specs, num_tokens)
+        """The worker channel's next request slot. One that an abandoned call holds (the worker
+        is still computing it) frees when the worker replies: waited for, up to the timeout. A
+        channel found in an impossible state (a slot held by no call of ours: its memory was
+        overwritten) is replaced by a new one, attached over gRPC, before the call goes out."""
+        deadline = time.monotonic() + self.config.worker_timeout_s
+        while True:
+            try:
+                return worker.channel.begin(wire.KIND_MOE, layer, specs, num_tokens)
+            except ktshm.ChannelCorrupt as exc:
+                if worker.channel.inflight():
+                    raise ExpertsUnavailable(
+                        f"expert worker {worker.address}: channel corrupt with calls in flight "
+                        f"({exc})"
+                    ) from exc
+                log.error("expert worker %s: channel %s is corrupt (%s); replacing it",
+                          worker.address, worker.channel.name, exc)  # fmt: skip
+                self._replace_channel(worker)
+                continue
+            except ktshm.ChannelFull:
+                if len(worker.channel.inflight()) >= worker.channel.num_slots:
+                    raise  # every slot holds a call someone will wait for: a caller's bug
+                if time.monotonic() >= deadline:
+                    raise ExpertsUnavailable(
+                        f"expert worker {worker.address} did not finish an abandoned call in "
+                        f"{self.config.worker_timeout_s:.0f} s"
+                    ) from None
+            time.sleep(20e-6)  # NOTE: the slot frees as soon as the worker replies
 
     def _replace_channel(self, worker: _Worker) -> None:
         old = worker.channel
@@ -291,6 +307,11 @@ class PendingShm:
         self.layer = layer
         self.calls = calls
         self.num_tokens = num_tokens
+
+    def abandon(self) -> None:
+        """Give up on the replies (an error elsewhere): their slots are freed when they come."""
+        for worker, seq in self.calls:
+            worker.channel.abandon(seq)
 
     def wait(self) -> torch.Tensor:
         owner = self.owner

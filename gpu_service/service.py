@@ -61,6 +61,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
     scheduler = config.scheduler
     max_model_len = scheduler.max_model_len or min(hf.int("max_position_embeddings", 4096), 8192)
     scheduler = replace(scheduler, max_model_len=max_model_len)
+    check_model_fits(config, spec)
     experts = ShmExperts(
         config.experts, hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok,
         max_tokens=max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs), device=device,
@@ -69,8 +70,10 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         backend = experts
         if config.gpu_experts or config.expert_placement:
             backend = _hybrid(config, spec, experts, device, dtype)
+        deferred = config.max_deferred_experts_per_token
         model = load_model(config.model_dir, device, dtype, experts=backend,
-                           max_num_tokens_in_cache=16, hf=hf)  # fmt: skip
+                           max_num_tokens_in_cache=16, hf=hf,
+                           max_deferred_experts_per_token=deferred)  # fmt: skip
         tokens = config.kv_cache_tokens or _cache_tokens(model.kv_cache, dtype, device, config)
         per_token = model.kv_cache.config.bytes_per_token(dtype)
         host_tokens = int(config.kv_host_cache_gib * 2**30) // per_token
@@ -100,6 +103,16 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         experts.close()
         raise
     return GPUService(config, engine, experts, metrics, max_model_len, refresher)
+
+
+def check_model_fits(config: GPUServiceConfig, spec: ModelSpec) -> None:
+    """Raises ValueError for settings this model cannot take (before anything is loaded)."""
+    deferred = config.max_deferred_experts_per_token
+    if deferred >= spec.num_experts_per_tok:
+        raise ValueError(
+            f"--max-deferred-experts-per-token must be below the model's "
+            f"{spec.num_experts_per_tok} routed experts per token, got {deferred}"
+        )
 
 
 def _hybrid(config: GPUServiceConfig, spec: ModelSpec, experts: ShmExperts,

@@ -16,6 +16,7 @@ from ktshm.config import ChannelConfig
 from ktshm.errors import (
     ChannelBusy,
     ChannelClosed,
+    ChannelCorrupt,
     ChannelFull,
     ChannelNotFound,
     ChannelTimeout,
@@ -35,6 +36,7 @@ __all__ = [
     "Channel",
     "ChannelBusy",
     "ChannelClosed",
+    "ChannelCorrupt",
     "ChannelConfig",
     "ChannelFull",
     "ChannelNotFound",

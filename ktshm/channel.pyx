@@ -562,6 +562,10 @@ cdef class Channel:
             if state == KT_SLOT_REPLY and slot.seq in self._abandoned:
                 self._abandoned.discard(slot.seq)
                 self._inflight.pop(slot.seq, None)
+            elif slot.seq not in self._inflight and slot.seq not in self._abandoned:
+                raise errors.ChannelCorrupt(
+                    f"slot {index} is in state {state} for a request this producer never sent "
+                    f"or already released (its memory was overwritten)")
             else:
                 raise errors.ChannelFull(
                     f"slot {index} still holds request {slot.seq}; receive or release it first "

@@ -29,6 +29,10 @@ class UntrustedSegment(KtshmError, PermissionError):
     """The segment belongs to another user, or others may open it: not attached."""
 
 
+class ChannelCorrupt(KtshmError):
+    """The segment holds a state no protocol step leads to: tear the channel down, make anew."""
+
+
 class ChannelBusy(KtshmError):
     """A live consumer is already attached."""
 

@@ -34,7 +34,7 @@ from gpu_service.api.worker_metrics import worker_registry
 from gpu_service.engine.grammar import GrammarCompiler
 from gpu_service.external_workers import ExternalWorkers
 from gpu_service.serve_config import ChatConfig, ServeConfig
-from gpu_service.service import GPUService, build_gpu_service
+from gpu_service.service import GPUService, build_gpu_service, check_model_fits
 from gpu_service.supervisor import Supervisor, worker_specs
 from ktserve.checkpoint import HFConfig
 from ktserve.checkpoint.spec import ModelSpec
@@ -72,6 +72,7 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
         tokenizer = load_tokenizer(config.model_dir)
         hf = HFConfig.from_dir(config.model_dir)
         spec = ModelSpec.from_hf(hf)
+        check_model_fits(config.gpu, spec)
         parser, reasoning = chat_parsers(config.chat, tokenizer, hf)
         workers = _workers(config, spec)
         workers.start(config.workers.worker_start_timeout_s)

@@ -12,6 +12,13 @@ each part one of the methods CausalLM.forward runs too (the layers are split the
     segment 1    h += m_0.mlp.combine(routed, shared); the layers up to m_1's route ...
     segment n    h += combine(...); the layers left; logits -> [B_pad, V] float32
 
+With expert deferral (MoE.num_deferred, models/moe.py) segment j also splits m_j's routing into
+an immediate and a deferred call; the host submits both, waits for the immediate one after
+shared j and for m_{j-1}'s deferred one (into a second static buffer), which segment j + 1's
+combine adds, as CausalLM.forward does. With device calls a deferring layer has two slots
+(immediate, deferred, in that order: workers take the lowest posted slot first), and the step
+collects m_{j-1}'s deferred reply right after m_j's immediate one.
+
 With expert calls in the graph (DecodeGraphConfig.experts_in_graph, where the experts offer
 device calls: gpu_service/device_calls.py), the device stream itself copies each MoE layer's
 inputs to the workers, rings them and waits for their replies, so the whole step is one graph
@@ -41,6 +48,7 @@ import numpy as np
 import torch
 
 from gpu_service.models.batch import AttentionMetadata, Batch, StepContext
+from gpu_service.models.experts import abandon
 from gpu_service.models.model import CausalLM
 from gpu_service.models.moe import MoE
 
@@ -86,6 +94,7 @@ class _SegmentOut:
     h: torch.Tensor  # [B_pad, H] the residual after m_j's attention
     ctx: StepContext
     moe_in: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # x [B_pad, H], ids/weights [B_pad, k]
+    later: tuple[torch.Tensor, torch.Tensor] | None = None  # m_j's deferred ids/weights
 
 
 class _Bucket:
@@ -110,6 +119,7 @@ class _Bucket:
         self.rows, self.q_index = rows, rows[:, None]
         self.q_valid = torch.ones((batch, 1), dtype=torch.bool, device=device)
         self.routed = torch.zeros((batch, hidden), dtype=torch.float32, device=device)
+        self.deferred = torch.zeros((batch, hidden), dtype=torch.float32, device=device)
         self.copied: torch.cuda.Event | None = None
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.outputs: list = []  # what each graph's stage returned when it was recorded
@@ -180,8 +190,15 @@ class DecodeGraphs:
             log.info("decode steps call the experts between graph segments: %s makes no device "
                      "calls", type(backend).__name__)  # fmt: skip
             return None
-        layers = tuple(moe.layer for moe in self.moes)
-        return backend.device_calls(layers, self.config.max_batch)
+        slots: list[int] = []  # the MoE layer of each device slot
+        self.slot_now, self.slot_later = [], []  # per MoE layer j: its slots (later: or None)
+        for moe in self.moes:
+            self.slot_now.append(len(slots))
+            slots.append(moe.layer)
+            self.slot_later.append(len(slots) if moe.num_deferred else None)
+            if moe.num_deferred:
+                slots.append(moe.layer)
+        return backend.device_calls(tuple(slots), self.config.max_batch)
 
     def warm_up(self, batch_sizes: tuple[int, ...] = (1,)) -> None:
         """Capture the buckets of these batch sizes at the shortest context now, not mid-request."""
@@ -227,14 +244,26 @@ class DecodeGraphs:
             return logits
         run = bucket.replayer() if self.config.capture else _compute
         out = run(self._segment, bucket, 0, None, None)
-        for j, moe in enumerate(self.moes):
-            x, ids, weights = out.moe_in
-            # NOTE: submit before the shared expert and wait after it: the GPU computes it while
-            # the CPU computes the routed experts
-            pending = moe.experts.submit(moe.layer, x[:b], ids[:b], weights[:b])
-            shared = run(moe.shared_out, x) if moe.shared is not None else None
-            bucket.routed[:b].copy_(pending.wait())
-            out = run(self._segment, bucket, j + 1, out, shared)
+        pending = deferred = later = None  # m_j's immediate call, m_{j-1}'s deferred one, m_j's
+        try:
+            for j, moe in enumerate(self.moes):
+                x, ids, weights = out.moe_in
+                # NOTE: submit before the shared expert and wait after it: the GPU computes it
+                # while the CPU computes the routed experts (and m_j's deferred ones after them)
+                pending = moe.experts.submit(moe.layer, x[:b], ids[:b], weights[:b])
+                if out.later is not None:
+                    later_ids, later_weights = out.later
+                    later = moe.experts.submit(moe.layer, x[:b], later_ids[:b], later_weights[:b])
+                shared = run(moe.shared_out, x) if moe.shared is not None else None
+                bucket.routed[:b].copy_(pending.wait())
+                if deferred is not None:
+                    bucket.deferred[:b].copy_(deferred.wait())
+                deferred, later = later, None
+                out = run(self._segment, bucket, j + 1, out, shared)
+        except BaseException:
+            for call in (pending, deferred, later):
+                abandon(call)
+            raise
         return out
 
     def _step(self, bucket: _Bucket) -> torch.Tensor:
@@ -243,9 +272,13 @@ class DecodeGraphs:
         out = self._segment(bucket, 0, None, None)
         for j, moe in enumerate(self.moes):
             x, ids, weights = out.moe_in
-            calls.call(j, x, ids, weights)
+            calls.call(self.slot_now[j], x, ids, weights)
+            if out.later is not None:
+                calls.call(self.slot_later[j], x, *out.later)
             shared = moe.shared_out(x) if moe.shared is not None else None
-            calls.collect(j, bucket.routed)
+            calls.collect(self.slot_now[j], bucket.routed)
+            if j >= 1 and self.slot_later[j - 1] is not None:
+                calls.collect(self.slot_later[j - 1], bucket.deferred)
             out = self._segment(bucket, j + 1, out, shared)
         calls.end_step()
         return out
@@ -263,7 +296,8 @@ class DecodeGraphs:
             first = 0
         else:
             x = prev.moe_in[0]
-            mlp_out = self.moes[j - 1].combine(bucket.routed, shared, x.dtype)
+            joined = bucket.deferred if j >= 2 and self.moes[j - 2].num_deferred else None
+            mlp_out = self.moes[j - 1].combine(bucket.routed, shared, x.dtype, joined)
             h, ctx, first = prev.h + mlp_out, prev.ctx, self.moe_layers[j - 1] + 1
         last = self.moe_layers[j] if j < len(self.moe_layers) else len(layers)
         for layer in layers[first:last]:
@@ -273,8 +307,8 @@ class DecodeGraphs:
         layer = layers[last]
         h = layer.attend(h, ctx)
         x = layer.mlp_input(h)
-        ids, weights = layer.mlp.route(x)
-        return _SegmentOut(h, ctx, (x, ids, weights))
+        now, later = layer.mlp.split(*layer.mlp.route(x))
+        return _SegmentOut(h, ctx, (x, *now), later)
 
     # ------------------------------------------------------------------ capture
     def _bucket(self, batch: int, kv_len: int) -> _Bucket:

@@ -22,6 +22,14 @@ class PendingExperts(Protocol):
     def wait(self) -> torch.Tensor: ...
 
 
+def abandon(pending: PendingExperts | None) -> None:
+    """Give up on a call nobody will wait for (an error came first), where the backend can:
+    its slots are freed (ShmExperts: PendingShm.abandon)."""
+    give_up = getattr(pending, "abandon", None)
+    if give_up is not None:
+        give_up()
+
+
 class RoutedExperts(Protocol):
     def submit(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

@@ -2,6 +2,8 @@
 
     h = embed(tokens)                                      # [T, H]
     for each layer: h = h + attn(norm_1(h)); h = h + mlp(norm_2(h))   (mlp: dense or MoE)
+                    (with expert deferral an MoE layer's mlp output also holds the previous MoE
+                    layer's deferred experts: moe.py)
     logits = lm_head(norm(h))                              # [B, V] (last tokens) or [T, V]
 
 Families (deepseek.py, qwen_moe.py, mixtral.py) build the attention and MLP modules per layer and
@@ -22,9 +24,11 @@ from torch import nn
 
 from gpu_service.models.batch import AttentionMetadata, Batch, StepContext
 from gpu_service.models.config import BaseConfig
+from gpu_service.models.experts import abandon
 from gpu_service.models.kv_cache import KVCache
 from gpu_service.models.layers import Linear, RMSNorm
 from gpu_service.models.loader import WeightLoader
+from gpu_service.models.moe import MoE
 from gpu_service.models.rope import Rotary
 
 
@@ -81,6 +85,28 @@ class CausalLM(nn.Module):
         self.rotary = rotary
         self.kv_cache = kv_cache
 
+    @property
+    def moes(self) -> list[MoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+
+    @property
+    def num_deferred_experts(self) -> int:
+        """Routed experts per token each MoE layer but the last defers to the next (moe.py)."""
+        return max((moe.num_deferred for moe in self.moes), default=0)
+
+    def defer_experts(self, num: int) -> None:
+        """Defer each token's `num` lowest-weight routed experts of every MoE layer but the
+        last to the next MoE layer (0: none); num must be below the experts per token."""
+        moes = self.moes
+        top_k = moes[0].router.top_k if moes else 0
+        if num < 0 or (num and num >= top_k):
+            raise ValueError(
+                f"max_deferred_experts_per_token must be >= 0 and below the model's {top_k} "
+                f"routed experts per token (num_experts_per_tok), got {num}"
+            )
+        for i, moe in enumerate(moes):
+            moe.num_deferred = num if i < len(moes) - 1 else 0
+
     def check_batch(self, batch: Batch) -> None:
         """Raises ValueError (or InvalidSequenceCache) for a batch this model cannot run: caches
         not live or too small, ids outside the embedding table (on CUDA, indexing past it is a
@@ -122,8 +148,18 @@ class CausalLM(nn.Module):
             [t for s in batch.seqs for t in s.token_ids], dtype=torch.int64, device=self.device
         )
         h = self.embed_tokens(tokens)  # [T, H]
-        for layer in self.layers:
-            h = layer(h, ctx)
+        deferred = None  # the last MoE layer's deferred call, joined at the next one's combine
+        try:
+            for layer in self.layers:
+                if isinstance(layer.mlp, MoE):
+                    h = layer.attend(h, ctx)
+                    out, deferred = layer.mlp.step(layer.mlp_input(h), deferred)
+                    h = h + out
+                else:
+                    h = layer(h, ctx)
+        except BaseException:
+            abandon(deferred)
+            raise
         for s in batch.seqs:
             s.cache.num_tokens = s.end_pos
         if not all_positions:

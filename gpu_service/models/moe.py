@@ -7,6 +7,16 @@ routed_scaling_factor included), matching transformers 5's routers:
                         top-2-sum group scores, topk_group groups, top-k, norm_topk_prob, scaling.
   SoftmaxRouter         DeepSeek-V2 (greedy / group_limited_greedy, float32 logits), Qwen-MoE and
                         Mixtral (logits in the model dtype, softmax in float32, top-k, renorm).
+
+Expert deferral (MoE.num_deferred = D > 0, set by CausalLM.defer_experts): each token's D
+lowest-weight routed experts of MoE layer l are a second call, submitted right behind the
+immediate one (the k - D others) and waited for at the next MoE layer's combine, whose output
+they join (the CPU computes them while the GPU runs on):
+
+    out_l = shared_l(x_l) + immediate_l(x_l) + deferred_prev(x_prev)     (prev: the MoE layer
+                                                                           before l, if it defers)
+Each call holds all k columns, the other call's experts as ids -1 (weights 0). The last MoE
+layer defers nothing, so every deferred output joins within the step.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_service.models.experts import RoutedExperts
+from gpu_service.models.experts import PendingExperts, RoutedExperts, abandon
 from gpu_service.models.layers import DenseMLP, Linear
 
 
@@ -108,6 +118,7 @@ class MoE(nn.Module):
         super().__init__()
         self.layer, self.router, self.shared, self.shared_gate = layer, router, shared, shared_gate
         self.experts = experts
+        self.num_deferred = 0  # experts per token whose output joins at the next MoE layer
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The experts each token goes to: ids [T, k] int32, weights [T, k] float32."""
@@ -122,15 +133,50 @@ class MoE(nn.Module):
             shared = torch.sigmoid(self.shared_gate(x)) * shared
         return shared
 
-    def combine(self, routed: torch.Tensor, shared: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-        """The layer's output [T, H] in `dtype` (x's) from the experts' reply and shared_out."""
+    def split(
+        self, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
+        """(ids, weights) [T, k] of the immediate call and, with num_deferred, of the deferred
+        one (else None): each token's num_deferred lowest-weight experts are deferred (ties: the
+        later column); each call's ids of the other's experts are -1, their weights 0."""
+        if not self.num_deferred:
+            return (ids, weights), None
+        k = ids.shape[1]
+        order = weights.argsort(dim=-1, descending=True, stable=True)  # [T, k]
+        later = torch.zeros_like(ids, dtype=torch.bool)  # [T, k]
+        later.scatter_(1, order[:, k - self.num_deferred :], True)
+        now = (ids.masked_fill(later, -1), weights.masked_fill(later, 0.0))
+        return now, (ids.masked_fill(~later, -1), weights.masked_fill(~later, 0.0))
+
+    def combine(self, routed: torch.Tensor, shared: torch.Tensor | None, dtype: torch.dtype,
+                deferred: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The layer's output [T, H] in `dtype` (x's) from the experts' reply, shared_out and
+        the previous MoE layer's deferred reply (None: it deferred nothing)."""
         routed = routed.to(dtype)
-        return routed if shared is None else routed + shared
+        out = routed if shared is None else routed + shared
+        return out if deferred is None else out + deferred.to(dtype)
+
+    def step(self, x: torch.Tensor, deferred: PendingExperts | None = None
+             ) -> tuple[torch.Tensor, PendingExperts | None]:  # fmt: skip
+        """The layer's output [T, H], the previous MoE layer's deferred call joined in, and this
+        layer's own deferred call (None without deferral), for the next MoE layer to join."""
+        ids, weights = self.route(x)
+        now, later = self.split(ids, weights)
+        pending = self.experts.submit(self.layer, x, *now)
+        # NOTE: the deferred call goes right behind the immediate one, and the shared expert
+        # runs between submit and wait, while the experts compute
+        pending_later = self.experts.submit(self.layer, x, *later) if later else None
+        try:
+            shared = self.shared_out(x)
+            routed = pending.wait()
+            joined = deferred.wait() if deferred is not None else None
+        except BaseException:
+            abandon(pending)  # NOTE: `deferred` stays the caller's to abandon
+            abandon(pending_later)
+            raise
+        return self.combine(routed, shared, x.dtype, joined), pending_later
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(x)
-        pending = self.experts.submit(self.layer, x, ids, weights)
-        # NOTE: the shared expert runs between submit and wait, while the experts compute
-        shared = self.shared_out(x)
-        return self.combine(pending.wait(), shared, x.dtype)
+        if self.num_deferred:
+            raise RuntimeError("a deferring MoE layer runs through step(), not forward()")
+        return self.step(x)[0]

@@ -41,10 +41,12 @@ def load_model(
     max_num_tokens_in_cache: int,
     block_size: int = DEFAULT_BLOCK_SIZE,
     hf: HFConfig | None = None,
+    max_deferred_experts_per_token: int = 0,
 ) -> CausalLM:
     """The model's non-expert part on `device` (default: cuda when available) as `dtype`, with a
     paged KV cache of `max_num_tokens_in_cache` token slots; routed experts go to `experts`.
-    hf: the checkpoint's config.json when the caller has read it already."""
+    hf: the checkpoint's config.json when the caller has read it already.
+    max_deferred_experts_per_token: expert deferral (CausalLM.defer_experts; 0: off)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"model dtype {dtype} is not supported; use float32, bfloat16 or float16")
     hf = hf or HFConfig.from_dir(model_dir)
@@ -56,4 +58,5 @@ def load_model(
     )
     build = MODEL_BUILDERS[hf.model_type]
     model = build(hf, spec, loader, experts, max_num_tokens_in_cache, block_size)
+    model.defer_experts(max_deferred_experts_per_token)
     return model.eval()

@@ -255,6 +255,11 @@ def test_no_model_serves_the_demo_or_says_how_to_pass_one(tmp_path):
         (("--expert-workers", "0"), "--expert-workers must be >= 1"),
         (("--expert-workers", "2", "--experts-per-worker", "0-11"), "one range per worker"),
         (("--expert-workers", "50"), "use at most 12 workers"),
+        (
+            ("--max-deferred-experts-per-token", "-1"),
+            "--max-deferred-experts-per-token must be >= 0",
+        ),
+        (("--max-deferred-experts-per-token", "9"), "must be below the model's"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(checkpoint, args, message):
