@@ -4,6 +4,8 @@ flags are WorkerConfig's and ConvertConfig's fields."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import signal
 import sys
 import threading
@@ -53,6 +55,7 @@ def run_expert(args: argparse.Namespace) -> int:
     from expert_service.worker import ExpertWorker
 
     config = from_args(WorkerConfig, args)
+    parent = os.getppid()
     try:
         token = read_token(config.token_file)
     except TokenError as exc:
@@ -98,6 +101,18 @@ def run_expert(args: argparse.Namespace) -> int:
     finally:
         server.stop(grace=1).wait()
         worker.close()
+        if os.getppid() != parent and config.listen.startswith("unix:"):
+            _remove_orphaned_socket(Path(config.listen.removeprefix("unix:")))
+
+
+def _remove_orphaned_socket(path: Path) -> None:
+    """Our parent (`ktserve serve`) died and will restart no one: the last of its workers to
+    go removes the socket directory it made (ktserve-workers-*), once empty."""
+    path.unlink(missing_ok=True)
+    if path.parent.name.startswith("ktserve-workers-"):
+        # NOTE: fails while another worker's socket is there: the last one removes it
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
 
 
 def run_convert(args: argparse.Namespace) -> int:

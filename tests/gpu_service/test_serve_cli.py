@@ -322,10 +322,12 @@ def test_kill_9_leaves_no_segments_behind(checkpoint):
         _, health = server.health()
         pids = [w["pid"] for w in health["workers"]]
         assert pids and len(shm_entries() - before) > 0
+        socket_dir = Path(health["workers"][0]["address"].removeprefix("unix:")).parent
         server.proc.kill()
         server.proc.wait(30)
         server.wait_until(lambda: not any(pid_alive(p) for p in pids), 30, "the workers' exit")
         server.wait_until(lambda: not shm_entries() - before, 10, "no segments left")
+        assert not socket_dir.exists(), "the workers' socket directory was left behind"
     finally:
         server.close()
 
