@@ -60,7 +60,7 @@ class Engine:
         """graph_config: decode steps as CUDA graphs (Runner); None: every step eagerly."""
         self.model = model
         self.scheduler = Scheduler(scheduler_config, model.kv_cache)
-        self.runner = Runner(model, graph_config)
+        self.runner = Runner(model, graph_config, eos_token_ids)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = RequestLimits(
             max_model_len=scheduler_config.max_model_len,

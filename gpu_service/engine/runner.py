@@ -8,10 +8,12 @@ first, on the same stream, so the forward reads and overwrites those blocks afte
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.engine.grammar import TokenMasker
+from gpu_service.engine.request import Request
 from gpu_service.engine.sampling import SampledToken, Sampler
 from gpu_service.engine.scheduler import ScheduledStep
 from gpu_service.models.batch import Batch, SeqInput
@@ -26,15 +28,17 @@ class StepResult:
 
 
 class Runner:
-    def __init__(self, model: CausalLM, graph_config: DecodeGraphConfig | None = None) -> None:
+    def __init__(self, model: CausalLM, graph_config: DecodeGraphConfig | None = None,
+                 eos_token_ids: Sequence[int] = ()) -> None:  # fmt: skip
         """graph_config: None runs every step through model.forward. The model's KV cache must
-        be the one it serves with: the graphs capture its tensors."""
+        be the one it serves with: the graphs capture its tensors. eos_token_ids: what a
+        request's min_tokens holds back."""
         self.model = model
         self.decode_graphs: DecodeGraphs | None = None
         if graph_config is not None:
             self.decode_graphs = DecodeGraphs(model, graph_config)
             self.decode_graphs.warm_up()
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids)
         self.masker = TokenMasker()
         self.vocab_size = model.config.vocab_size
 
@@ -56,9 +60,16 @@ class Runner:
         logits = model.forward(batch)[rows]  # [N, V] float32
         if masks is not None:
             self.masker.apply(logits, masks)  # disallowed tokens -inf
-        sampled = self.sampler(logits, [r.params for r in requests],
-                               [r.generator for r in requests]) if rows else []  # fmt: skip
+        sampled = self.sample(logits, requests) if rows else []
         tokens: list[SampledToken | None] = [None] * len(step.seqs)
         for i, token in zip(rows, sampled):
             tokens[i] = token
         return StepResult(tuple(tokens), time.perf_counter() - start, graphed)
+
+    def sample(self, logits, requests: list[Request]) -> list[SampledToken]:
+        params = [r.params for r in requests]
+        history = any(p.penalized or p.min_tokens for p in params)
+        prompt_ids = [r.prompt_ids for r in requests] if history else None
+        output_ids = [[t.token_id for t in r.output] for r in requests] if history else None
+        return self.sampler(logits, params, [r.generator for r in requests], prompt_ids,
+                            output_ids)  # fmt: skip
