@@ -59,13 +59,14 @@ class ApiContext:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="ktserve-tokenize")
     )
 
-    async def encode_prompt(self, text: str, param: str = "prompt") -> list[int]:
+    async def encode_prompt(self, text: str, param: str = "prompt",
+                            add_special_tokens: bool = True) -> list[int]:  # fmt: skip
         """text's ids, tokenized off the event loop once the length bound let it through."""
         try:
             self.tokenizer.check_length(len(text), self.max_model_len)
         except EngineError as exc:
             raise from_engine(exc, param) from exc
-        return await self._off_loop(self.tokenizer.encode, text)
+        return await self._off_loop(self.tokenizer.encode, text, add_special_tokens)
 
     async def render_chat(self, messages: Callable[[bool], list[dict]],
                           tools: list[dict] | None = None, template_kwargs: dict | None = None,
@@ -92,6 +93,21 @@ class ApiContext:
                                 timeout_s=min(timeouts, default=None))  # fmt: skip
         self.generations.add(generation)
         return generation
+
+    def choices(self, body: Any, prompt_ids: Sequence[int], params: Sequence[SamplingParams],
+                request_id: str, prompt_param: str) -> list[Generation]:  # fmt: skip
+        """One generation per choice (params[i] for choice i; engine ids request_id-i when more
+        than one); if the engine refuses one, those already added are closed."""
+        out: list[Generation] = []
+        try:
+            for i, p in enumerate(params):
+                rid = request_id if len(params) == 1 else f"{request_id}-{i}"
+                out.append(self.generation(body, prompt_ids, p, rid, prompt_param))
+        except BaseException:
+            for generation in out:
+                generation.close()
+            raise
+        return out
 
     def end_generations(self, error: EngineError) -> int:
         """End every generation still open with `error` (Generation.end); how many there were."""

@@ -128,6 +128,18 @@ async def collect(generation: Generation) -> Outcome:
     return out
 
 
+async def collect_all(generations: Sequence[Generation]) -> list[Outcome]:
+    """Every choice's Outcome; if one fails, the others are closed and its error raised."""
+    tasks = [asyncio.ensure_future(collect(g)) for g in generations]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        for generation in generations:
+            generation.close()
+
+
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Run `work`; cancel it (which aborts its generation) if the client disconnects first.
     Call only once the body has been read: then `receive` answers only with the disconnect."""

@@ -155,6 +155,12 @@ class Engine:
         """One scheduling decision and its execution (the engine thread's unit of work)."""
         step = self.scheduler.schedule()
         self._update_gauges()
+        self.metrics.preemptions.inc(len(step.preempted))
+        scheduled_at = time.monotonic()
+        for s in step.seqs:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = scheduled_at
+                self.metrics.queue_time.observe(scheduled_at - s.request.arrival)
         self.metrics.observe_prefix_cache(self.model.kv_cache.stats)
         if not step.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -238,7 +244,7 @@ class Engine:
         self.scheduler.finish(request, reason, error)
         self._tracked.pop(request.request_id, None)
         self.metrics.e2e.observe(time.monotonic() - request.arrival)
-        self.metrics.finished.labels(reason=reason.value).inc()
+        self.metrics.finished.labels(finished_reason=reason.value).inc()
         self._update_gauges()
         tracked.on_event(_event(request, (), finish_reason=reason, error=error))
 

@@ -58,6 +58,7 @@ class Request:
     cache: SeqCache | None = None
     finish_reason: FinishReason | None = None
     error: EngineError | None = None
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_cached_prompt_tokens: int | None = None  # found in the prefix cache at first admission
     block_hashes: list[bytes] = field(default_factory=list)  # of all_ids's full blocks, chained
