@@ -24,8 +24,7 @@ class ModelNameCollector:
             for family in registry.collect():
                 labeled = Metric(family.name, family.documentation, family.type, family.unit)
                 labeled.samples = [
-                    s._replace(labels={LABEL: self.model_name, **s.labels})
-                    for s in family.samples
+                    s._replace(labels={LABEL: self.model_name, **s.labels}) for s in family.samples
                 ]
                 yield labeled
 
