@@ -97,7 +97,9 @@ class Engine:
             raise EngineStopped("the engine is shutting down")
         self.limits.check(prompt_ids, params)
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
-        detok = Detokenizer(self.decode, params.stop) if self.decode is not None else None
+        detok = None
+        if self.decode is not None:
+            detok = Detokenizer(self.decode, params.stop, params.min_tokens)
         self._inbox.put(("add", _Tracked(request, on_event, detok)))
         self._wake.set()
         return request.request_id

@@ -352,6 +352,13 @@ def test_detokenizer_holds_back_possible_stop_string_prefixes():
     assert detok.stopped and detok.text == "Hello "
 
 
+def test_detokenizer_looks_for_stop_strings_from_min_tokens_on():
+    pieces = ["a", "STOP", "b", "c", "STOP", "d"]
+    detok = Detokenizer(lambda ids: "".join(pieces[i] for i in ids), stop=("STOP",), min_tokens=3)
+    out = [detok.add(list(range(n))) for n in range(1, 6)]
+    assert detok.stopped and "".join(out) == detok.text == "aSTOPbc"
+
+
 def _byte_decode(pieces: list[bytes]):
     """A byte-level decoder: token i is pieces[i]; invalid or unfinished UTF-8 gives U+FFFD."""
     return lambda ids: b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
