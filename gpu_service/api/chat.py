@@ -47,8 +47,9 @@ async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
         grammar=grammar,
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    generations = ctx.choices(body, prompt_ids, choice_params(params, body.n), request_id,
-                              prompt_param="messages")  # fmt: skip
+    per_choice = choice_params(params, body.n)
+    generations = await ctx.choices(request, body, prompt_ids, per_choice, request_id,
+                                    prompt_param="messages")  # fmt: skip
     writers = [
         ChatChunks(ctx, request_id, want_logprobs, OutputReader(plan, prompt_opened), index=i)
         for i in range(body.n)

@@ -28,8 +28,9 @@ async def create_completion(request: Request, ctx: ApiContext) -> Response:
         body, ctx.max_tokens_for(prompt_ids, body.max_tokens), want_logprobs, body.logprobs or 0
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generations = ctx.choices(body, prompt_ids, choice_params(params, body.n), request_id,
-                              prompt_param="prompt")  # fmt: skip
+    per_choice = choice_params(params, body.n)
+    generations = await ctx.choices(request, body, prompt_ids, per_choice, request_id,
+                                    prompt_param="prompt")  # fmt: skip
     writers = [CompletionChunks(ctx, request_id, want_logprobs, index=i) for i in range(body.n)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

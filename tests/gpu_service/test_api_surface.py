@@ -7,6 +7,7 @@ vLLM has beside /v1 (/v1/models/{id}, /tokenize, /detokenize, /version, HEAD /he
 from __future__ import annotations
 
 import http.client
+import random
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -89,6 +90,17 @@ def test_n_streamed_choices_match_the_whole_answer(client, seed):
     assert dict(text) == {c.index: c.message.content for c in whole.choices}
     assert finish == {0: "length", 1: "length"} and roles == {0: 1, 1: 1}
     assert usage.completion_tokens == 16 and usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_n_choices_share_the_prompts_kv_blocks(client, server, seed):
+    """Choices after the first find the prompt's full blocks in the prefix cache."""
+    prompt = [random.Random(seed).randrange(3, 300) for _ in range(70)]  # fresh: not cached
+    hits = "ktserve_prefix_cache_hits_total{tier=gpu}"
+    before = server.metrics().get(hits, 0.0)
+    r = client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=3, seed=seed,
+                                  extra_body=NO_EOS)  # fmt: skip
+    assert r.usage.completion_tokens == 9 and r.usage.prompt_tokens == 70
+    assert server.metrics()[hits] - before >= 2 * 64  # 4 full blocks of 16, twice
 
 
 def test_n_completions(client, seed):
