@@ -27,7 +27,7 @@ def reference_processed(logits, params, prompt_ids, output_ids, eos=(EOS,)):
         for t, b in p.logit_bias:
             row[t] = row[t] + b
         seen = set(prompt_ids[i]) | set(output_ids[i])
-        for t in range(VOCAB):
+        for t in range(logits.shape[1]):
             x = float(row[t])
             if t in seen and x != -math.inf:  # transformers' RepetitionPenaltyLogitsProcessor
                 x = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
