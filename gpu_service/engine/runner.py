@@ -67,9 +67,14 @@ class Runner:
         return StepResult(tuple(tokens), time.perf_counter() - start, graphed)
 
     def sample(self, logits, requests: list[Request]) -> list[SampledToken]:
+        """The rows' tokens; the history that penalties and min_tokens read is gathered only
+        for the rows that have them (the others' is empty: nothing of it is read)."""
         params = [r.params for r in requests]
-        history = any(p.penalized or p.min_tokens for p in params)
-        prompt_ids = [r.prompt_ids for r in requests] if history else None
-        output_ids = [[t.token_id for t in r.output] for r in requests] if history else None
+        prompt_ids = output_ids = None
+        if any(p.penalized or p.min_tokens for p in params):
+            prompt_ids = [r.prompt_ids if p.repetition_penalty != 1 else ()
+                          for r, p in zip(requests, params)]  # fmt: skip
+            output_ids = [[t.token_id for t in r.output] if p.penalized or p.min_tokens else ()
+                          for r, p in zip(requests, params)]  # fmt: skip
         return self.sampler(logits, params, [r.generator for r in requests], prompt_ids,
                             output_ids)  # fmt: skip
