@@ -16,6 +16,7 @@ import torch
 
 from gpu_service.engine.errors import EngineError
 from gpu_service.engine.grammar import GrammarMatcher
+from gpu_service.engine.logits_processors import TokenHistory
 from gpu_service.engine.sampling import SampledToken, SamplingParams
 from gpu_service.models.kv_cache import SeqCache
 
@@ -64,6 +65,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of all_ids's full blocks, chained
     generator: torch.Generator = field(init=False)
     matcher: GrammarMatcher | None = field(init=False, default=None)  # with params.grammar
+    history: TokenHistory | None = field(init=False, default=None)  # penalties' counts (runner)
 
     def __post_init__(self) -> None:
         if self.params.grammar is not None:

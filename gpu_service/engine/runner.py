@@ -11,8 +11,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.engine.grammar import TokenMasker
+from gpu_service.engine.logits_processors import LogitsInput, TokenHistory
 from gpu_service.engine.request import Request
 from gpu_service.engine.sampling import SampledToken, Sampler
 from gpu_service.engine.scheduler import ScheduledStep
@@ -67,14 +70,26 @@ class Runner:
         return StepResult(tuple(tokens), time.perf_counter() - start, graphed)
 
     def sample(self, logits, requests: list[Request]) -> list[SampledToken]:
-        """The rows' tokens; the history that penalties and min_tokens read is gathered only
-        for the rows that have them (the others' is empty: nothing of it is read)."""
+        """The rows' tokens; penalized requests keep their counts on the device (history)."""
         params = [r.params for r in requests]
-        prompt_ids = output_ids = None
-        if any(p.penalized or p.min_tokens for p in params):
-            prompt_ids = [r.prompt_ids if p.repetition_penalty != 1 else ()
-                          for r, p in zip(requests, params)]  # fmt: skip
-            output_ids = [[t.token_id for t in r.output] if p.penalized or p.min_tokens else ()
-                          for r, p in zip(requests, params)]  # fmt: skip
-        return self.sampler(logits, params, [r.generator for r in requests], prompt_ids,
-                            output_ids)  # fmt: skip
+        generators = [r.generator for r in requests]
+        num_output = [len(r.output) for r in requests]
+        counts = seen = None
+        if any(p.penalized for p in params):
+            vocab, device = logits.shape[1], logits.device
+            zeros = torch.zeros(vocab, device=device)
+            for r in requests:
+                if r.params.penalized:
+                    if r.history is None:
+                        r.history = TokenHistory(r.prompt_ids, vocab, device,
+                                                 r.params.repetition_penalty != 1)  # fmt: skip
+                    r.history.update([t.token_id for t in r.output[r.history.num_counted :]])
+            counts = torch.stack([r.history.output_counts if r.history is not None else zeros
+                                  for r in requests])  # fmt: skip  # [B, V]
+            if any(p.repetition_penalty != 1 for p in params):
+                no = zeros.bool()
+                seen = torch.stack([r.history.prompt_seen if r.history is not None
+                                    and r.history.prompt_seen is not None else no
+                                    for r in requests])  # fmt: skip  # [B, V]
+        rows = LogitsInput(params, num_output, counts, seen)
+        return self.sampler.sample_rows(logits, rows, generators)

@@ -14,7 +14,7 @@ generator and its own logits: a seeded request gives the same tokens whatever ru
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -133,11 +133,23 @@ class Sampler:
         """prompt_ids / output_ids: each row's tokens so far (for penalties and min_tokens;
         None: none yet)."""
         raw = logits.float()  # [B, V]
-        batch = raw.shape[0]
-        empty: list[Sequence[int]] = [()] * batch
-        rows = LogitsInput(params, prompt_ids or empty, output_ids or empty, self.eos_token_ids)
-        tokens = sample(process_logits(raw, rows), params, generators).tolist()
-        return _with_logprobs(raw, tokens, params)
+        empty: list[Sequence[int]] = [()] * raw.shape[0]
+        rows = LogitsInput.from_ids(params, prompt_ids or empty, output_ids or empty,
+                                    raw.shape[1], raw.device, self.eos_token_ids)  # fmt: skip
+        return self.sample_rows(raw, rows, generators)
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        rows: LogitsInput,
+        generators: Sequence[torch.Generator | None],
+    ) -> list[SampledToken]:
+        """As __call__, with the rows' history already on the device (LogitsInput)."""
+        raw = logits.float()
+        if not rows.eos_token_ids and self.eos_token_ids:
+            rows = replace(rows, eos_token_ids=self.eos_token_ids)
+        tokens = sample(process_logits(raw, rows), rows.params, generators).tolist()
+        return _with_logprobs(raw, tokens, rows.params)
 
 
 def sample(

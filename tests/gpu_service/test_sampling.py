@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from gpu_service.engine.logits_processors import LogitsInput, process_logits
+from gpu_service.engine.logits_processors import LogitsInput, TokenHistory, process_logits
 from gpu_service.engine.sampling import Sampler, SamplingParams, sample
 
 VOCAB = 48
@@ -84,13 +84,26 @@ def test_penalties_bias_and_min_tokens_match_the_reference(gen):
     prompt_ids = history(gen, len(params), 10)
     output_ids = history(gen, len(params), 6)
     before = logits.clone()
-    got = process_logits(logits, LogitsInput(params, prompt_ids, output_ids, (EOS,)))
+    rows = LogitsInput.from_ids(params, prompt_ids, output_ids, VOCAB, logits.device, (EOS,))
+    got = process_logits(logits, rows)
     want = reference_processed(logits, params, prompt_ids, output_ids)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
     assert got[3, EOS] == -math.inf and got[4, 11] == -math.inf and got[4, 12] == -math.inf
     assert got[5, EOS] == logits[5, EOS] and got[5, 13] == -math.inf
     assert torch.equal(got[6], logits[6]) and torch.equal(got[7], logits[7])
     assert torch.equal(logits, before)  # the input is left as it was
+
+
+def test_token_history_counts_as_the_ids_do(gen):
+    """A request's device counts, kept up to date a few tokens at a time, are the counts of
+    its ids."""
+    prompt, output = history(gen, 2, 9)
+    h = TokenHistory(prompt, VOCAB, torch.device("cpu"), repetition=True)
+    for end in (1, 2, 5, 9):
+        h.update(output[h.num_counted : end])
+        counts = torch.tensor([output[:end].count(t) for t in range(VOCAB)], dtype=torch.float32)
+        assert torch.equal(h.output_counts, counts) and h.num_counted == end
+    assert h.prompt_seen.tolist() == [t in prompt for t in range(VOCAB)]
 
 
 def test_min_tokens_holds_eos_back_until_reached():
