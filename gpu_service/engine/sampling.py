@@ -148,7 +148,13 @@ class Sampler:
         raw = logits.float()
         if not rows.eos_token_ids and self.eos_token_ids:
             rows = replace(rows, eos_token_ids=self.eos_token_ids)
-        tokens = sample(process_logits(raw, rows), rows.params, generators).tolist()
+        processed = process_logits(raw, rows)
+        if processed is not raw:
+            # NOTE: a row left with no token (min_tokens holding back the EOS that is all its
+            # grammar allows) samples from its logits as they came instead.
+            dead = torch.isinf(processed).all(dim=-1, keepdim=True)  # [B, 1]
+            processed = torch.where(dead, raw, processed)
+        tokens = sample(processed, rows.params, generators).tolist()
         return _with_logprobs(raw, tokens, rows.params)
 
 

@@ -118,6 +118,15 @@ def test_min_tokens_holds_eos_back_until_reached():
     assert token.token_id == EOS
 
 
+def test_a_row_min_tokens_leaves_without_a_token_keeps_its_logits():
+    """A grammar that allows only EOS, under min_tokens: EOS, not a NaN draw."""
+    logits = torch.full((1, VOCAB), float("-inf"))
+    logits[0, EOS] = 0.0
+    p = SamplingParams(temperature=1.0, min_tokens=5)
+    [token] = Sampler((EOS,))(logits, [p], [torch.Generator().manual_seed(1)], [[1]], [[]])
+    assert token.token_id == EOS
+
+
 @pytest.mark.parametrize(
     "p",
     [
