@@ -12,6 +12,8 @@ import sys
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from ktserve.version import ktserve_version
+
 
 @dataclass(frozen=True)
 class Command:
@@ -39,6 +41,7 @@ def build_parser(configured: Collection[str] = tuple(COMMANDS)) -> argparse.Argu
         prog="ktserve",
         description="Serve huge Mixture-of-Experts models on one GPU plus host RAM.",
     )
+    parser.add_argument("--version", action="version", version=f"ktserve {ktserve_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, command in COMMANDS.items():
         command_parser = sub.add_parser(name, help=command.help, description=command.help)

@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI-compatible /v1 routes, /health and /metrics.
+"""The FastAPI application: OpenAI-compatible /v1 routes; vLLM's /tokenize, /detokenize and
+/version; /health (GET and HEAD) and /metrics.
 
 Middlewares, outermost first: count (by route and status), API key (auth.py), admission (429
 past the in-flight bound, 503 while draining: admission.py), body bound (413: limits.py)."""
@@ -19,8 +20,12 @@ from gpu_service.api.completions import create_completion
 from gpu_service.api.context import ApiContext
 from gpu_service.api.generation import ClientGone
 from gpu_service.api.limits import BodyLimit
+from gpu_service.api.model_label import labeled_registry
+from gpu_service.api.tokenize import detokenize, tokenize
+from ktserve.version import ktserve_version
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
+          "/tokenize", "/detokenize", "/version", "/health", "/metrics")  # fmt: skip
 
 
 def create_app(ctx: ApiContext) -> FastAPI:
@@ -53,24 +58,39 @@ def create_app(ctx: ApiContext) -> FastAPI:
     async def completions(request: Request) -> Response:
         return await create_completion(request, ctx)
 
+    def model_card() -> dict:
+        return {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": ctx.created,
+            "owned_by": "ktserve",
+            "root": ctx.model_name,
+            "parent": None,
+            "max_model_len": ctx.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": ctx.model_name,
-                        "object": "model",
-                        "created": ctx.created,
-                        "owned_by": "ktserve",
-                        "max_model_len": ctx.max_model_len,
-                    },
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [model_card()]})
 
-    @app.get("/health")
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> JSONResponse:
+        ctx.check_model(model)
+        return JSONResponse(model_card())
+
+    @app.post("/tokenize")
+    async def tokenize_(request: Request) -> Response:
+        return await tokenize(request, ctx)
+
+    @app.post("/detokenize")
+    async def detokenize_(request: Request) -> Response:
+        return await detokenize(request, ctx)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": ktserve_version()})
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request) -> JSONResponse:
         """ok or not for anyone; the engine and the workers only with the API key."""
         workers = ctx.worker_status()
@@ -95,10 +115,11 @@ def create_app(ctx: ApiContext) -> FastAPI:
         }
         return JSONResponse(body, status_code=200 if healthy else 503)
 
+    exported = labeled_registry((*ctx.registries, http_registry), ctx.model_name)
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        text = b"".join(generate_latest(r) for r in (*ctx.registries, http_registry))
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(exported), media_type=CONTENT_TYPE_LATEST)
 
     # NOTE: the last added runs first: requests are counted, refused ones (401, 429) included.
     app.add_middleware(BodyLimit, max_bytes=ctx.max_request_bytes)
@@ -121,7 +142,10 @@ class _CountRequests:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope["path"] if scope["path"] in ROUTES else "other"
+        path = scope["path"]
+        route = path if path in ROUTES else "other"
+        if path.startswith("/v1/models/"):
+            route = "/v1/models/{model}"
         status = {"code": 500}
 
         async def send_counted(message: Message) -> None:

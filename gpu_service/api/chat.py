@@ -13,9 +13,9 @@ from starlette.requests import Request
 from gpu_service.api.chat_output import Delta, GrammarSpec, OutputReader, plan_output
 from gpu_service.api.context import ApiContext
 from gpu_service.api.errors import invalid
-from gpu_service.api.generation import collect, unless_disconnected
+from gpu_service.api.generation import collect_all, unless_disconnected
 from gpu_service.api.logprobs import chat_logprobs
-from gpu_service.api.parsing import check_request, parse_body, sampling_params
+from gpu_service.api.parsing import check_request, choice_params, parse_body, sampling_params
 from gpu_service.api.reasoning import prompt_opens_thinking
 from gpu_service.api.schemas import ChatCompletionRequest
 from gpu_service.api.streaming import stream_response
@@ -47,33 +47,40 @@ async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
         grammar=grammar,
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    reader = OutputReader(plan, prompt_opened)
-    generation = ctx.generation(body, prompt_ids, params, request_id, prompt_param="messages")
-    writer = ChatChunks(ctx, request_id, want_logprobs, reader)
+    per_choice = choice_params(params, body.n)
+    generations = await ctx.choices(request, body, prompt_ids, per_choice, request_id,
+                                    prompt_param="messages")  # fmt: skip
+    writers = [
+        ChatChunks(ctx, request_id, want_logprobs, OutputReader(plan, prompt_opened), index=i)
+        for i in range(body.n)
+    ]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await stream_response(request, generation, writer, include_usage)
-    out = await unless_disconnected(request, collect(generation))
-    logprobs = chat_logprobs(ctx.tokenizer, out.tokens) if want_logprobs else None
-    num_tokens = len(out.tokens)
-    parts, rest = reader.feed(out.text), reader.finish()
-    message = writer.message(parts.reasoning + rest.reasoning, parts.content + rest.content)
+        return await stream_response(request, generations, writers, include_usage)
+    outs = await unless_disconnected(request, collect_all(generations))
+    choices = []
+    for writer, out in zip(writers, outs):
+        reader = writer.reader
+        logprobs = chat_logprobs(ctx.tokenizer, out.tokens) if want_logprobs else None
+        parts, rest = reader.feed(out.text), reader.finish()
+        message = writer.message(parts.reasoning + rest.reasoning, parts.content + rest.content)
+        choices.append(
+            {
+                "index": writer.index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": reader.finish_reason(out.finish_reason),
+            }
+        )
     return JSONResponse(
         {
             "id": request_id,
             "object": "chat.completion",
-            "created": writer.created,
+            "created": writers[0].created,
             "model": ctx.model_name,
             "system_fingerprint": None,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": logprobs,
-                    "finish_reason": reader.finish_reason(out.finish_reason),
-                }
-            ],
-            "usage": usage(out.num_prompt_tokens, num_tokens),
+            "choices": choices,
+            "usage": usage(len(prompt_ids), sum(len(o.tokens) for o in outs)),
         }
     )
 
@@ -136,8 +143,10 @@ class ChatChunks:
     """chat.completion.chunk objects (see streaming.py for their order)."""
 
     def __init__(self, ctx: ApiContext, request_id: str, logprobs: bool,
-                 reader: OutputReader) -> None:  # fmt: skip
+                 reader: OutputReader, index: int = 0) -> None:  # fmt: skip
+        """index: the choice's."""
         self.ctx = ctx
+        self.index = index
         self.request_id = request_id
         self.logprobs = logprobs
         self.reader = reader
@@ -176,7 +185,9 @@ class ChatChunks:
     def head(self) -> list[dict]:
         delta = {"role": "assistant", "content": ""}
         return [
-            self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+            self._chunk(
+                [{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None}]
+            )
         ]
 
     def event(self, event: TokenEvent) -> dict | None:
@@ -187,7 +198,7 @@ class ChatChunks:
         if not parts and logprobs is None:
             return None
         return self._chunk(
-            [{"index": 0, "delta": self._delta(parts), "logprobs": logprobs,
+            [{"index": self.index, "delta": self._delta(parts), "logprobs": logprobs,
               "finish_reason": None}]
         )  # fmt: skip
 
@@ -195,7 +206,7 @@ class ChatChunks:
         delta = self._delta(self.reader.finish())
         reason = self.reader.finish_reason(reason)
         return self._chunk(
-            [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
+            [{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": reason}]
         )
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:

@@ -10,9 +10,9 @@ from starlette.requests import Request
 
 from gpu_service.api.chat import usage
 from gpu_service.api.context import ApiContext
-from gpu_service.api.generation import collect, unless_disconnected
+from gpu_service.api.generation import collect_all, unless_disconnected
 from gpu_service.api.logprobs import CompletionLogprobs
-from gpu_service.api.parsing import check_request, parse_body, sampling_params
+from gpu_service.api.parsing import check_request, choice_params, parse_body, sampling_params
 from gpu_service.api.schemas import CompletionRequest
 from gpu_service.api.streaming import stream_response
 from gpu_service.engine.request import TokenEvent
@@ -28,26 +28,33 @@ async def create_completion(request: Request, ctx: ApiContext) -> Response:
         body, ctx.max_tokens_for(prompt_ids, body.max_tokens), want_logprobs, body.logprobs or 0
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    generation = ctx.generation(body, prompt_ids, params, request_id, prompt_param="prompt")
-    writer = CompletionChunks(ctx, request_id, want_logprobs)
+    per_choice = choice_params(params, body.n)
+    generations = await ctx.choices(request, body, prompt_ids, per_choice, request_id,
+                                    prompt_param="prompt")  # fmt: skip
+    writers = [CompletionChunks(ctx, request_id, want_logprobs, index=i) for i in range(body.n)]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await stream_response(request, generation, writer, include_usage)
-    out = await unless_disconnected(request, collect(generation))
-    logprobs = CompletionLogprobs(ctx.tokenizer)(out.tokens) if want_logprobs else None
-    return JSONResponse(
-        writer.chunk(out.text, logprobs, out.finish_reason)
-        | {
-            "usage": usage(out.num_prompt_tokens, len(out.tokens)),
-        }
-    )
+        return await stream_response(request, generations, writers, include_usage)
+    outs = await unless_disconnected(request, collect_all(generations))
+    choices = [
+        writer.choice(out.text, writer.logprobs(out.tokens) if writer.logprobs else None,
+                      out.finish_reason)
+        for writer, out in zip(writers, outs)
+    ]  # fmt: skip
+    response = writers[0].chunk("", None, None) | {
+        "usage": usage(len(prompt_ids), sum(len(o.tokens) for o in outs))
+    }
+    response["choices"] = choices
+    return JSONResponse(response)
 
 
 class CompletionChunks:
     """text_completion objects; the stream's chunks have the same shape as the whole answer."""
 
-    def __init__(self, ctx: ApiContext, request_id: str, logprobs: bool) -> None:
+    def __init__(self, ctx: ApiContext, request_id: str, logprobs: bool, index: int = 0) -> None:
+        """index: the choice's."""
         self.ctx = ctx
+        self.index = index
         self.request_id = request_id
         self.logprobs = CompletionLogprobs(ctx.tokenizer) if logprobs else None
         self.created = int(time.time())
@@ -59,10 +66,12 @@ class CompletionChunks:
             "created": self.created,
             "model": self.ctx.model_name,
             "system_fingerprint": None,
-            "choices": [
-                {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-            ],
+            "choices": [self.choice(text, logprobs, finish_reason)],
         }
+
+    def choice(self, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+        return {"index": self.index, "text": text, "logprobs": logprobs,
+                "finish_reason": finish_reason}  # fmt: skip
 
     def head(self) -> list[dict]:
         return []

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from gpu_service.api.admission import Admission
 from gpu_service.api.errors import ApiError, from_engine
-from gpu_service.api.generation import Generation
+from gpu_service.api.generation import Generation, unless_disconnected
 from gpu_service.api.tokenizer import ServedTokenizer
 from gpu_service.api.tool_parsers import ToolParser
 from gpu_service.engine import Engine, EngineError, SamplingParams
@@ -59,13 +59,14 @@ class ApiContext:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="ktserve-tokenize")
     )
 
-    async def encode_prompt(self, text: str, param: str = "prompt") -> list[int]:
+    async def encode_prompt(self, text: str, param: str = "prompt",
+                            add_special_tokens: bool = True) -> list[int]:  # fmt: skip
         """text's ids, tokenized off the event loop once the length bound let it through."""
         try:
             self.tokenizer.check_length(len(text), self.max_model_len)
         except EngineError as exc:
             raise from_engine(exc, param) from exc
-        return await self._off_loop(self.tokenizer.encode, text)
+        return await self._off_loop(self.tokenizer.encode, text, add_special_tokens)
 
     async def render_chat(self, messages: Callable[[bool], list[dict]],
                           tools: list[dict] | None = None, template_kwargs: dict | None = None,
@@ -92,6 +93,32 @@ class ApiContext:
                                 timeout_s=min(timeouts, default=None))  # fmt: skip
         self.generations.add(generation)
         return generation
+
+    async def choices(self, request: Any, body: Any, prompt_ids: Sequence[int],
+                      params: Sequence[SamplingParams], request_id: str,
+                      prompt_param: str) -> list[Generation]:  # fmt: skip
+        """One generation per choice (params[i] for choice i; engine ids request_id-i when more
+        than one). With prefix caching, choices after the first are added once the first has
+        its prompt in the KV cache (its first event), so they find the prompt's full blocks
+        there instead of each computing them (the expert calls included). If the engine
+        refuses one, or the client leaves meanwhile, those already added are closed."""
+        out: list[Generation] = []
+        try:
+            for i, p in enumerate(params):
+                rid = request_id if len(params) == 1 else f"{request_id}-{i}"
+                out.append(self.generation(body, prompt_ids, p, rid, prompt_param))
+                if i == 0 and len(params) > 1 and self._shares_prompt(prompt_ids):
+                    await unless_disconnected(request, out[0].started.wait())
+        except BaseException:
+            for generation in out:
+                generation.close()
+            raise
+        return out
+
+    def _shares_prompt(self, prompt_ids: Sequence[int]) -> bool:
+        cache = getattr(getattr(self.engine, "model", None), "kv_cache", None)
+        return bool(cache is not None and cache.prefix_caching
+                    and len(prompt_ids) >= cache.block_size)  # fmt: skip
 
     def end_generations(self, error: EngineError) -> int:
         """End every generation still open with `error` (Generation.end); how many there were."""

@@ -50,12 +50,17 @@ class Generation:
         self._ended = False
         self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._deadline: asyncio.TimerHandle | None = None
+        self.started = asyncio.Event()  # set by its first event (the prompt is in the KV cache)
         loop = asyncio.get_running_loop()
+
+        def put(event: TokenEvent) -> None:
+            self._queue.put_nowait(event)
+            self.started.set()
 
         def on_event(event: TokenEvent) -> None:  # engine thread
             # NOTE: RuntimeError: the event loop is closed; nobody is listening any more.
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._queue.put_nowait, event)
+                loop.call_soon_threadsafe(put, event)
 
         try:
             engine.add_request(prompt_ids, params, on_event, request_id)
@@ -87,6 +92,7 @@ class Generation:
         end = TokenEvent(self.request_id, (), finish_reason=FinishReason.ERROR, error=error,
                          num_prompt_tokens=self.num_prompt_tokens)  # fmt: skip
         self._queue.put_nowait(end)
+        self.started.set()
 
     def close(self) -> None:
         if self._deadline is not None:
@@ -126,6 +132,18 @@ async def collect(generation: Generation) -> Outcome:
     finally:
         generation.close()
     return out
+
+
+async def collect_all(generations: Sequence[Generation]) -> list[Outcome]:
+    """Every choice's Outcome; if one fails, the others are closed and its error raised."""
+    tasks = [asyncio.ensure_future(collect(g)) for g in generations]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        for generation in generations:
+            generation.close()
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

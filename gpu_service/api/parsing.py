@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -38,19 +39,44 @@ def check_request(ctx: ApiContext, body: _Sampling) -> None:
 def sampling_params(
     body: _Sampling, max_tokens: int, logprobs: bool, top_logprobs: int, grammar=None
 ) -> SamplingParams:
+    if body.min_tokens > max_tokens:
+        raise invalid(
+            f"min_tokens ({body.min_tokens}) is more than max_tokens ({max_tokens})",
+            param="min_tokens",
+        )
+    try:
+        logit_bias = body.logit_bias_ids()
+        if any(not -100 <= b <= 100 for _, b in logit_bias):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+    except ValueError as exc:
+        raise invalid(str(exc), param="logit_bias") from exc
     try:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
             top_k=max(body.top_k, 0),
+            min_p=body.min_p,
             seed=body.seed,
             stop=body.stop_strings(),
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty,
+            logit_bias=logit_bias,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             grammar=grammar,
         )
     except ValueError as exc:
         raise invalid(str(exc)) from exc
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The params of each of n choices: alike but for the seed (seed + index), so seeded
+    choices differ from each other and each is reproducible."""
+    if params.seed is None:
+        return [params] * n
+    return [replace(params, seed=params.seed + i) for i in range(n)]

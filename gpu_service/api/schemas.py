@@ -1,8 +1,11 @@
 """Request bodies of the OpenAI API, as pydantic models.
 
 Parsed strictly from JSON (a string where a number belongs is a 400, not a silent conversion).
-Fields this server does not know are accepted and ignored, as clients send new ones all the time;
-known fields it cannot honour are refused by `unsupported()` with a message naming them.
+Nothing is silently ignored: a field this server does not know, set to anything but null, is a
+400 naming it (`unknown_fields()`, nested objects included), and known fields it cannot honour
+are refused by `unsupported()` with a message naming them. Accepted without effect on the output:
+`user`, `safety_identifier` and `prompt_cache_key` (identifiers; the prefix cache needs no key),
+`store: false`, `modalities: ["text"]`, `service_tier` auto/default.
 """
 
 from __future__ import annotations
@@ -15,9 +18,27 @@ from pydantic import BaseModel, ConfigDict, Field
 from gpu_service.api.tool_schemas import MessageToolCall, NamedToolChoice, ResponseFormat, Tool
 from gpu_service.engine.sampling import MAX_TOP_LOGPROBS
 
+MAX_N = 16  # choices per request (each is a sequence of the running batch)
+
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
+
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        """The paths (messages.0.audio) of fields set to non-null values that no model here
+        declares, in nested bodies too."""
+        found = [f"{prefix}{k}" for k, v in (self.model_extra or {}).items() if v is not None]
+        for name in type(self).model_fields:
+            found += _unknown_in(getattr(self, name), f"{prefix}{name}.")
+        return found
+
+
+def _unknown_in(value: Any, prefix: str) -> list[str]:
+    if isinstance(value, _Body):
+        return value.unknown_fields(prefix)
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _unknown_in(v, f"{prefix}{i}.")]
+    return []
 
 
 class StreamOptions(_Body):
@@ -85,17 +106,27 @@ class _Sampling(_Body):
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, description="extension: sample among the k most likely tokens")
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    # identifiers that do not change the output
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # accepted only where they ask for what this server does anyway
+    store: bool | None = None
+    service_tier: str | None = None
+    metadata: dict[str, Any] | None = None
     # extensions (vLLM's names)
+    top_k: int = Field(0, ge=-1, description="extension: sample among the k most likely tokens")
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0, le=10)
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     timeout: float | None = Field(None, gt=0, description="extension: seconds until it ends")
@@ -105,15 +136,30 @@ class _Sampling(_Body):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias with its keys (token ids as JSON strings) as ints; ValueError if one is
+        not an id."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            out.append((int(key), bias))
+        return tuple(out)
+
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field set to something this server cannot do."""
-        if self.n != 1:
-            return "n", f"n={self.n} is not supported: this server returns one choice (n=1)"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                return name, f"{name} is not supported (use 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        unknown = self.unknown_fields()
+        if unknown:
+            return unknown[0], (
+                f"{unknown[0]} is not supported by this server (a field it does not know; "
+                "remove it or send null)"
+            )
+        if self.store:
+            return "store", "store is not supported: this server keeps no completions"
+        if self.metadata:
+            return "metadata", "metadata is for stored completions; this server keeps none"
+        if self.service_tier not in (None, "auto", "default"):
+            return "service_tier", f"service_tier {self.service_tier!r} is not supported"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream=true"
         return None
@@ -134,6 +180,7 @@ class ChatCompletionRequest(_Sampling):
     functions: list[Any] | None = None  # OpenAI's deprecated predecessors of tools: refused
     function_call: Any = None
     reasoning_effort: str | None = None  # refused: thinking is the template's (enable_thinking)
+    modalities: list[str] | None = None  # ["text"] only
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -148,6 +195,8 @@ class ChatCompletionRequest(_Sampling):
         if self.functions is not None or self.function_call is not None:
             name = "functions" if self.functions is not None else "function_call"
             return name, f"{name} is deprecated and not supported: use tools and tool_choice"
+        if self.modalities is not None and self.modalities != ["text"]:
+            return "modalities", 'only text output is supported: modalities ["text"]'
         if self.reasoning_effort is not None:
             return "reasoning_effort", (
                 "reasoning_effort is not supported; whether the model thinks is up to its chat "

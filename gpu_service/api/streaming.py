@@ -1,11 +1,14 @@
 """Server-sent events in OpenAI's streaming format.
 
-    data: {first chunk}          chat: delta {"role": "assistant", "content": ""}
+    data: {first chunk}          chat: delta {"role": "assistant", "content": ""}, per choice
     data: {chunk}                one per engine event that released text (or logprobs)
-    data: {last chunk}           empty delta, finish_reason set
+    data: {last chunk}           a choice's empty delta, finish_reason set
     data: {usage chunk}          only with stream_options.include_usage: choices [], usage
                                  (then every chunk before it has "usage": null)
     data: [DONE]
+
+With n > 1 each choice's chunks carry its index; the choices' chunks interleave as their tokens
+come, each choice's in order; usage sums the choices' tokens (the prompt counted once).
 
 The first engine event is awaited before the response starts, so a request that fails at once
 (expert workers unavailable, ...) gets its HTTP status; a failure later is sent as
@@ -14,8 +17,9 @@ The first engine event is awaited before the response starts, so a request that 
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from fastapi.responses import StreamingResponse
@@ -44,28 +48,65 @@ def sse(payload: dict) -> str:
 
 
 async def stream_response(
-    request: Request, generation: Generation, writer: ChunkWriter, include_usage: bool
+    request: Request,
+    generations: Sequence[Generation],
+    writers: Sequence[ChunkWriter],
+    include_usage: bool,
 ) -> StreamingResponse:
+    """One stream of n choices: generations[i]'s events become writers[i]'s chunks (choice i)."""
     try:
-        first = await unless_disconnected(request, generation.next_event())
+        firsts = await unless_disconnected(
+            request, asyncio.gather(*(g.next_event() for g in generations))
+        )
     except BaseException:
-        generation.close()
+        for generation in generations:
+            generation.close()
         raise
-    error = finish_error(first)
-    if error is not None:
-        raise error
+    for first in firsts:
+        error = finish_error(first)
+        if error is not None:
+            for generation in generations:
+                generation.close()
+            raise error
     return StreamingResponse(
-        _chunks(generation, first, writer, include_usage),
+        _chunks(generations, firsts, writers, include_usage),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
+async def merged(
+    generations: Sequence[Generation], firsts: Sequence[TokenEvent]
+) -> AsyncIterator[tuple[int, TokenEvent]]:
+    """(choice index, event) as each generation's events come (in order within a choice),
+    starting with the first events already read."""
+    pending: dict[asyncio.Future, int] = {}
+    try:
+        for i, event in enumerate(firsts):
+            yield i, event
+            if event.finish_reason is None:
+                pending[asyncio.ensure_future(generations[i].next_event())] = i
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                event = task.result()
+                yield i, event
+                if event.finish_reason is None:
+                    pending[asyncio.ensure_future(generations[i].next_event())] = i
+    finally:
+        for task in pending:
+            task.cancel()
+
+
 async def _chunks(
-    generation: Generation, event: TokenEvent, writer: ChunkWriter, include_usage: bool
+    generations: Sequence[Generation],
+    firsts: Sequence[TokenEvent],
+    writers: Sequence[ChunkWriter],
+    include_usage: bool,
 ) -> AsyncIterator[str]:
     # NOTE: the finally runs when the client disconnects too (Starlette cancels this generator):
-    # that is what aborts the request in the engine.
+    # that is what aborts the requests in the engine.
     num_tokens = 0
 
     def emit(chunk: dict) -> str:
@@ -73,25 +114,27 @@ async def _chunks(
             chunk.setdefault("usage", None)
         return sse(chunk)
 
+    events = merged(generations, firsts)
     try:
-        for chunk in writer.head():
-            yield emit(chunk)
-        while True:
+        for writer in writers:
+            for chunk in writer.head():
+                yield emit(chunk)
+        async for i, event in events:
             error = finish_error(event)
             if error is not None:
                 yield sse(error.body())
                 yield DONE
                 return
             num_tokens += len(event.tokens)
-            chunk = writer.event(event)
+            chunk = writers[i].event(event)
             if chunk is not None:
                 yield emit(chunk)
             if event.finish_reason is not None:
-                yield emit(writer.finish(event.finish_reason.value))
-                break
-            event = await generation.next_event()
+                yield emit(writers[i].finish(event.finish_reason.value))
         if include_usage:
-            yield sse(writer.usage(generation.num_prompt_tokens, num_tokens))
+            yield sse(writers[0].usage(generations[0].num_prompt_tokens, num_tokens))
         yield DONE
     finally:
-        generation.close()
+        await events.aclose()
+        for generation in generations:
+            generation.close()

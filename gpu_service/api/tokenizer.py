@@ -64,6 +64,11 @@ class ServedTokenizer:
                 return self.tokenizer.decode(list(ids), skip_special_tokens=False)
             return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def decode_all(self, ids: Sequence[int]) -> str:
+        """The text of these ids, special tokens included (what /detokenize returns)."""
+        with self._lock:
+            return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
     def keep_tokens(self, texts: Sequence[str]) -> None:
         """Decode these special tokens as their text (the markers tool and reasoning parsers
         read, special in some checkpoints' tokenizers); call before decoding starts."""

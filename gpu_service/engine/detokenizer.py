@@ -5,7 +5,8 @@ merge across tokens, so the window starts at the tokens already turned into text
 (`_prefix`), and the new text is decode(window) minus decode(the window's already-read part).
 Text is taken only once it does not end in a partial UTF-8 character; the sum of the taken parts
 is decode(all output ids). A delta is released only when it cannot be the beginning of a stop
-string (the last max(len(stop)) - 1 characters wait).
+string (the last max(len(stop)) - 1 characters wait). Stop strings are looked for only once the
+output has min_tokens tokens (as vLLM does), in the text not yet released.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ PARTIAL = "\ufffd"  # what decode gives for bytes that are not yet a whole UTF-8
 
 
 class Detokenizer:
-    def __init__(self, decode: Decode, stop: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Decode, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.decode = decode
         self.stop = tuple(stop)
+        self.min_tokens = min_tokens
+        self._exempt = 0  # characters of text decoded before min_tokens (no stop looked for)
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.sent = 0  # characters of self.text already released
@@ -33,8 +36,10 @@ class Detokenizer:
         """Text newly released after the output grew to `output_ids`; sets `stopped` when a stop
         string appeared (the text is cut before it)."""
         text = self._advance(output_ids, final=False)
-        for s in self.stop:
-            at = text.find(s, max(0, self.sent - len(s) + 1))
+        if len(output_ids) < self.min_tokens:
+            self._exempt = len(text)  # NOTE: never searched, even once min_tokens is reached
+        for s in self.stop if len(output_ids) >= self.min_tokens else ():
+            at = text.find(s, max(0, max(self.sent, self._exempt) - len(s) + 1))
             if at >= 0:
                 self.text = text[:at]
                 self.stopped = True

@@ -60,7 +60,7 @@ class Engine:
         """graph_config: decode steps as CUDA graphs (Runner); None: every step eagerly."""
         self.model = model
         self.scheduler = Scheduler(scheduler_config, model.kv_cache)
-        self.runner = Runner(model, graph_config)
+        self.runner = Runner(model, graph_config, eos_token_ids)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = RequestLimits(
             max_model_len=scheduler_config.max_model_len,
@@ -97,7 +97,9 @@ class Engine:
             raise EngineStopped("the engine is shutting down")
         self.limits.check(prompt_ids, params)
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), params)
-        detok = Detokenizer(self.decode, params.stop) if self.decode is not None else None
+        detok = None
+        if self.decode is not None:
+            detok = Detokenizer(self.decode, params.stop, params.min_tokens)
         self._inbox.put(("add", _Tracked(request, on_event, detok)))
         self._wake.set()
         return request.request_id
@@ -155,6 +157,12 @@ class Engine:
         """One scheduling decision and its execution (the engine thread's unit of work)."""
         step = self.scheduler.schedule()
         self._update_gauges()
+        self.metrics.preemptions.inc(len(step.preempted))
+        scheduled_at = time.monotonic()
+        for s in step.seqs:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = scheduled_at
+                self.metrics.queue_time.observe(scheduled_at - s.request.arrival)
         self.metrics.observe_prefix_cache(self.model.kv_cache.stats)
         if not step.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -238,7 +246,7 @@ class Engine:
         self.scheduler.finish(request, reason, error)
         self._tracked.pop(request.request_id, None)
         self.metrics.e2e.observe(time.monotonic() - request.arrival)
-        self.metrics.finished.labels(reason=reason.value).inc()
+        self.metrics.finished.labels(finished_reason=reason.value).inc()
         self._update_gauges()
         tracked.on_event(_event(request, (), finish_reason=reason, error=error))
 

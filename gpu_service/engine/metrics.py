@@ -1,5 +1,12 @@
 """The GPU service's Prometheus metrics (prefix ktserve_), on a registry of its own.
 
+Where vLLM has the same concept the name after the prefix is vLLM's (vllm:num_requests_running
+is ktserve_num_requests_running, ...); /metrics adds a model_name label to every sample
+(api/model_label.py). Requests: ktserve_num_requests_running / _waiting,
+ktserve_request_success{finished_reason} (stop, length, abort, error),
+ktserve_num_preemptions, ktserve_request_queue_time_seconds (arrival to first scheduled),
+ktserve_time_to_first_token_seconds, ktserve_inter_token_latency_seconds,
+ktserve_e2e_request_latency_seconds; ktserve_kv_cache_usage_perc (a fraction, as vLLM's).
 Prefix cache, named as vLLM names them: ktserve_prefix_cache_queries (prompt tokens looked up at
 admission) and ktserve_prefix_cache_hits (tokens found; label tier: gpu for the device KV cache,
 cpu for the host-RAM tier), and ktserve_{gpu,cpu}_prefix_cache_hit_rate, each tier's hits over
@@ -36,13 +43,20 @@ class EngineMetrics:
         self.prompt_tokens = Counter("ktserve_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("ktserve_generation_tokens", "Tokens generated",
                                          registry=r)  # fmt: skip
-        self.finished = Counter("ktserve_requests_finished", "Finished requests by reason",
-                                ["reason"], registry=r)  # fmt: skip
-        self.running = Gauge("ktserve_requests_running", "Requests in the running batch",
+        self.finished = Counter("ktserve_request_success", "Finished requests by reason",
+                                ["finished_reason"], registry=r)  # fmt: skip
+        self.running = Gauge("ktserve_num_requests_running", "Requests in the running batch",
                              registry=r)  # fmt: skip
-        self.waiting = Gauge("ktserve_requests_waiting", "Requests queued", registry=r)
-        self.kv_usage = Gauge("ktserve_kv_cache_usage_ratio", "Fraction of KV blocks in use",
+        self.waiting = Gauge("ktserve_num_requests_waiting", "Requests queued", registry=r)
+        self.kv_usage = Gauge("ktserve_kv_cache_usage_perc",
+                              "KV-cache usage: the fraction of KV blocks in use (1 = full)",
                               registry=r)  # fmt: skip
+        self.preemptions = Counter("ktserve_num_preemptions",
+                                   "Requests preempted (KV cache full), to be recomputed",
+                                   registry=r)  # fmt: skip
+        self.queue_time = Histogram("ktserve_request_queue_time_seconds",
+                                    "Arrival to first scheduled (time in the waiting queue)",
+                                    buckets=LATENCY, registry=r)  # fmt: skip
         self.step_seconds = Histogram(
             "ktserve_step_seconds",
             "Per-step time by phase: gpu (compute on the GPU), transfer (hidden states to and "

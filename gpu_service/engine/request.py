@@ -16,6 +16,7 @@ import torch
 
 from gpu_service.engine.errors import EngineError
 from gpu_service.engine.grammar import GrammarMatcher
+from gpu_service.engine.logits_processors import TokenHistory
 from gpu_service.engine.sampling import SampledToken, SamplingParams
 from gpu_service.models.kv_cache import SeqCache
 
@@ -58,11 +59,13 @@ class Request:
     cache: SeqCache | None = None
     finish_reason: FinishReason | None = None
     error: EngineError | None = None
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_cached_prompt_tokens: int | None = None  # found in the prefix cache at first admission
     block_hashes: list[bytes] = field(default_factory=list)  # of all_ids's full blocks, chained
     generator: torch.Generator = field(init=False)
     matcher: GrammarMatcher | None = field(init=False, default=None)  # with params.grammar
+    history: TokenHistory | None = field(init=False, default=None)  # penalties' counts (runner)
 
     def __post_init__(self) -> None:
         if self.params.grammar is not None:

@@ -8,10 +8,15 @@ first, on the same stream, so the forward reads and overwrites those blocks afte
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.engine.grammar import TokenMasker
+from gpu_service.engine.logits_processors import LogitsInput, TokenHistory
+from gpu_service.engine.request import Request
 from gpu_service.engine.sampling import SampledToken, Sampler
 from gpu_service.engine.scheduler import ScheduledStep
 from gpu_service.models.batch import Batch, SeqInput
@@ -26,15 +31,17 @@ class StepResult:
 
 
 class Runner:
-    def __init__(self, model: CausalLM, graph_config: DecodeGraphConfig | None = None) -> None:
+    def __init__(self, model: CausalLM, graph_config: DecodeGraphConfig | None = None,
+                 eos_token_ids: Sequence[int] = ()) -> None:  # fmt: skip
         """graph_config: None runs every step through model.forward. The model's KV cache must
-        be the one it serves with: the graphs capture its tensors."""
+        be the one it serves with: the graphs capture its tensors. eos_token_ids: what a
+        request's min_tokens holds back."""
         self.model = model
         self.decode_graphs: DecodeGraphs | None = None
         if graph_config is not None:
             self.decode_graphs = DecodeGraphs(model, graph_config)
             self.decode_graphs.warm_up()
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids)
         self.masker = TokenMasker()
         self.vocab_size = model.config.vocab_size
 
@@ -56,9 +63,33 @@ class Runner:
         logits = model.forward(batch)[rows]  # [N, V] float32
         if masks is not None:
             self.masker.apply(logits, masks)  # disallowed tokens -inf
-        sampled = self.sampler(logits, [r.params for r in requests],
-                               [r.generator for r in requests]) if rows else []  # fmt: skip
+        sampled = self.sample(logits, requests) if rows else []
         tokens: list[SampledToken | None] = [None] * len(step.seqs)
         for i, token in zip(rows, sampled):
             tokens[i] = token
         return StepResult(tuple(tokens), time.perf_counter() - start, graphed)
+
+    def sample(self, logits, requests: list[Request]) -> list[SampledToken]:
+        """The rows' tokens; penalized requests keep their counts on the device (history)."""
+        params = [r.params for r in requests]
+        generators = [r.generator for r in requests]
+        num_output = [len(r.output) for r in requests]
+        counts = seen = None
+        if any(p.penalized for p in params):
+            vocab, device = logits.shape[1], logits.device
+            zeros = torch.zeros(vocab, device=device)
+            for r in requests:
+                if r.params.penalized:
+                    if r.history is None:
+                        r.history = TokenHistory(r.prompt_ids, vocab, device,
+                                                 r.params.repetition_penalty != 1)  # fmt: skip
+                    r.history.update([t.token_id for t in r.output[r.history.num_counted :]])
+            counts = torch.stack([r.history.output_counts if r.history is not None else zeros
+                                  for r in requests])  # fmt: skip  # [B, V]
+            if any(p.repetition_penalty != 1 for p in params):
+                no = zeros.bool()
+                seen = torch.stack([r.history.prompt_seen if r.history is not None
+                                    and r.history.prompt_seen is not None else no
+                                    for r in requests])  # fmt: skip  # [B, V]
+        rows = LogitsInput(params, num_output, counts, seen)
+        return self.sampler.sample_rows(logits, rows, generators)

@@ -1,24 +1,46 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Sampling parameters and the sampler: one step's rows sampled together on the model's device.
+
+    logits [B, V]  (grammar masks applied: runner.py)
+      -> min_tokens, logit_bias, repetition / frequency / presence penalties   (logits_processors)
+      -> greedy rows: argmax
+      -> temperature -> min_p -> top_k -> top_p -> softmax
+      -> one uniform draw per row from its own generator (CPU, seeded), inverse CDF on the device
+
+Every filter is one batched op over the rows (each row's value a column of a [B, 1] tensor), so a
+step costs the same few kernels whatever its rows ask for. A row's draw depends only on its
+generator and its own logits: a seeded request gives the same tokens whatever runs beside it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
+
+from gpu_service.engine.logits_processors import LogitsInput, process_logits
 
 if TYPE_CHECKING:
     from gpu_service.engine.grammar import Grammar
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. top_k 0 and top_p 1 disable those filters. seed makes a request
+    """temperature 0 is greedy. top_k 0, top_p 1 and min_p 0 disable those filters (min_p keeps
+    the tokens at least min_p times as likely as the most likely one). seed makes a request
     reproducible whatever else runs beside it. Generation stops at max_tokens, at an EOS (unless
-    ignore_eos), at any of stop_token_ids, or at any of the stop strings (which are not returned).
-    logprobs: return each sampled token's logprob and the top_logprobs most likely alternatives.
+    ignore_eos), at any of stop_token_ids, or at any of the stop strings (which are not returned);
+    before min_tokens tokens, EOS and stop_token_ids cannot be sampled.
+    presence_penalty / frequency_penalty (OpenAI's, in [-2, 2]) are subtracted from the logits of
+    tokens already generated (once / per occurrence); repetition_penalty (> 0, 1 is none; as
+    transformers does it) divides positive logits and multiplies negative ones of every token in
+    the prompt or the output. logit_bias: (token id, bias in [-100, 100]) added to the logits.
+    logprobs: return each sampled token's logprob (of the model's distribution, before the
+    penalties and filters) and the top_logprobs most likely alternatives.
     grammar: a compiled grammar (grammar.py) the output must follow (constrained decoding).
     """
 
@@ -26,10 +48,16 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
     grammar: Grammar | None = field(default=None, compare=False)
@@ -44,6 +72,24 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise ValueError(
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
+            )
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
@@ -55,6 +101,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1
+        )
+
 
 @dataclass(frozen=True)
 class SampledToken:
@@ -64,44 +116,111 @@ class SampledToken:
 
 
 class Sampler:
-    """Samples one token per row of logits [B, V] with each row's own params and generator."""
+    """Samples one token per row of logits [B, V], each row with its own params and generator.
+    eos_token_ids: what min_tokens holds back (with each row's stop_token_ids)."""
+
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
 
     def __call__(
         self,
         logits: torch.Tensor,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        output_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[SampledToken]:
-        logits = logits.float()  # [B, V]
-        out = []
-        for row, p, gen in zip(logits, params, generators):
-            token = self._pick(row, p, gen)
-            logprob, top = None, ()
-            if p.logprobs:
-                logprobs = torch.log_softmax(row, dim=-1)  # [V]
-                logprob = float(logprobs[token])
-                if p.top_logprobs:
-                    values, indices = torch.topk(logprobs, p.top_logprobs)
-                    top = tuple(zip(indices.tolist(), values.tolist()))
-            out.append(SampledToken(token, logprob, top))
-        return out
+        """prompt_ids / output_ids: each row's tokens so far (for penalties and min_tokens;
+        None: none yet)."""
+        raw = logits.float()  # [B, V]
+        empty: list[Sequence[int]] = [()] * raw.shape[0]
+        rows = LogitsInput.from_ids(params, prompt_ids or empty, output_ids or empty,
+                                    raw.shape[1], raw.device, self.eos_token_ids)  # fmt: skip
+        return self.sample_rows(raw, rows, generators)
 
-    @staticmethod
-    def _pick(row: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-        if p.greedy:
-            return int(torch.argmax(row))
-        scores = row / p.temperature  # [V]
-        if p.top_k:
-            kth = torch.topk(scores, min(p.top_k, scores.shape[0])).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if p.top_p < 1:
-            sorted_scores, order = torch.sort(scores, descending=True)
-            probs = torch.softmax(sorted_scores, dim=-1)
-            # NOTE: keep the smallest prefix whose mass reaches top_p (always the first token).
-            drop = probs.cumsum(-1) - probs >= p.top_p
-            sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-            scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        rows: LogitsInput,
+        generators: Sequence[torch.Generator | None],
+    ) -> list[SampledToken]:
+        """As __call__, with the rows' history already on the device (LogitsInput)."""
+        raw = logits.float()
+        if not rows.eos_token_ids and self.eos_token_ids:
+            rows = replace(rows, eos_token_ids=self.eos_token_ids)
+        processed = process_logits(raw, rows)
+        if processed is not raw:
+            # NOTE: a row left with no token (min_tokens holding back the EOS that is all its
+            # grammar allows) samples from its logits as they came instead.
+            dead = torch.isinf(processed).all(dim=-1, keepdim=True)  # [B, 1]
+            processed = torch.where(dead, raw, processed)
+        tokens = sample(processed, rows.params, generators).tolist()
+        return _with_logprobs(raw, tokens, rows.params)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """One token id per row of processed logits [B, V] (int64 [B], on logits' device)."""
+    device = logits.device
+    greedy = [p.greedy for p in params]
+    argmax = logits.argmax(dim=-1)  # [B]
+    if all(greedy):
+        return argmax
+    column = _columns(device)
+    temperature = column([p.temperature if not p.greedy else 1.0 for p in params])
+    scores = logits / temperature  # [B, V]
+    if any(p.min_p > 0 for p in params):
         probs = torch.softmax(scores, dim=-1)
-        if gen is not None and gen.device != probs.device:
-            probs = probs.to(gen.device)
-        return int(torch.multinomial(probs, 1, generator=gen))
+        floor = probs.amax(dim=-1, keepdim=True) * column([p.min_p for p in params])
+        scores = scores.masked_fill(probs < floor, float("-inf"))
+    if any(p.top_k or p.top_p < 1 for p in params):
+        scores = _top_k_top_p(scores, params, column)
+    probs = torch.softmax(scores, dim=-1)  # [B, V]
+    # NOTE: the first token whose cumulative mass exceeds u * total: never a zero-mass token.
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    u = column([float(torch.rand(1, generator=g)) for g in generators], torch.float64)
+    drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)  # [B]
+    drawn = drawn.clamp_(max=logits.shape[1] - 1)
+    return torch.where(torch.tensor(greedy, device=device), argmax, drawn)
+
+
+def _top_k_top_p(scores: torch.Tensor, params: Sequence[SamplingParams], column) -> torch.Tensor:
+    """top_k (ties with the k-th kept) then top_p (the smallest prefix whose mass reaches it,
+    always the first token), both on one descending sort."""
+    vocab = scores.shape[1]
+    sorted_scores, order = torch.sort(scores, dim=-1, descending=True)  # [B, V]
+    k = column([min(p.top_k, vocab) if p.top_k else vocab for p in params], torch.int64)
+    kth = sorted_scores.gather(1, k - 1)  # [B, 1]
+    sorted_scores = sorted_scores.masked_fill(sorted_scores < kth, float("-inf"))
+    probs = torch.softmax(sorted_scores, dim=-1)
+    drop = probs.cumsum(dim=-1) - probs >= column([p.top_p for p in params])
+    sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+    return torch.full_like(scores, float("-inf")).scatter(1, order, sorted_scores)
+
+
+def _columns(device: torch.device):
+    def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)[:, None]  # [B, 1]
+
+    return column
+
+
+def _with_logprobs(raw: torch.Tensor, tokens: list[int],
+                   params: Sequence[SamplingParams]) -> list[SampledToken]:  # fmt: skip
+    rows = [i for i, p in enumerate(params) if p.logprobs]
+    if not rows:
+        return [SampledToken(t) for t in tokens]
+    out = [SampledToken(t) for t in tokens]
+    logprobs = torch.log_softmax(raw[rows], dim=-1)  # [R, V]
+    index = torch.tensor([tokens[i] for i in rows], device=raw.device)[:, None]  # [R, 1]
+    picked = logprobs.gather(1, index).squeeze(1).tolist()
+    for r, i in enumerate(rows):
+        top = ()
+        if params[i].top_logprobs:
+            values, indices = torch.topk(logprobs[r], params[i].top_logprobs)
+            top = tuple(zip(indices.tolist(), values.tolist()))
+        out[i] = SampledToken(tokens[i], picked[r], top)
+    return out

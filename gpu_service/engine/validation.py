@@ -43,5 +43,9 @@ class RequestLimits:
             )
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
             raise InvalidPrompt(f"prompt token ids must be in [0, {self.vocab_size})")
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("stop_token_ids", params.stop_token_ids)):  # fmt: skip
+            if any(not 0 <= t < self.vocab_size for t in ids):
+                raise InvalidRequest(f"{name} token ids must be in [0, {self.vocab_size})")
         if params.stop and not self.decodes_text:
             raise InvalidRequest("stop strings need a tokenizer; this engine has none")

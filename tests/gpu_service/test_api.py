@@ -313,7 +313,7 @@ def test_sixteen_concurrent_requests_all_complete(client):
 
 
 def test_client_disconnect_frees_the_slot(server, client):
-    before = server.metrics().get("ktserve_requests_finished_total{reason=abort}", 0.0)
+    before = server.metrics().get("ktserve_request_success_total{finished_reason=abort}", 0.0)
     body = {
         "model": "tiny",
         "prompt": "Tell me a very long story",
@@ -332,7 +332,7 @@ def test_client_disconnect_frees_the_slot(server, client):
         conn.close()
     server.wait_until(
         lambda: (
-            server.metrics().get("ktserve_requests_finished_total{reason=abort}", 0.0)
+            server.metrics().get("ktserve_request_success_total{finished_reason=abort}", 0.0)
             >= before + MAX_NUM_SEQS
         ),
         timeout=20,
@@ -344,7 +344,7 @@ def test_client_disconnect_frees_the_slot(server, client):
 
 
 def test_client_disconnect_without_streaming_frees_the_slot(server):
-    aborted = server.metrics().get("ktserve_requests_finished_total{reason=abort}", 0.0)
+    aborted = server.metrics().get("ktserve_request_success_total{finished_reason=abort}", 0.0)
     body = {"model": "tiny", "prompt": "Story:", "max_tokens": 240, "ignore_eos": True}
     conn, _ = server.open_stream("/v1/completions", body, headers=auth(), read=False)
     server.wait_until(lambda: server.health()[1]["engine"]["running"] == 1, timeout=10)
@@ -352,7 +352,7 @@ def test_client_disconnect_without_streaming_frees_the_slot(server):
     conn.close()
     server.wait_until(
         lambda: (
-            server.metrics().get("ktserve_requests_finished_total{reason=abort}", 0.0)
+            server.metrics().get("ktserve_request_success_total{finished_reason=abort}", 0.0)
             == aborted + 1
         ),
         timeout=20,
@@ -385,7 +385,24 @@ def test_unknown_model_is_404(client):
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"best_guess": 1}, "best_guess"),
+        ({"stream_options": {"include_usage": True, "x": 1}, "stream": True}, "stream_options.x"),
+        (
+            {"messages": [{"role": "user", "content": "hi", "audio": {"id": "a"}}]},
+            "messages.0.audio",
+        ),
+        ({"store": True}, "store"),
+        ({"metadata": {"a": "b"}}, "metadata"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"logit_bias": {"3": 150}}, "logit_bias"),
+        ({"min_tokens": 5}, "min_tokens"),
+        ({"min_p": 2}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
         ({"max_tokens": -1}, "max_tokens"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_completion_tokens": -5}, "max_completion_tokens"),
@@ -401,7 +418,7 @@ def test_unknown_model_is_404(client):
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
         ({"stream": "yes"}, "stream"),
     ],
 )
@@ -422,7 +439,9 @@ def test_chat_bad_parameters_are_400(server, extra, param):
         b"",
         b"[1, 2]",
         {"model": "tiny"},
-        {"model": "tiny", "prompt": "hi", "n": 3},
+        {"model": "tiny", "prompt": "hi", "n": 30},
+        {"model": "tiny", "prompt": "hi", "guided_json": {}},
+        {"model": "tiny", "prompt": "hi", "logit_bias": {"100000": 1}},
         {"model": "tiny", "prompt": ["a", "b"]},
         {"model": "tiny", "prompt": [1, 2, 10**9]},
         {"model": "tiny", "prompt": "hi", "echo": True},
@@ -461,15 +480,19 @@ def test_metrics_count_what_was_served(server, client):
 
     assert delta("ktserve_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
     assert delta("ktserve_generation_tokens_total") == sum(u.completion_tokens for u in usages)
-    assert delta("ktserve_requests_finished_total{reason=length}") == 4
+    assert delta("ktserve_request_success_total{finished_reason=length}") == 4
     assert delta("ktserve_e2e_request_latency_seconds_count") == 4
     assert delta("ktserve_time_to_first_token_seconds_count") == 4
+    assert delta("ktserve_request_queue_time_seconds_count") == 4
+    assert server.model_names == {"tiny"}
     assert delta("ktserve_moe_round_trip_seconds_count") > 0
     assert delta("ktserve_http_requests_total{route=/v1/chat/completions,status=200}") == 3
     for name in (
-        "ktserve_requests_running",
-        "ktserve_requests_waiting",
-        "ktserve_kv_cache_usage_ratio",
+        "ktserve_num_requests_running",
+        "ktserve_num_requests_waiting",
+        "ktserve_kv_cache_usage_perc",
+        "ktserve_num_preemptions_total",
+        "ktserve_request_queue_time_seconds_count",
         "ktserve_inter_token_latency_seconds_count",
     ):
         assert name in after
@@ -599,12 +622,12 @@ def test_engine_errors_answer_alike_wherever_they_surface(error, status, code, a
         out.append(ended.value)
         first = Generation(ScriptedEngine([end]), [1], params, "r2", "prompt")
         with pytest.raises(ApiError) as at_once:
-            await stream_response(never_disconnects(), first, CompletionChunks(ctx, "r2", False),
-                                  include_usage=False)  # fmt: skip
+            writers = [CompletionChunks(ctx, "r2", False)]
+            await stream_response(never_disconnects(), [first], writers, include_usage=False)
         out.append(at_once.value)
         later = Generation(ScriptedEngine([token, end]), [1], params, "r3", "prompt")
-        response = await stream_response(never_disconnects(), later,
-                                         CompletionChunks(ctx, "r3", False), False)  # fmt: skip
+        response = await stream_response(never_disconnects(), [later],
+                                         [CompletionChunks(ctx, "r3", False)], False)  # fmt: skip
         out.append([chunk async for chunk in response.body_iterator])
         return out
 

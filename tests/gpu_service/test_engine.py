@@ -343,6 +343,43 @@ def test_abort_frees_the_cache(checkpoint, seed):
         eng.stop()
 
 
+def test_penalties_bias_and_min_tokens_in_a_batch_match_transformers(checkpoint, reference,
+                                                                    seed):  # fmt: skip
+    """Greedy requests side by side, each with its own penalties, bias or min_tokens: every
+    token is the argmax of transformers' logits with the plain-torch reference of
+    test_sampling applied to them (given the prompt and the tokens before it)."""
+    from tests.gpu_service.test_sampling import reference_processed
+
+    eos = 7
+    experts = TorchExperts(CheckpointReader(checkpoint), "cpu", torch.float32)
+    model = load_model(checkpoint, "cpu", torch.float32, experts=experts,
+                       max_num_tokens_in_cache=4096, block_size=4)  # fmt: skip
+    eng = Engine(model, SchedulerConfig(max_model_len=128), eos_token_ids=(eos,)).start()
+    ps = prompts(seed + 11, lengths=(6, 9, 4, 7, 5))
+    greedy = dict(temperature=0, max_tokens=10)
+    params = [
+        SamplingParams(**greedy, ignore_eos=True),
+        SamplingParams(**greedy, ignore_eos=True, presence_penalty=1.5, frequency_penalty=0.5),
+        SamplingParams(**greedy, ignore_eos=True, repetition_penalty=1.7),
+        SamplingParams(**greedy, ignore_eos=True, logit_bias=((int(ps[3][0]), 5.0), (9, -100.0))),
+        SamplingParams(**greedy, min_tokens=6, logit_bias=((eos, 100.0),)),
+    ]
+    try:
+        results = run_together(eng, list(zip(ps, params)))
+    finally:
+        eng.stop()
+    for prompt, p, events in zip(ps, params, results):
+        tokens = tokens_of(events)
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + tokens])).logits[0].float()  # [L, V]
+        for i, token in enumerate(tokens):
+            row = logits[len(prompt) - 1 + i : len(prompt) + i]
+            row = reference_processed(row, [p], [prompt], [tokens[:i]], (eos,))[0]
+            assert row[token] >= row.max() - 1e-4, (p, i, token, int(row.argmax()))
+    assert tokens_of(results[4])[-1] == eos and len(tokens_of(results[4])) == 7
+    assert 9 not in tokens_of(results[3])
+
+
 # ------------------------------------------------------------------------- detokenizer
 def test_detokenizer_holds_back_possible_stop_string_prefixes():
     pieces = ["Hel", "lo ", "wor", "ld", "!"]
@@ -350,6 +387,13 @@ def test_detokenizer_holds_back_possible_stop_string_prefixes():
     out = [detok.add(list(range(n))) for n in range(1, 5)]
     assert "".join(out) == "Hello "
     assert detok.stopped and detok.text == "Hello "
+
+
+def test_detokenizer_looks_for_stop_strings_from_min_tokens_on():
+    pieces = ["a", "STOP", "b", "c", "STOP", "d"]
+    detok = Detokenizer(lambda ids: "".join(pieces[i] for i in ids), stop=("STOP",), min_tokens=3)
+    out = [detok.add(list(range(n))) for n in range(1, 6)]
+    assert detok.stopped and "".join(out) == detok.text == "aSTOPbc"
 
 
 def _byte_decode(pieces: list[bytes]):

@@ -122,13 +122,18 @@ class ServerProcess(WatchedProcess):
         return status, json.loads(body)
 
     def metrics(self) -> dict[str, float]:
-        """Every sample as {"name{label=value,...}": value}."""
+        """Every sample as {"name{label=value,...}": value}, the model_name label that every
+        sample must carry left out of the key (and kept in self.model_names)."""
         status, body = self.get("/metrics", self.auth)
         assert status == 200
         out = {}
+        self.model_names = set()
         for family in text_string_to_metric_families(body.decode()):
             for s in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                assert "model_name" in s.labels, f"{s.name} has no model_name label"
+                self.model_names.add(s.labels["model_name"])
+                rest = {k: v for k, v in s.labels.items() if k != "model_name"}
+                labels = ",".join(f"{k}={v}" for k, v in sorted(rest.items()))
                 out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return out
 
