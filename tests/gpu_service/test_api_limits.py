@@ -208,7 +208,7 @@ def test_a_request_past_its_deadline_ends_with_a_clear_error(server, client):
     assert exc.value.status_code == 504 and exc.value.body["code"] == "deadline_exceeded"
     assert "0.5 s" in exc.value.body["message"]
     assert time.monotonic() - start < 10
-    stream = Stream(server, 240, timeout=1.0)
+    stream = Stream(server, 1000, timeout=0.5)  # NOTE: 1000 tokens take seconds: it expires
     stream.join(60)
     payloads = stream.payloads()
     assert payloads[-1] == "[DONE]"
