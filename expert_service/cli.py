@@ -8,7 +8,6 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 
 from expert_service.config import ConvertConfig, WorkerConfig
@@ -70,9 +69,11 @@ def run_expert(args: argparse.Namespace) -> int:
         log.warning("no token: any local user can call this worker at %s (set %s or %s)",
                     config.listen, TOKEN_FILE_ENV, TOKEN_ENV)  # fmt: skip
     worker = ExpertWorker(config)
-    stop = threading.Event()
+    # NOTE: the handler takes no lock: Event.set does, and a second signal arriving inside the
+    # first one's set() deadlocked the worker (seen: SIGTERM twice as `ktserve serve` died).
+    stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _: stopping.append(signum))
     server, port, health = build_server(worker, config.listen, token)
     address = (
         config.listen
@@ -91,8 +92,8 @@ def run_expert(args: argparse.Namespace) -> int:
                         progress=ProgressPrinter(sys.stderr, "loading experts"))  # fmt: skip
             set_serving(health, True)
             print(f"ktserve expert: serving {worker._describe()}", flush=True)
-        while not (stop.is_set() or worker.exit_requested.is_set()):
-            stop.wait(0.5)
+        while not (stopping or worker.exit_requested.is_set()):
+            worker.exit_requested.wait(0.2)
         print("ktserve expert: draining", flush=True)
         set_serving(health, False)
         completed = worker.drain()
