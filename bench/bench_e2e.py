@@ -6,6 +6,8 @@ writes them) and the GPU service in this process, once per mode:
   segments  CUDA graphs of the segments between MoE layers, the host calls the experts
   graph-d1, segments-d1  the same with one expert per token deferred (--modes names them; the
             worker's per-call phases are then per call, two per deferring layer)
+  graph-kernels, graph-kernels-d1  graph and graph-d1 with --device-handoff kernels (Triton
+            kernels read and write the workers' slots: gpu_service/device_kernels.py)
 For each: decode tok/s at each batch size (greedy, ignore_eos, 16-token prompts), the per-MoE-
 layer split of a step (the GPU's part is the segments mode's measured GPU time; the worker's
 dispatch, kernel, publish and bookkeeping come from its GetStats; hand-off is what is left of the
@@ -53,7 +55,13 @@ MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
          "graph-d1": dict(cuda_graphs=True, graph_expert_calls=True,
                           max_deferred_experts_per_token=1),
          "segments-d1": dict(cuda_graphs=True, graph_expert_calls=False,
-                             max_deferred_experts_per_token=1)}  # fmt: skip
+                             max_deferred_experts_per_token=1),
+         "graph-kernels": dict(cuda_graphs=True, graph_expert_calls=True,
+                               device_handoff="kernels"),
+         "graph-kernels-d1": dict(cuda_graphs=True, graph_expert_calls=True,
+                                  device_handoff="kernels",
+                                  max_deferred_experts_per_token=1)}  # fmt: skip
+CLIENT_FIELDS = ("device_handoff",)  # MODES' keys that configure the expert client
 PHASES = ("dispatch", "kernel", "publish", "bookkeeping")
 
 
@@ -96,15 +104,25 @@ def prefill(service, n: int, seed: int) -> float:
     return time.perf_counter() - start
 
 
+def service_config(mode: str, checkpoint: Path, device: str, address: str, max_batch: int,
+                   max_model_len: int) -> GPUServiceConfig:  # fmt: skip
+    """The GPU service of one of MODES, bf16, on the worker at `address`."""
+    scheduler = SchedulerConfig(max_num_seqs=max_batch, max_model_len=max_model_len)
+    client = {k: v for k, v in MODES[mode].items() if k in CLIENT_FIELDS}
+    service_fields = {k: v for k, v in MODES[mode].items() if k not in CLIENT_FIELDS}
+    return GPUServiceConfig(
+        model_dir=str(checkpoint), device=device, dtype="bfloat16",
+        cuda_graph_max_batch=max_batch, scheduler=scheduler,
+        experts=ExpertClientConfig((address,), wire_dtype="bfloat16", **client),
+        **service_fields,
+    )  # fmt: skip
+
+
 def run_mode(mode: str, args, address: str, stub, dram: DramMeter) -> dict:
     batches, prompts = args.batches, args.prefills
     longest = max(prompts, default=0)
-    scheduler = SchedulerConfig(max_num_seqs=max(batches), max_model_len=longest + args.tokens + 64)
-    config = GPUServiceConfig(
-        model_dir=str(args.checkpoint), device=args.device, dtype="bfloat16",
-        cuda_graph_max_batch=max(batches), scheduler=scheduler,
-        experts=ExpertClientConfig((address,), wire_dtype="bfloat16"), **MODES[mode],
-    )  # fmt: skip
+    config = service_config(mode, args.checkpoint, args.device, address, max(batches),
+                            longest + args.tokens + 64)  # fmt: skip
     start = time.perf_counter()
     service = build_gpu_service(config)
     built = time.perf_counter() - start
@@ -116,7 +134,7 @@ def run_mode(mode: str, args, address: str, stub, dram: DramMeter) -> dict:
             out["decode"][b] = decode(service, stub, b, args.tokens)
             r = out["decode"][b]
             print(f"[{mode}] batch {b}: {r['tok/s']:.1f} tok/s", flush=True)
-        if mode == "graph" and MODES[mode]["cuda_graphs"]:
+        if mode.startswith("graph") and MODES[mode]["cuda_graphs"]:
             graph_steps = service.metrics.steps.labels(mode="graph")._value.get()
             if not graph_steps:
                 raise SystemExit("CUDA graphs were asked for but no step ran as graphs")

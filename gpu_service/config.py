@@ -66,6 +66,14 @@ class ExpertClientConfig:
         help="seconds requests wait for a dead expert worker to come back before they fail "
         "with 503 (default %(default)s)",
     )
+    device_handoff: str = flag(
+        "memops",
+        choices=("memops", "kernels"),
+        help="how a decode graph's expert calls reach the workers' mapped slots: memops (the "
+        "default: copies plus the driver's stream memory operations, cuStreamWriteValue / "
+        "WaitValue) or kernels (two Triton kernels per call that read and write the slot over "
+        "PCIe themselves and spin on its bell)",
+    )
     num_slots: int = 4
     spin_us: float = 500.0
     pin_memory: bool = True

@@ -126,8 +126,10 @@ class CudaStream:
         }  # fmt: skip
         self._host_base = {ch.name: ch.address for ch in channels}
 
-    def _dev(self, channel: ktshm.Channel, host_address: int) -> int:
+    def device_address(self, channel: ktshm.Channel, host_address: int) -> int:
         return self._device_base[channel.name] + host_address - self._host_base[channel.name]
+
+    _dev = device_address
 
     def post(self, slot: _Slot, staging: torch.Tensor) -> None:
         stream = torch.cuda.current_stream().cuda_stream
@@ -203,8 +205,16 @@ class DeviceCalls:
         self.slots = [
             [_Slot(ch, j, *ch.device_slot(j)) for j in range(len(layers))] for ch in channels
         ]
+        self.kernels = None
         if device.type == "cuda":
             self.stream: CudaStream | HostStream = CudaStream(channels)
+            if owner.config.device_handoff == "kernels":
+                from gpu_service.device_kernels import KernelHandoff
+
+                self.kernels = KernelHandoff(self._arg_dtypes[0])
+                # [worker, slot, post|collect]: each launch site's counter (device_kernels.py)
+                self._counters = torch.zeros((len(channels), len(layers), 2), dtype=torch.int32,
+                                             device=device)  # fmt: skip
         else:
             self.stream = HostStream(self._recover_on_host, self.timeout_s)
         self._layouts: dict[int, _Layout] = {}
@@ -251,6 +261,20 @@ class DeviceCalls:
     def call(self, j: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """Post MoE layer j's call (x [rows_pad, H], ids/weights [rows_pad, k]) to every worker."""
         lay = self._layouts[x.shape[0]]
+        if self.kernels is not None:
+            dev = self.stream.device_address
+            for w, slots in enumerate(self.slots):
+                s = slots[j]
+                self.kernels.post(
+                    dev(s.channel, s.request),
+                    lay.offsets,
+                    dev(s.channel, s.request_bell),
+                    self._counters[w, j, 0],
+                    x.contiguous(),
+                    ids.contiguous(),
+                    weights.contiguous(),
+                )
+            return
         staging = lay.staging
         for offset, tensor, dtype in zip(lay.offsets, (x, ids, weights), self._arg_dtypes):
             nbytes = tensor.numel() * dtype.itemsize
@@ -261,6 +285,16 @@ class DeviceCalls:
     def collect(self, j: int, routed: torch.Tensor) -> None:
         """Wait for layer j's replies and put their sum into routed [rows_pad, H] float32."""
         lay = self._layouts[routed.shape[0]]
+        if self.kernels is not None:
+            if not routed.is_contiguous():
+                raise ValueError("routed must be contiguous")
+            dev = self.stream.device_address
+            for w, slots in enumerate(self.slots):
+                s = slots[j]
+                self.kernels.collect(dev(s.channel, s.reply), dev(s.channel, s.reply_bell),
+                                     dev(s.channel, s.request_bell), self._counters[w, j, 1],
+                                     routed, accumulate=w > 0)  # fmt: skip
+            return
         if self.stream.runs_on_host:
             lay.replies.zero_()  # NOTE: the host copies only the announced rows
             try:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_service.models import fused_ops
 from gpu_service.models.loader import WeightLoader
 
 
@@ -48,6 +49,8 @@ class RMSNorm(nn.Module):
         return cls(loader.get(f"{name}.weight", (size,)), eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == x.dtype and fused_ops.supports(x, self.weight):
+            return fused_ops.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gpu_service.models import fused_ops
 from ktserve.checkpoint import HFConfig, InvalidConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
@@ -141,6 +142,8 @@ def apply_rotary(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
 ) -> torch.Tensor:
     """x [T, heads, dim] rotated by cos/sin [T, dim/2]; computed in float32, returned as x.dtype."""
+    if fused_ops.supports(x, cos, sin):
+        return fused_ops.rotary(x, cos, sin, interleaved)
     xf = x.float()
     if interleaved:
         x1, x2 = xf[..., 0::2], xf[..., 1::2]

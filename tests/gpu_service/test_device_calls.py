@@ -25,6 +25,10 @@ from tests.support.expert_procs import ExpertProcess
 
 FAMILIES = [f for f in ("deepseek_v3", "qwen3_moe") if f in available_families()]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# (device, --device-handoff): on CUDA, both ways of reaching the workers' slots
+HANDOFFS = [("cpu", "memops")] + (
+    [("cuda", "memops"), ("cuda", "kernels")] if torch.cuda.is_available() else []
+)
 BLOCK = 4
 
 
@@ -72,15 +76,17 @@ def checkpoint(request, tmp_path_factory, seed):
     return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=seed)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_device_calls_give_the_logits_of_calls_between_segments(checkpoint, seed, device):
-    """On CUDA the step is one captured graph, its calls stream writes and waits; the oracle's
-    steps are graphs of the segments between host calls."""
+@pytest.mark.parametrize(("device", "handoff"), HANDOFFS)
+def test_device_calls_give_the_logits_of_calls_between_segments(checkpoint, seed, device, handoff):
+    """On CUDA the step is one captured graph, its calls stream writes and waits (or Triton
+    kernels that read and write the slots); the oracle's steps are graphs of the segments
+    between host calls."""
     worker = start_worker(checkpoint, free_port())
     reader = CheckpointReader(checkpoint)
     spec = reader.spec
     experts = ShmExperts(
-        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
+        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20,
+                           device_handoff=handoff),  # fmt: skip
         hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
         device=device,
     )  # fmt: skip
@@ -91,6 +97,7 @@ def test_device_calls_give_the_logits_of_calls_between_segments(checkpoint, seed
         graphs = DecodeGraphs(in_graph, DecodeGraphConfig(4, 8, capture))
         assert isinstance(graphs.calls, DeviceCalls)
         assert isinstance(graphs.calls.stream, CudaStream if capture else HostStream)
+        assert (graphs.calls.kernels is not None) == (handoff == "kernels")
         segmented = DecodeGraphs(between, DecodeGraphConfig(4, 8, capture, experts_in_graph=False))
         assert segmented.calls is None
         reference = DecodeGraphs(eager, DecodeGraphConfig(4, 8, capture=False))

@@ -1,0 +1,141 @@
+"""Where a decode step's GPU time goes, kernel by kernel, with the expert calls in the graph.
+
+One expert worker (subprocess) on CHECKPOINT and the GPU service in this process, per mode of
+bench_e2e.py (graph, graph-kernels, ...): a batch decodes under torch.profiler (CUPTI records
+the kernels inside CUDA graphs), and the GPU timeline of the step is split per MoE layer into
+    compute   the model's kernels (attention, norms, router, shared expert, sampling ...)
+    post      the kernels and copies that hand a call to the worker (device_kernels' post, or
+              the staging pack and the copy into the slot)
+    collect   the kernels and copies that take its reply (device_kernels' collect spins there
+              until the worker answers: that is the expert wait; with memops the wait is a
+              stream memory operation, which CUPTI does not show: it falls into the gaps)
+    gaps      the GPU idle between one operation's end and the next one's start
+The first and last steps are dropped (their edges are the host's).
+
+    python bench/profile_decode_step.py CHECKPOINT [--modes graph,graph-kernels] [--batch 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
+
+from bench.bench_decode import run_batch  # noqa: E402
+from bench.bench_e2e import MODES, service_config  # noqa: E402
+from bench.common import Column, default_device, print_table  # noqa: E402
+from bench.worker_process import expert_worker  # noqa: E402
+from gpu_service.service import build_gpu_service  # noqa: E402
+from ktserve.checkpoint import ModelSpec  # noqa: E402
+
+POST = ("_post_kernel",)
+COLLECT = ("_collect_kernel",)
+
+
+def classify(event: dict) -> str:
+    name = event["name"]
+    if any(k in name for k in POST):
+        return "post"
+    if any(k in name for k in COLLECT):
+        return "collect"
+    if event.get("cat") == "gpu_memcpy":
+        # DtoD into the mapped slot (post) or from it (collect): told apart by the order
+        return "copy"
+    return "compute"
+
+
+def gpu_timeline(trace: Path) -> list[dict]:
+    events = json.loads(trace.read_text())["traceEvents"]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+           and e.get("ph") == "X"]  # fmt: skip
+    return sorted(gpu, key=lambda e: e["ts"])
+
+
+def split(timeline: list[dict], calls: int) -> dict[str, float]:
+    """Microseconds per MoE call in each part; calls: the MoE calls the timeline holds."""
+    parts = {"compute": 0.0, "post": 0.0, "collect": 0.0, "copy": 0.0, "gaps": 0.0}
+    counts = {k: 0 for k in parts}
+    end = None
+    for e in timeline:
+        kind = classify(e)
+        parts[kind] += e["dur"]
+        counts[kind] += 1
+        if end is not None and e["ts"] > end:
+            parts["gaps"] += e["ts"] - end
+        end = max(end or 0.0, e["ts"] + e["dur"])
+    out = {k: v / calls for k, v in parts.items()}
+    out["kernels/call"] = counts["compute"] / calls
+    by_name: dict[str, float] = {}
+    for e in timeline:
+        if classify(e) == "compute":
+            by_name[e["name"][:60]] = by_name.get(e["name"][:60], 0.0) + e["dur"] / calls
+    out["top"] = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+    return out
+
+
+def profile_mode(mode: str, args, address: str, moe_layers: int) -> dict[str, float]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    config = service_config(mode, args.checkpoint, args.device, address, args.batch,
+                            args.tokens + 128)  # fmt: skip
+    service = build_gpu_service(config)
+    try:
+        run_batch(service, args.batch, 16)  # warm-up: captures the graphs
+        with tempfile.TemporaryDirectory() as tmp:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                got = run_batch(service, args.batch, args.tokens)
+                torch.cuda.synchronize()
+            trace = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            timeline = gpu_timeline(trace)
+    finally:
+        service.close()
+    steps = got["steps"]
+    out = split(timeline, steps * moe_layers)
+    out["step_ms"] = 1e3 * args.batch * args.tokens / got["tok/s"] / steps
+    out["gpu_span_ms"] = (timeline[-1]["ts"] + timeline[-1]["dur"] - timeline[0]["ts"]) / 1e3
+    out["steps"] = steps
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--format", default="int4", choices=("int4", "int8", "bf16"))
+    parser.add_argument("--threads", type=int, default=15)
+    parser.add_argument("--spin-us", type=float, default=None)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--modes", default="graph,graph-kernels")
+    parser.add_argument("--device", default=default_device())
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    if unknown := set(modes) - set(MODES):
+        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
+    moe_layers = len(ModelSpec.from_config_dir(args.checkpoint).moe_layers)
+    rows, tops = [], {}
+    with expert_worker(args.checkpoint, args.format, args.threads, args.spin_us) as address:
+        for mode in modes:
+            r = profile_mode(mode, args, address, moe_layers)
+            tops[mode] = r["top"]
+            rows.append([mode, str(args.batch), f"{r['step_ms']:.2f}",
+                         *(f"{r[k]:.1f}" for k in ("compute", "post", "collect", "copy", "gaps")),
+                         f"{r['kernels/call']:.1f}"])  # fmt: skip
+    print(f"{args.checkpoint.name}: {moe_layers} MoE layers, batch {args.batch}, "
+          f"{args.tokens} tokens; microseconds per MoE layer of a step")  # fmt: skip
+    print_table([Column("mode", 16, "<"), Column("batch", 5), Column("step ms", 7),
+                 Column("compute", 7), Column("post", 6), Column("collect", 7),
+                 Column("copies", 6), Column("gaps", 6), Column("kernels", 7)], rows)  # fmt: skip
+    for mode, top in tops.items():
+        print(f"{mode}: the compute kernels that take longest, us per MoE layer")
+        print_table([Column("kernel", 60, "<"), Column("us", 6)],
+                    [[name, f"{us:.1f}"] for name, us in top])  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
