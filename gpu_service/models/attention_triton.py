@@ -58,9 +58,13 @@ class Tiles:
 
 
 def decode_tiles(head_dim: int, group: int) -> Tiles:
-    """Default decode tiles: wide heads (MLA's 576) take fewer keys per step."""
-    block_h = max(16, min(triton.next_power_of_2(group), 32 if head_dim > 256 else 64))
+    """Default decode tiles. MLA's 576-wide latent at 64 heads per program: Hopper's warpgroup MMA
+    (needs 64 rows) with 16 keys a step, so its 64 x 512 float32 accumulator fits 8 warps'
+    registers (sm_90 build: 254 registers, no spills); fewer heads, mma.sync tiles."""
+    block_h = max(16, min(triton.next_power_of_2(group), 64))
     if head_dim > 256:
+        if block_h == 64:
+            return Tiles(block_h=64, block_n=16, num_warps=8, num_stages=2)
         return Tiles(block_h=block_h, block_n=32, num_warps=8 if block_h > 16 else 4, num_stages=2)
     return Tiles(block_h=block_h, block_n=64, num_warps=4, num_stages=2)
 
@@ -70,7 +74,7 @@ def prefill_tiles(head_dim: int, group: int) -> Tiles:
     block_h = min(triton.next_power_of_2(group), 16)
     block_q = max(1, 64 // block_h)
     if head_dim > 256:
-        return Tiles(block_h=block_h, block_n=32, num_warps=8, num_stages=2, block_q=block_q)
+        return Tiles(block_h=block_h, block_n=16, num_warps=8, num_stages=2, block_q=block_q)
     return Tiles(block_h=block_h, block_n=64, num_warps=4, num_stages=2, block_q=block_q)
 
 
@@ -325,8 +329,10 @@ def _decode_merge_kernel(
 @triton.jit
 def _find_sequence(cu_seqlens_q, q_block, num_seqs, BLOCK_Q: tl.constexpr):
     """The sequence whose query blocks (from cu_seqlens_q[i] // BLOCK_Q + i on) hold q_block."""
-    left = 0
-    right = num_seqs
+    # NOTE: tensors from the start: a loop-carried int must not be a constexpr (Triton makes an
+    # int argument equal to 1 one, as num_seqs is for a single sequence).
+    left = tl.full([], 0, tl.int32)
+    right = tl.full([], 0, tl.int32) + num_seqs
     while left < right:
         mid = (left + right) // 2
         first = tl.load(cu_seqlens_q + mid) // BLOCK_Q + mid
@@ -391,7 +397,7 @@ def _prefill_kernel(
         in_group = (pid_tile % tiles_per_kv) * BLOCK_H + rows % BLOCK_H
         row_ok = (q_idx < n_q) & (in_group < group)
         heads = kv_head * group + in_group
-        tokens = q_begin + q_idx
+        tokens = (q_begin + q_idx).to(tl.int64)
         n_kv = tl.load(kv_len + seq)
         pos = n_kv - n_q + q_idx  # [M]
         row_hi = pos + 1

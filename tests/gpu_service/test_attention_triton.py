@@ -1,4 +1,4 @@
-"""The Triton paged attention kernels against a naive float64 reference written here (per
+"""The Triton paged attention kernels against a naive float64 reference (tests/support: per
 sequence, an explicit mask), at ragged lengths, over shuffled block tables with unused entries,
 for GQA groups, MLA's latent cache (v a strided view of k), sliding windows, fp8 caches and
 bf16 / fp16 / float32 queries.
@@ -27,30 +27,11 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 from gpu_service.models import attention_triton as at  # noqa: E402
+from tests.support.attention_reference import reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 # bf16 / fp16: the probabilities are rounded to the query's dtype before p @ v, as in attend()
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
-
-
-def reference(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_len, block_size, scale, window):
-    """float64 attention of each sequence's queries over its own cached keys -> [T, Hq, Dv]."""
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
-    outs = []
-    for i in range(kv_len.shape[0]):
-        start, end, n = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1]), int(kv_len[i])
-        key_pos = torch.arange(n)
-        slots = block_table[i].long()[key_pos // block_size] * block_size + key_pos % block_size
-        keys = k_cache[slots].double().repeat_interleave(num_heads // num_kv_heads, dim=1)
-        values = v_cache[slots].double().repeat_interleave(num_heads // num_kv_heads, dim=1)
-        query_pos = torch.arange(n - (end - start), n)
-        visible = key_pos[None, :] <= query_pos[:, None]  # [Q, K]
-        if window is not None:
-            visible &= key_pos[None, :] > query_pos[:, None] - window
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].double(), keys) * scale
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        outs.append(torch.einsum("hqk,khd->qhd", probs, values))
-    return torch.cat(outs)
 
 
 def make_case(gen, kv_lens, block_size, num_kv_heads, head_dim, v_dim, cache_dtype, mla=False):
