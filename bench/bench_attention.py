@@ -1,0 +1,328 @@
+"""Triton paged attention at real shapes on CUDA, next to the bound of reading the cache.
+
+Shapes: DeepSeek-V3's MLA (128 query heads over one 576-wide latent kv head, the value its first
+512 columns, absorbed) and Qwen3-30B-A3B's GQA (32 query heads, 4 kv heads of 128); batch 1 and
+16; contexts 4k, 32k and 128k (a size that does not fit the GPU's free memory is skipped); a bf16
+cache in blocks of --block-size tokens, handed out in shuffled order.
+
+Per decode step (one query per sequence at the end of its context) and per 1k prefill tokens (a
+1,024-token chunk at the end of each sequence's context; the step's time divided by the batch):
+- triton: the median of CUDA-event timings, the L2 cache flushed before each call;
+- HBM bound: bytes of cache read (each sequence's keys and values once) / 4.8 TB/s, and / the
+  device-to-device copy bandwidth measured in this run (bytes read + written / time);
+- FLOP bound: the attention's matmul FLOPs / the bf16 matmul rate measured in this run (MLA at 128
+  heads does ~240 FLOPs per cache byte: past the H200's ridge point, so compute bounds it first);
+- torch: the plain torch reference (the cache gathered and padded, matmul, float32 softmax) where it
+  fits in memory, and the largest absolute difference between the two outputs.
+
+    python bench/bench_attention.py [--contexts 4096,32768,131072] [--batches 1,16] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages
+
+import torch
+
+from bench.common import Column, print_table
+
+SPEC_HBM_BYTES_PER_S = 4.8e12
+PREFILL_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_dim: int
+    mla: bool  # v is a view of the first v_dim columns of the key cache
+
+    @property
+    def cache_bytes_per_token(self) -> int:  # bf16
+        per_head = self.head_dim if self.mla else self.head_dim + self.v_dim
+        return 2 * self.num_kv_heads * per_head
+
+    def flops(self, num_queries: int, visible_keys: float) -> float:
+        return 2.0 * self.num_heads * (self.head_dim + self.v_dim) * num_queries * visible_keys
+
+
+SHAPES = (
+    Shape("DeepSeek-V3 MLA", 128, 1, 576, 512, mla=True),
+    Shape("Qwen3-30B-A3B GQA", 32, 4, 128, 128, mla=False),
+)
+
+
+@dataclass
+class Case:
+    """One batch of sequences, each `context` tokens long, over a freshly filled cache."""
+
+    shape: Shape
+    batch: int
+    context: int
+    block_size: int
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16
+
+    def __post_init__(self) -> None:
+        s, dev = self.shape, self.device
+        blocks = self.batch * -(-self.context // self.block_size)
+        slots = blocks * self.block_size
+        self.k_cache = torch.randn(slots, s.num_kv_heads, s.head_dim, device=dev).to(self.dtype)
+        if s.mla:
+            self.v_cache = self.k_cache[..., : s.v_dim]
+        else:
+            self.v_cache = torch.randn(slots, s.num_kv_heads, s.v_dim, device=dev).to(self.dtype)
+        order = torch.randperm(blocks, device=dev, dtype=torch.int64).to(torch.int32)
+        self.block_table = order.view(self.batch, -1)
+        self.kv_len = torch.full((self.batch,), self.context, dtype=torch.int32, device=dev)
+        self.scale = (192 if s.mla else s.head_dim) ** -0.5
+
+    def queries(self, per_seq: int) -> torch.Tensor:
+        s = self.shape
+        shape = (self.batch * per_seq, s.num_heads, s.head_dim)
+        return torch.randn(shape, device=self.device).to(self.dtype)
+
+    def cu_seqlens(self, per_seq: int) -> torch.Tensor:
+        return torch.arange(self.batch + 1, dtype=torch.int32, device=self.device) * per_seq
+
+
+def torch_attention(case: Case, q: torch.Tensor, per_seq: int) -> torch.Tensor:
+    """The plain torch reference: each sequence's cache gathered (padded to the context), scores
+    in q's dtype, the causal mask, softmax in float32, cast back, times v -> [T, Hq, Dv]."""
+    s, b, n = case.shape, case.batch, case.context
+    pos = torch.arange(n, device=case.device)
+    block = case.block_table.long()[:, pos // case.block_size]  # [B, K]
+    slots = block * case.block_size + pos % case.block_size
+    keys = case.k_cache[slots].permute(0, 2, 3, 1)  # [B, Hkv, D, K]
+    values = case.v_cache[slots].permute(0, 2, 1, 3)  # [B, Hkv, K, Dv]
+    group = s.num_heads // s.num_kv_heads
+    qg = q.view(b, per_seq, s.num_kv_heads, group, s.head_dim).permute(0, 2, 3, 1, 4)
+    qg = qg.reshape(b, s.num_kv_heads, group * per_seq, s.head_dim)  # [B, Hkv, G*Q, D]
+    scores = torch.matmul(qg, keys) * case.scale  # [B, Hkv, G*Q, K]
+    query_pos = (n - per_seq + torch.arange(per_seq, device=case.device)).repeat(group)
+    scores.masked_fill_(pos[None, :] > query_pos[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, values).view(b, s.num_kv_heads, group, per_seq, s.v_dim)
+    return out.permute(0, 3, 1, 2, 4).reshape(b * per_seq, s.num_heads, s.v_dim)
+
+
+def torch_attention_bytes(case: Case, per_seq: int) -> int:
+    """What torch_attention allocates at its peak, about: the gathered cache and the scores."""
+    s = case.shape
+    gathered = case.batch * case.context * case.shape.cache_bytes_per_token
+    scores = case.batch * s.num_heads * per_seq * case.context * (4 + 4 + 2)
+    return 2 * gathered + scores
+
+
+class Timer:
+    """Median CUDA-event time of a call, the L2 cache flushed before each one."""
+
+    def __init__(self, reps: int) -> None:
+        self.reps = reps
+        self.flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+
+    def median_s(self, fn: Callable[[], object], max_seconds: float = 2.0) -> float:
+        fn()  # compiles
+        torch.cuda.synchronize()
+        first = self._timed(fn)
+        reps = max(3, min(self.reps, int(max_seconds / max(first, 1e-6))))
+        return statistics.median(self._timed_all(fn, reps))
+
+    def _timed(self, fn: Callable[[], object]) -> float:
+        return self._timed_all(fn, 1)[0]
+
+    def _timed_all(self, fn: Callable[[], object], reps: int) -> list[float]:
+        events = []
+        for _ in range(reps):
+            self.flush.zero_()  # NOTE: also gives the CPU time to queue the call's kernels
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) / 1e3 for s, e in events]
+
+
+def copy_bandwidth(timer: Timer) -> float:
+    """Device-to-device copy of 2 GiB: bytes read + written per second."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = timer.median_s(lambda: dst.copy_(src))
+    return 2 * src.numel() / seconds
+
+
+def matmul_flops(timer: Timer) -> float:
+    a = torch.randn(8192, 8192, device="cuda").bfloat16()
+    b = torch.randn(8192, 8192, device="cuda").bfloat16()
+    return 2 * 8192**3 / timer.median_s(lambda: a @ b)
+
+
+def fits(nbytes: int, share: float = 0.8) -> bool:
+    free, _ = torch.cuda.mem_get_info()
+    return nbytes < share * free
+
+
+def us(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:,.1f}"
+
+
+def pct(bound: float, seconds: float) -> str:
+    return f"{100 * bound / seconds:.0f}%"
+
+
+def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: float, reference):
+    """One table row: times and bounds per decode step or per 1k prefill tokens."""
+    from gpu_service.models import attention_triton as at
+
+    s, b, n = case.shape, case.batch, case.context
+    per_seq = 1 if step == "decode" else PREFILL_CHUNK
+    q = case.queries(per_seq)
+    args = (case.k_cache, case.v_cache, case.block_table)
+    if step == "decode":
+
+        def run():
+            return at.paged_decode(q, *args, case.kv_len, case.block_size, case.scale)
+
+        visible = float(n)
+    else:
+        cu = case.cu_seqlens(per_seq)
+
+        def run():
+            return at.paged_prefill(q, *args, cu, case.kv_len, case.block_size, case.scale)
+
+        visible = (n - per_seq) + (per_seq + 1) / 2
+    seconds = timer.median_s(run) / (1 if step == "decode" else b)
+    per = 1 if step == "decode" else b  # prefill: per sequence's 1k-token chunk
+    cache_bytes = b * n * s.cache_bytes_per_token / per
+    hbm_spec, hbm_copy = cache_bytes / SPEC_HBM_BYTES_PER_S, cache_bytes / copy_bw
+    flop_bound = s.flops(b * per_seq, visible) / per / flops_rate
+    ref_s, diff = None, "-"
+    if fits(torch_attention_bytes(case, per_seq)):
+        try:
+            want = reference(case, q, per_seq)
+            diff = f"{(run().float() - want.float()).abs().max().item():.1e}"
+            del want
+            ref_s = timer.median_s(lambda: reference(case, q, per_seq)) / per
+        except torch.OutOfMemoryError:
+            diff = "oom"
+        torch.cuda.empty_cache()
+    bound = max(hbm_spec, flop_bound)
+    return (
+        s.name, str(b), f"{n // 1024}k", step, us(seconds),
+        us(hbm_spec), pct(hbm_spec, seconds), us(hbm_copy), pct(hbm_copy, seconds),
+        us(flop_bound), pct(flop_bound, seconds), pct(bound, seconds), us(ref_s), diff,
+    )  # fmt: skip
+
+
+def sweep(case: Case, timer: Timer, copy_bw: float) -> None:
+    """Decode at a few launch shapes, to pick decode_tiles' defaults on this GPU."""
+    from gpu_service.models import attention_triton as at
+
+    q = case.queries(1)
+    args = (q, case.k_cache, case.v_cache, case.block_table, case.kv_len, case.block_size)
+    wide = case.shape.head_dim > 256
+    shapes = (
+        [(64, 16, 8, 2), (64, 16, 8, 3), (64, 32, 8, 2), (32, 32, 8, 2), (16, 32, 4, 2)]
+        if wide
+        else [(16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 3), (16, 128, 4, 2), (16, 64, 8, 2)]
+    )
+    hbm = case.batch * case.context * case.shape.cache_bytes_per_token / copy_bw
+    rows = []
+    for block_h, block_n, warps, stages in shapes:
+        tiles = at.Tiles(block_h, block_n, warps, stages)
+        for splits in (None, 16, 32, 64):
+            try:
+                seconds = timer.median_s(
+                    lambda t=tiles, n=splits: at.decode_with(
+                        *args, case.scale, tiles=t, num_splits=n
+                    )
+                )
+            except Exception as exc:  # a launch shape this GPU cannot run: say so, go on
+                rows.append((str(tiles), str(splits), type(exc).__name__, "-"))
+                continue
+            rows.append((f"h{block_h} n{block_n} w{warps} s{stages}", str(splits or "auto"),
+                         us(seconds), pct(hbm, seconds)))  # fmt: skip
+    print(f"\nsweep: {case.shape.name} decode, batch {case.batch}, context {case.context}")
+    cols = [Column("tiles", 18, "<"), Column("splits", 6), Column("us", 9), Column("%copy", 6)]
+    print_table(cols, rows)
+
+
+def paged_reference():
+    """The torch paged attention of gpu_service.models.paged_attention where this tree has it
+    (same signatures), else the gathering reference above."""
+    try:
+        from gpu_service.models import paged_attention as pa
+    except ImportError:
+        return torch_attention, "torch gather+matmul (bench)"
+
+    def reference(case: Case, q: torch.Tensor, per_seq: int) -> torch.Tensor:
+        args = (q, case.k_cache, case.v_cache, case.block_table)
+        if per_seq == 1:
+            return pa.paged_decode(*args, case.kv_len, case.block_size, case.scale)
+        cu = case.cu_seqlens(per_seq)
+        return pa.paged_prefill(*args, cu, case.kv_len, case.block_size, case.scale)
+
+    return reference, "gpu_service.models.paged_attention"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="4096,32768,131072", help="tokens per sequence")
+    parser.add_argument("--batches", default="1,16", help="sequences per step")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per cache block")
+    parser.add_argument("--reps", type=int, default=30, help="timed calls per cell (at most)")
+    parser.add_argument("--no-prefill", action="store_true", help="time decode steps only")
+    parser.add_argument("--sweep", action="store_true", help="also decode launch shapes at 32k")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention needs a CUDA GPU (the kernels are Triton's CUDA kernels)")
+    timer = Timer(args.reps)
+    copy_bw, flops_rate = copy_bandwidth(timer), matmul_flops(timer)
+    reference, ref_name = paged_reference()
+    print(
+        f"{torch.cuda.get_device_name()}: device copy {copy_bw / 1e12:.2f} TB/s (read + written),"
+        f" bf16 matmul 8192^3 {flops_rate / 1e12:.0f} TFLOP/s; HBM bound also at "
+        f"{SPEC_HBM_BYTES_PER_S / 1e12:.1f} TB/s; torch reference: {ref_name}",
+        flush=True,
+    )
+    steps = ["decode"] + ([] if args.no_prefill else ["prefill"])
+    rows = []
+    for shape in SHAPES:
+        for batch in (int(b) for b in args.batches.split(",")):
+            for context in (int(c) for c in args.contexts.split(",")):
+                cache_bytes = batch * context * shape.cache_bytes_per_token
+                if not fits(cache_bytes, 0.5):
+                    skipped = (shape.name, str(batch), f"{context // 1024}k", "no room")
+                    rows.append((*skipped, *["-"] * 10))
+                    continue
+                case = Case(shape, batch, context, args.block_size)
+                for step in steps:
+                    rows.append(measure(case, step, timer, copy_bw, flops_rate, reference))
+                    print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+                if args.sweep and context == 32768:
+                    sweep(case, timer, copy_bw)
+                del case
+                torch.cuda.empty_cache()
+    print("\ntimes in us: per decode step, or per sequence's 1k-token prefill chunk; % = bound / "
+          "time; roofline = the larger bound")  # fmt: skip
+    cols = [
+        Column("shape", 17, "<"), Column("B", 2), Column("ctx", 4), Column("step", 7, "<"),
+        Column("triton", 10), Column("HBM 4.8T", 9), Column("%", 4), Column("HBM copy", 9),
+        Column("%", 4), Column("FLOP bnd", 9), Column("%", 4), Column("%roof", 5),
+        Column("torch", 11), Column("max|diff|", 9),
+    ]  # fmt: skip
+    print_table(cols, rows)
+
+
+if __name__ == "__main__":
+    main()

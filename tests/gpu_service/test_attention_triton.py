@@ -1,0 +1,211 @@
+"""The Triton paged attention kernels against a naive float64 reference (tests/support: per
+sequence, an explicit mask), at ragged lengths, over shuffled block tables with unused entries,
+for GQA groups, MLA's latent cache (v a strided view of k), sliding windows, fp8 caches and
+bf16 / fp16 / float32 queries.
+
+On CUDA the kernels run compiled; without it, under Triton's interpreter (numpy on CPU tensors:
+shapes kept small); without triton, the module is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if importlib.util.find_spec("triton") is None:
+    pytest.skip(
+        "triton is not installed (pip install triton; without CUDA its interpreter runs the "
+        "kernels on the CPU)",
+        allow_module_level=True,
+    )
+if not HAS_CUDA:
+    # NOTE: read when the kernels are decorated, so set before the module is imported.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from gpu_service.models import attention_triton as at  # noqa: E402
+from tests.support.attention_reference import reference  # noqa: E402
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+# bf16 / fp16: the probabilities are rounded to the query's dtype before p @ v, as in attend()
+TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+def make_case(gen, kv_lens, block_size, num_kv_heads, head_dim, v_dim, cache_dtype, mla=False):
+    """A cache with every slot random (a wrong slot read shows), blocks handed out in shuffled
+    order, and block-table rows wider than needed, padded with blocks of other sequences."""
+    blocks_per_seq = [-(-n // block_size) for n in kv_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    width = max(blocks_per_seq) + 2
+    order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    table = order[torch.randint(num_blocks, (len(kv_lens), width), generator=gen)]
+    used = 0
+    for i, count in enumerate(blocks_per_seq):
+        table[i, :count] = order[used : used + count]
+        used += count
+    slots = num_blocks * block_size
+    if mla:  # one latent: v is the first v_dim columns of the same rows
+        k_cache = torch.randn(slots, 1, head_dim, generator=gen).to(cache_dtype)
+        v_cache = k_cache[..., :v_dim]
+    else:
+        k_cache = torch.randn(slots, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+        v_cache = torch.randn(slots, num_kv_heads, v_dim, generator=gen).to(cache_dtype)
+    return k_cache, v_cache, table, torch.tensor(kv_lens, dtype=torch.int32)
+
+
+def to_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+def check(got, want, dtype):
+    assert got.dtype == dtype and got.shape == want.shape
+    err = (got.cpu().double() - want).abs().max().item()
+    assert err <= TOLERANCE[dtype], f"max abs error {err} > {TOLERANCE[dtype]}"
+
+
+DECODE_CASES = {
+    # name: kv_lens, block_size, Hq, Hkv, D, Dv, cache dtype, mla, window
+    "gqa-group4": ([1, 37, 300], 16, 8, 2, 64, 64, torch.bfloat16, False, None),
+    "gqa-group8-bs64": ([130, 5], 64, 16, 2, 128, 128, torch.bfloat16, False, None),
+    "mha-odd-dims": ([17, 66], 16, 4, 4, 80, 48, torch.bfloat16, False, None),
+    "gqa-window": ([40, 300, 7], 16, 8, 2, 64, 64, torch.bfloat16, False, 33),
+    "gqa-fp8": ([90, 200], 16, 8, 2, 64, 64, torch.float8_e4m3fn, False, None),
+    "mla": ([5, 130], 64, 16, 1, 576, 512, torch.bfloat16, True, None),
+    "mla-fp8-bs16": ([77, 20], 16, 16, 1, 576, 512, torch.float8_e4m3fn, True, None),
+    "mla-40-heads": ([33], 16, 40, 1, 576, 512, torch.bfloat16, True, None),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_decode_matches_reference(name, dtype, seed):
+    kv_lens, block_size, hq, hkv, d, dv, cache_dtype, mla, window = DECODE_CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    case = make_case(gen, kv_lens, block_size, hkv, d, dv, cache_dtype, mla)
+    k_cache, v_cache, table, kv_len = case
+    q = torch.randn(len(kv_lens), hq, d, generator=gen).to(dtype)
+    scale = d**-0.5
+    cu = torch.arange(len(kv_lens) + 1, dtype=torch.int32)
+    want = reference(q, k_cache, v_cache, table, cu, kv_len, block_size, scale, window)
+    qd, kd, td, ld = to_device(q, k_cache, table, kv_len)
+    vd = kd[..., :dv] if mla else v_cache.to(DEVICE)
+    got = at.paged_decode(qd, kd, vd, td, ld, block_size, scale, window)
+    check(got, want, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_decode_splits_merge_exactly(num_splits, seed):
+    """Whatever the key partition (empty splits included), the merge gives the same attention."""
+    gen = torch.Generator().manual_seed(seed + num_splits)
+    k_cache, v_cache, table, kv_len = make_case(gen, [3, 70, 129], 16, 2, 32, 32, torch.float32)
+    q = torch.randn(3, 4, 32, generator=gen)
+    cu = torch.arange(4, dtype=torch.int32)
+    want = reference(q, k_cache, v_cache, table, cu, kv_len, 16, 0.3, None)
+    qd, kd, vd, td, ld = to_device(q, k_cache, v_cache, table, kv_len)
+    got = at.decode_with(qd, kd, vd, td, ld, 16, 0.3, num_splits=num_splits)
+    check(got, want, torch.float32)
+
+
+def test_decode_reads_strided_queries_and_fp16(seed):
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, table, kv_len = make_case(gen, [50, 9], 16, 2, 64, 64, torch.float16)
+    wide = torch.randn(2, 8, 96, generator=gen).to(torch.float16)
+    q = wide[:, :, 16:80]  # not contiguous: row stride 768, head stride 96
+    cu = torch.arange(3, dtype=torch.int32)
+    want = reference(q, k_cache, v_cache, table, cu, kv_len, 16, 0.125, None)
+    qd = wide.to(DEVICE)[:, :, 16:80]
+    kd, vd, td, ld = to_device(k_cache, v_cache, table, kv_len)
+    check(at.paged_decode(qd, kd, vd, td, ld, 16, 0.125), want, torch.float16)
+
+
+PREFILL_CASES = {
+    # name: (n_q, kv_len) per sequence, block_size, Hq, Hkv, D, Dv, cache dtype, mla, window
+    "gqa": ([(1, 1), (17, 40), (40, 40), (5, 133)], 16, 8, 2, 64, 64, torch.bfloat16, False, None),
+    "gqa-window": ([(30, 90), (3, 3), (20, 20)], 16, 8, 4, 64, 64, torch.bfloat16, False, 12),
+    "gqa-fp8-bs64": ([(9, 100), (70, 70)], 64, 4, 1, 128, 128, torch.float8_e4m3fn, False, None),
+    "mla": ([(6, 70), (1, 9), (20, 20)], 16, 16, 1, 576, 512, torch.bfloat16, True, None),
+    "mla-fp8": ([(3, 40), (12, 12)], 64, 8, 1, 576, 512, torch.float8_e4m3fn, True, None),
+}
+
+
+@pytest.mark.parametrize("name", list(PREFILL_CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_prefill_matches_reference(name, dtype, seed):
+    seqs, block_size, hq, hkv, d, dv, cache_dtype, mla, window = PREFILL_CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    n_q = [n for n, _ in seqs]
+    case = make_case(gen, [n for _, n in seqs], block_size, hkv, d, dv, cache_dtype, mla)
+    k_cache, v_cache, table, kv_len = case
+    cu = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(n_q), hq, d, generator=gen).to(dtype)
+    scale = d**-0.5
+    want = reference(q, k_cache, v_cache, table, cu, kv_len, block_size, scale, window)
+    qd, kd, td, cd, ld = to_device(q, k_cache, table, cu, kv_len)
+    vd = kd[..., :dv] if mla else v_cache.to(DEVICE)
+    got = at.paged_prefill(qd, kd, vd, td, cd, ld, block_size, scale, window)
+    check(got, want, dtype)
+
+
+def test_prefill_tiles_that_span_heads_and_queries(seed):
+    """Small query tiles and head tiles that split a group still cover every row once."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, table, kv_len = make_case(gen, [45, 8], 16, 2, 32, 32, torch.float32)
+    cu = torch.tensor([0, 13, 21], dtype=torch.int32)
+    q = torch.randn(21, 12, 32, generator=gen)
+    want = reference(q, k_cache, v_cache, table, cu, kv_len, 16, 0.2, None)
+    tiles = at.Tiles(block_h=4, block_n=16, num_warps=4, num_stages=1, block_q=4)
+    qd, kd, vd, td, cd, ld = to_device(q, k_cache, v_cache, table, cu, kv_len)
+    check(at.prefill_with(qd, kd, vd, td, cd, ld, 16, 0.2, tiles=tiles), want, torch.float32)
+
+
+def test_rejects_mismatched_inputs():
+    q = torch.zeros(2, 4, 32, device=DEVICE)
+    cache = torch.zeros(64, 2, 32, device=DEVICE)
+    table = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)
+    kv_len = torch.ones(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="int32"):
+        at.paged_decode(q, cache, cache, table.long(), kv_len, 16, 1.0)
+    with pytest.raises(ValueError, match="multiple of"):
+        at.paged_decode(torch.zeros(2, 3, 32, device=DEVICE), cache, cache, table, kv_len, 16, 1.0)
+    with pytest.raises(ValueError, match="head dim"):
+        at.paged_decode(torch.zeros(2, 4, 16, device=DEVICE), cache, cache, table, kv_len, 16, 1.0)
+    with pytest.raises(ValueError, match="share B"):
+        at.paged_decode(q, cache, cache, table[:1], kv_len, 16, 1.0)
+    with pytest.raises(ValueError, match="window"):
+        at.paged_decode(q, cache, cache, table, kv_len, 16, 1.0, window=0)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        at.paged_prefill(q, cache, cache, table, kv_len, kv_len, 16, 1.0)
+
+
+def test_split_count_depends_on_shapes_only():
+    assert at.num_decode_splits(1, 4, 32768, 132) == 64
+    assert at.num_decode_splits(16, 4, 32768, 132) == 8  # 2 waves of 132 SMs: 264 / 64 programs
+    assert at.num_decode_splits(1, 4, 300, 132) == 1  # never under MIN_KEYS_PER_SPLIT keys each
+    assert at.num_decode_splits(64, 32, 1 << 20, 132) == 1
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a CUDA device")
+def test_decode_replays_in_a_cuda_graph(seed):
+    """Captured once, replayed with new lengths, tables and queries: equal to eager calls."""
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, _, table, kv_len = make_case(gen, [700, 33, 1], 64, 1, 576, 512, torch.bfloat16, True)
+    kd, td, ld = to_device(k_cache, table, kv_len)
+    qd = torch.randn(3, 128, 576, generator=gen).to(torch.bfloat16).to(DEVICE)
+    at.paged_decode(qd, kd, kd[..., :512], td, ld, 64, 0.1)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = at.paged_decode(qd, kd, kd[..., :512], td, ld, 64, 0.1)
+    for step in range(3):
+        ld.copy_(torch.tensor([700 - 90 * step, 33 + step, 1 + 40 * step], dtype=torch.int32))
+        td.copy_(td[:, torch.randperm(td.shape[1], generator=gen).to(DEVICE)])
+        qd.copy_(torch.randn(qd.shape, generator=gen).to(torch.bfloat16))
+        graph.replay()
+        eager = at.paged_decode(qd, kd, kd[..., :512], td, ld, 64, 0.1)
+        assert torch.equal(out, eager), f"replay {step} differs from the eager call"
+        cu = torch.arange(4, dtype=torch.int32)
+        latent = k_cache[..., :512]
+        want = reference(qd.cpu(), k_cache, latent, td.cpu(), cu, ld.cpu(), 64, 0.1, None)
+        check(out, want, torch.bfloat16)
