@@ -7,6 +7,7 @@ import random
 import secrets
 
 import pytest
+import torch
 
 # One random seed per run, printed with pytest's summary (a test that fails after the fixture's
 # first use does not show the fixture's own print); KTSERVE_TEST_SEED=N reproduces a run.
@@ -16,6 +17,12 @@ RUN_SEED = int(os.environ.get("KTSERVE_TEST_SEED", random.randrange(2**31)))
 # creates carries the tag (ktshm.NAME_TAG_ENV), so the segment checks count this run's shared
 # memory only, never another ktserve process's on the machine (tests/support/expert_procs.py).
 os.environ["KTSHM_NAME_TAG"] = f"t{secrets.token_hex(4)}"
+
+# NOTE: without a GPU, the Triton kernels (attention, fused norms, rotary) are tested under
+# Triton's interpreter on CPU tensors. It is read when a kernel is decorated, at the import of
+# its module, so it is set here, before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ shapes kept small); without triton, the module is skipped with the reason.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -22,9 +21,7 @@ if importlib.util.find_spec("triton") is None:
         "kernels on the CPU)",
         allow_module_level=True,
     )
-if not HAS_CUDA:
-    # NOTE: read when the kernels are decorated, so set before the module is imported.
-    os.environ["TRITON_INTERPRET"] = "1"
+# without CUDA, tests/conftest.py has set TRITON_INTERPRET=1: the kernels run interpreted
 
 from gpu_service.models import attention_triton as at  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
