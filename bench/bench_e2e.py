@@ -6,8 +6,9 @@ writes them) and the GPU service in this process, once per mode:
   segments  CUDA graphs of the segments between MoE layers, the host calls the experts
   graph-d1, segments-d1  the same with one expert per token deferred (--modes names them; the
             worker's per-call phases are then per call, two per deferring layer)
-  graph-kernels, graph-kernels-d1  graph and graph-d1 with --device-handoff kernels (Triton
-            kernels read and write the workers' slots: gpu_service/device_kernels.py)
+  graph-memops   graph with --device-handoff memops (copies and stream memory operations where
+            by default Triton kernels read and write the workers' slots)
+  graph-unfused  graph with --no-fused-kernels (RMSNorm and RoPE as torch's elementwise steps)
 For each: decode tok/s at each batch size (greedy, ignore_eos, 16-token prompts), the per-MoE-
 layer split of a step (the GPU's part is the segments mode's measured GPU time; the worker's
 dispatch, kernel, publish and bookkeeping come from its GetStats; hand-off is what is left of the
@@ -56,11 +57,9 @@ MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
                           max_deferred_experts_per_token=1),
          "segments-d1": dict(cuda_graphs=True, graph_expert_calls=False,
                              max_deferred_experts_per_token=1),
-         "graph-kernels": dict(cuda_graphs=True, graph_expert_calls=True,
-                               device_handoff="kernels"),
-         "graph-kernels-d1": dict(cuda_graphs=True, graph_expert_calls=True,
-                                  device_handoff="kernels",
-                                  max_deferred_experts_per_token=1)}  # fmt: skip
+         "graph-unfused": dict(cuda_graphs=True, graph_expert_calls=True, fused_kernels=False),
+         "graph-memops": dict(cuda_graphs=True, graph_expert_calls=True,
+                              device_handoff="memops")}  # fmt: skip
 CLIENT_FIELDS = ("device_handoff",)  # MODES' keys that configure the expert client
 PHASES = ("dispatch", "kernel", "publish", "bookkeeping")
 

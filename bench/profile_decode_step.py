@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes, kernel by kernel, with the expert calls in the graph.
 
 One expert worker (subprocess) on CHECKPOINT and the GPU service in this process, per mode of
-bench_e2e.py (graph, graph-kernels, ...): a batch decodes under torch.profiler (CUPTI records
+bench_e2e.py (graph, graph-memops, ...): a batch decodes under torch.profiler (CUPTI records
 the kernels inside CUDA graphs), and the GPU timeline of the step is split per MoE layer into
     compute   the model's kernels (attention, norms, router, shared expert, sampling ...)
     post      the kernels and copies that hand a call to the worker (device_kernels' post, or
@@ -12,7 +12,7 @@ the kernels inside CUDA graphs), and the GPU timeline of the step is split per M
     gaps      the GPU idle between one operation's end and the next one's start
 The first and last steps are dropped (their edges are the host's).
 
-    python bench/profile_decode_step.py CHECKPOINT [--modes graph,graph-kernels] [--batch 1]
+    python bench/profile_decode_step.py CHECKPOINT [--modes graph,graph-memops] [--batch 1]
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("--spin-us", type=float, default=None)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--modes", default="graph,graph-kernels")
+    parser.add_argument("--modes", default="graph,graph-memops")
     parser.add_argument("--device", default=default_device())
     args = parser.parse_args()
     modes = args.modes.split(",")

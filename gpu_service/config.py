@@ -67,12 +67,12 @@ class ExpertClientConfig:
         "with 503 (default %(default)s)",
     )
     device_handoff: str = flag(
-        "memops",
-        choices=("memops", "kernels"),
-        help="how a decode graph's expert calls reach the workers' mapped slots: memops (the "
-        "default: copies plus the driver's stream memory operations, cuStreamWriteValue / "
-        "WaitValue) or kernels (two Triton kernels per call that read and write the slot over "
-        "PCIe themselves and spin on its bell)",
+        "kernels",
+        choices=("kernels", "memops"),
+        help="how a decode graph's expert calls reach the workers' mapped slots: kernels (the "
+        "default: two Triton kernels per call read and write the slot over PCIe themselves and "
+        "spin on its bell; memops where Triton is missing) or memops (copies plus the driver's "
+        "stream memory operations, cuStreamWriteValue / WaitValue)",
     )
     num_slots: int = 4
     spin_us: float = 500.0
@@ -151,6 +151,13 @@ class GPUServiceConfig:
         None,
         metavar="FILE",
         help='JSON {"layer": [expert ids]} naming the experts to keep on the GPU per layer',
+    )
+    fused_kernels: bool = flag(
+        True,
+        name="--no-fused-kernels",
+        help="on CUDA, run RMSNorm and the rotary embedding as torch's elementwise steps (by "
+        "default each is one Triton kernel computing the same float32 math; "
+        "gpu_service/models/fused_ops.py)",
     )
     cuda_graphs: bool = flag(
         True,

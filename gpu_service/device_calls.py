@@ -209,9 +209,13 @@ class DeviceCalls:
         if device.type == "cuda":
             self.stream: CudaStream | HostStream = CudaStream(channels)
             if owner.config.device_handoff == "kernels":
-                from gpu_service.device_kernels import KernelHandoff
-
-                self.kernels = KernelHandoff(self._arg_dtypes[0])
+                try:
+                    from gpu_service.device_kernels import KernelHandoff
+                except ImportError as exc:
+                    log.warning("device hand-off by kernels needs Triton (%s): using memops", exc)
+                else:
+                    self.kernels = KernelHandoff(self._arg_dtypes[0])
+            if self.kernels is not None:
                 # [worker, slot, post|collect]: each launch site's counter (device_kernels.py)
                 self._counters = torch.zeros((len(channels), len(layers), 2), dtype=torch.int32,
                                              device=device)  # fmt: skip

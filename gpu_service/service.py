@@ -16,7 +16,7 @@ from gpu_service.gpu_experts import (
     choose_hot_experts,
     worker_activation_counts,
 )
-from gpu_service.models import KVCache, load_model
+from gpu_service.models import KVCache, fused_ops, load_model
 from gpu_service.models.registry import default_device
 from gpu_service.moe_client import ShmExperts
 from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec
@@ -58,6 +58,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
     spec = ModelSpec.from_hf(hf)
     device = torch.device(config.device) if config.device else default_device()
     dtype = resolve_dtype(config.dtype, device)
+    fused_ops.ENABLED[0] = config.fused_kernels
     scheduler = config.scheduler
     max_model_len = scheduler.max_model_len or min(hf.int("max_position_embeddings", 4096), 8192)
     scheduler = replace(scheduler, max_model_len=max_model_len)

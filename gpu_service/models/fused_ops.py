@@ -21,8 +21,13 @@ except ImportError:  # the CPU-only install: the torch code runs everywhere
     triton = None
 
 
+ENABLED = [True]  # NOTE: process-wide; build_gpu_service sets it from --no-fused-kernels
+
+
 def supports(*tensors: torch.Tensor) -> bool:
-    return triton is not None and all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
+    return (
+        triton is not None and ENABLED[0] and all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
+    )
 
 
 if triton is not None:
