@@ -27,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
 
 import numpy as np
+import torch
 
 from bench.common import DEMO_MODEL, Column, default_device, print_table
 from bench.worker_process import expert_worker
@@ -124,7 +125,12 @@ def main() -> None:
     parser.add_argument("--label", default=Path(__file__).resolve().parent.parent.name,
                         help="this tree's name in the table (default: its directory)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="threads of this process's torch (the GPU part on the CPU); 0: "
+                        "torch's default")  # fmt: skip
     args = parser.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     rng = random.Random(args.seed)
     budgets = [int(b) for b in args.max_num_batched_tokens.split(",")]
     rows = []
@@ -143,8 +149,8 @@ def main() -> None:
                 service.close()
 
     print(f"a {args.prompt_tokens}-token prompt joining {args.decodes} decodes: "
-          f"{Path(args.model).name}, {args.format} experts, GPU part on {args.device}, tree "
-          f"{args.label}")  # fmt: skip
+          f"{Path(args.model).name}, {args.format} experts, GPU part on {args.device} "
+          f"({torch.get_num_threads()} torch threads), tree {args.label}")  # fmt: skip
     columns = [Column("tree", 12, "<"), Column("batched tokens", 14), Column("alone s", 8),
                Column("joined s", 8), Column("x", 5), Column("ITL p50 ms", 10),
                Column("p99 ms", 7), Column("during p50", 10), Column("p99 ms", 7),

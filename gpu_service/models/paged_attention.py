@@ -60,8 +60,8 @@ def paged_decode(
     if window is not None:
         allowed &= pos[None, :] > last - window
     qg = q.reshape(b, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)) * scale  # [B, Hkv, G, K]
-    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).mul_(scale)  # [B, Hkv, G, K]
+    scores.masked_fill_(~allowed[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, Hkv, G, Dv]
     return out.reshape(b, num_heads, dv)
@@ -81,8 +81,7 @@ def paged_prefill(
     """q [T, Hq, D] ragged (sequence i: rows cu_seqlens_q[i]:cu_seqlens_q[i + 1], at positions
     kv_len[i] - n_i .. kv_len[i] - 1), block_table [B, W] int32, cu_seqlens_q [B + 1] int32,
     kv_len [B] int32 -> [T, Hq, Dv] in q's dtype."""
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
-    groups = num_heads // num_kv_heads
+    num_heads = q.shape[1]
     out = q.new_empty((q.shape[0], num_heads, v_cache.shape[-1]))
     starts, lens = cu_seqlens_q.tolist(), kv_len.tolist()
     for i, length in enumerate(lens):
@@ -100,17 +99,24 @@ def paged_prefill(
             if window is not None:
                 allowed &= k_pos[None, :] > q_pos[:, None] - window
             rows = q[q_start + c0 : q_start + c1]  # [C, Hq, D]
-            qg = rows.reshape(c1 - c0, num_kv_heads, groups, -1).permute(
-                1, 2, 0, 3
-            )  # [Hkv, G, C, D]
-            scores = torch.matmul(qg, keys.permute(1, 2, 0)[:, None]) * scale  # [Hkv, G, C, K]
-            scores = scores.masked_fill(~allowed, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            part = torch.matmul(probs, values.permute(1, 0, 2)[:, None])  # [Hkv, G, C, Dv]
-            out[q_start + c0 : q_start + c1] = part.permute(2, 0, 1, 3).reshape(
-                c1 - c0, num_heads, -1
-            )
+            out[q_start + c0 : q_start + c1] = _attend_rows(rows, keys, values, allowed, scale)
     return out
+
+
+def _attend_rows(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 allowed: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """rows [C, Hq, D] over keys [K, Hkv, D] / values [K, Hkv, Dv] where allowed [C, K]
+    -> [C, Hq, Dv]. A kv head's query heads go as rows of one GEMM (its keys never repeated)."""
+    c, num_heads, head_dim = rows.shape
+    num_kv_heads = keys.shape[1]
+    groups = num_heads // num_kv_heads
+    qg = rows.reshape(c, num_kv_heads, groups, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, C, D]
+    qg = qg.reshape(num_kv_heads, groups * c, head_dim)
+    scores = torch.bmm(qg, keys.permute(1, 2, 0)).mul_(scale)  # [Hkv, G * C, K]
+    scores.view(num_kv_heads, groups, c, -1).masked_fill_(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(rows.dtype)
+    out = torch.bmm(probs, values.permute(1, 0, 2))  # [Hkv, G * C, Dv]
+    return out.view(num_kv_heads, groups, c, -1).permute(2, 0, 1, 3).reshape(c, num_heads, -1)
 
 
 def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
