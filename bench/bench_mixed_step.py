@@ -147,6 +147,9 @@ def main() -> None:
                 rows.append((budget, measure(service, args, rng)))
             finally:
                 service.close()
+            m = rows[-1][1]
+            print(f"measured: {budget} batched tokens, alone {m['alone']:.2f} s, joined "
+                  f"{m['joined']:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
 
     print(f"a {args.prompt_tokens}-token prompt joining {args.decodes} decodes: "
           f"{Path(args.model).name}, {args.format} experts, GPU part on {args.device} "

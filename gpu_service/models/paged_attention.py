@@ -15,7 +15,7 @@ v_cache a view of k_cache's first Dv columns: then the keys are gathered once, n
 
 Cost: decode gathers [B, W * block_size] keys (W: the block table's width), one query each;
 prefill runs per sequence in chunks of queries, each against the keys it can see, so its scores
-never exceed PREFILL_SCORE_ELEMENTS (or one query's row).
+never exceed PREFILL_SCORE_ELEMENTS (_CUDA on a GPU; or one query's row).
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("ktserve.gpu")
 
 TRITON_MODULE = "gpu_service.models.attention_triton"
-PREFILL_SCORE_ELEMENTS = 1 << 24  # per query chunk: Hq x chunk x keys
+# per query chunk: Hq x chunk x keys; on the CPU a chunk's scores stay cache-sized (8 MiB fp32)
+PREFILL_SCORE_ELEMENTS = 1 << 21
+PREFILL_SCORE_ELEMENTS_CUDA = 1 << 26
 
 
 def paged_decode(
@@ -84,10 +86,11 @@ def paged_prefill(
     num_heads = q.shape[1]
     out = q.new_empty((q.shape[0], num_heads, v_cache.shape[-1]))
     starts, lens = cu_seqlens_q.tolist(), kv_len.tolist()
+    budget = PREFILL_SCORE_ELEMENTS_CUDA if q.is_cuda else PREFILL_SCORE_ELEMENTS
     for i, length in enumerate(lens):
         q_start, n = starts[i], starts[i + 1] - starts[i]
         first = length - n  # position of the sequence's first query
-        chunk = max(1, PREFILL_SCORE_ELEMENTS // (num_heads * length))
+        chunk = max(1, budget // (num_heads * length))
         for c0 in range(0, n, chunk):
             c1 = min(n, c0 + chunk)
             lo = 0 if window is None else max(0, first + c0 - window + 1)
