@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gpu_service.config import GPUServiceConfig
+from gpu_service.config import KV_CACHE_DTYPES, GPUServiceConfig
 from gpu_service.engine import DecodeGraphConfig, Engine, EngineMetrics
 from gpu_service.gpu_experts import (
     HotExpertRefresher,
@@ -17,6 +17,7 @@ from gpu_service.gpu_experts import (
     worker_activation_counts,
 )
 from gpu_service.models import KVCache, fused_ops, load_model
+from gpu_service.models.config import model_max_len
 from gpu_service.models.registry import default_device
 from gpu_service.moe_client import ShmExperts
 from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec
@@ -60,8 +61,6 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
     dtype = resolve_dtype(config.dtype, device)
     fused_ops.ENABLED[0] = config.fused_kernels
     scheduler = config.scheduler
-    max_model_len = scheduler.max_model_len or min(hf.int("max_position_embeddings", 4096), 8192)
-    scheduler = replace(scheduler, max_model_len=max_model_len)
     check_model_fits(config, spec)
     experts = ShmExperts(
         config.experts, hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok,
@@ -75,16 +74,23 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         model = load_model(config.model_dir, device, dtype, experts=backend,
                            max_num_tokens_in_cache=16, hf=hf,
                            max_deferred_experts_per_token=deferred)  # fmt: skip
-        tokens = config.kv_cache_tokens or _cache_tokens(model.kv_cache, dtype, device, config)
-        per_token = model.kv_cache.config.bytes_per_token(dtype)
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
+        tokens = config.kv_cache_tokens or _cache_tokens(model.kv_cache, kv_dtype, device, config)
+        per_token = model.kv_cache.config.bytes_per_token(kv_dtype)
         host_tokens = int(config.kv_host_cache_gib * 2**30) // per_token
         cache_config = replace(model.kv_cache.config, max_num_tokens=tokens,
                                enable_prefix_caching=config.prefix_caching,
                                max_num_host_tokens=host_tokens)  # fmt: skip
-        model.kv_cache = KVCache(cache_config, dtype, device)
-        log.info("KV cache: %d tokens (%.2f GiB), prefix caching %s%s", tokens,
-                 tokens * per_token / 2**30, "on" if config.prefix_caching else "off",
+        model.kv_cache = KVCache(cache_config, kv_dtype, device)
+        log.info("KV cache: %d tokens (%.2f GiB, %s), prefix caching %s%s", tokens,
+                 tokens * per_token / 2**30, str(kv_dtype).removeprefix("torch."),
+                 "on" if config.prefix_caching else "off",
                  f", host tier {host_tokens} tokens" if host_tokens else "")  # fmt: skip
+        model_max = model_max_len(hf)
+        max_model_len = context_length(scheduler.max_model_len, model_max, tokens)
+        scheduler = replace(scheduler, max_model_len=max_model_len)
+        log.info("context: %d tokens (model max %d; the KV cache holds %d tokens in total)",
+                 max_model_len, model_max, tokens)  # fmt: skip
         graphs = None
         if device.type == "cuda" and config.cuda_graphs:
             max_batch = min(config.cuda_graph_max_batch, scheduler.max_num_seqs)
@@ -104,6 +110,29 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         experts.close()
         raise
     return GPUService(config, engine, experts, metrics, max_model_len, refresher)
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's storage dtype for a --kv-cache-dtype name."""
+    if name == "auto":
+        return model_dtype
+    if name == "fp8":
+        return torch.float8_e4m3fn
+    raise ValueError(f"--kv-cache-dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
+
+
+def context_length(requested: int | None, model_max: int, cache_tokens: int) -> int:
+    """--max-model-len, or by default the model's own maximum bounded by the KV cache (one
+    sequence may fill it); a requested length the cache cannot hold is a ValueError."""
+    if requested is None:
+        return min(model_max, cache_tokens)
+    if requested > cache_tokens:
+        raise ValueError(
+            f"--max-model-len {requested} is more than the KV cache holds ({cache_tokens} "
+            "tokens): lower --max-model-len, or give the cache more (--kv-cache-tokens, "
+            "--kv-cache-dtype fp8)"
+        )
+    return requested
 
 
 def check_model_fits(config: GPUServiceConfig, spec: ModelSpec) -> None:

@@ -31,10 +31,11 @@ and no host code runs per layer:
 The graphs of a bucket (B_pad sequences, K_pad cached positions at most) are captured on its first
 use, into one memory pool shared by every bucket. They read static inputs that each step fills
 with one host-to-device copy: tokens, positions, slot_mapping and kv_len [B_pad], and the block
-table [B_pad, K_pad / block_size] (kv_slots are computed from it on the GPU). Padding sequences
-write their K/V to the cache's scratch slot and attend to position 0 alone; their rows are
-dropped. With capture off (no CUDA) the same segments run eagerly on the same inputs. The
-engine's Runner builds one from a DecodeGraphConfig and sends it the decode steps that fit.
+table [B_pad, K_pad / block_size] (int32; attention reads the cache through it: paged_decode).
+Padding sequences write their K/V to the cache's scratch slot and attend to position 0 alone
+(block 0, kv_len 1: a read of a real slot, never a write); their rows are dropped. With capture
+off (no CUDA) the same segments run eagerly on the same inputs. The engine's Runner builds one
+from a DecodeGraphConfig and sends it the decode steps that fit.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_service.models.batch import AttentionMetadata, Batch, StepContext
+from gpu_service.models.batch import AttentionGroup, AttentionMetadata, Batch, StepContext
 from gpu_service.models.experts import abandon
 from gpu_service.models.model import CausalLM
 from gpu_service.models.moe import MoE
@@ -107,17 +108,14 @@ class _Bucket:
         num_blocks = kv_pad // block_size
         self.sizes = (batch, batch, batch, batch, batch * num_blocks)
         pinned = device.type == "cuda"
-        self.host = torch.zeros(sum(self.sizes), dtype=torch.int64, pin_memory=pinned)
-        self.inputs = torch.zeros(sum(self.sizes), dtype=torch.int64, device=device)
+        self.host = torch.zeros(sum(self.sizes), dtype=torch.int32, pin_memory=pinned)
+        self.inputs = torch.zeros(sum(self.sizes), dtype=torch.int32, device=device)
         tokens, positions, slots, kv_len, table = self.inputs.split(self.sizes)
         self.tokens, self.positions, self.slot_mapping = tokens, positions, slots
         self.kv_len = kv_len
         self.block_table = table.view(batch, num_blocks)
-        pos = torch.arange(kv_pad, device=device)
-        self.block_of, self.offset = pos // block_size, pos % block_size  # [K_pad]
-        rows = torch.arange(batch, device=device)
-        self.rows, self.q_index = rows, rows[:, None]
-        self.q_valid = torch.ones((batch, 1), dtype=torch.bool, device=device)
+        self.rows = torch.arange(batch, device=device)
+        self.cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
         self.routed = torch.zeros((batch, hidden), dtype=torch.float32, device=device)
         self.deferred = torch.zeros((batch, hidden), dtype=torch.float32, device=device)
         self.copied: torch.cuda.Event | None = None
@@ -140,12 +138,13 @@ class _Bucket:
             table[i, : len(blocks)] = blocks
 
     def metadata(self) -> AttentionMetadata:
-        """The step's metadata, computed from the static inputs (kv_slots from the block table)."""
-        kv_slots = self.block_table[:, self.block_of] * self.block_size  # [B_pad, K_pad]
+        """The step's metadata over the static inputs: one decode group of B_pad rows."""
+        decode = AttentionGroup(slice(0, self.batch), self.block_table, self.cu_seqlens_q,
+                                self.kv_len)  # fmt: skip
         return AttentionMetadata(
-            positions=self.positions, slot_mapping=self.slot_mapping, q_index=self.q_index,
-            q_valid=self.q_valid, q_pos=self.positions[:, None], kv_slots=kv_slots + self.offset,
-            kv_len=self.kv_len, last_index=self.rows,
+            positions=self.positions.long(), slot_mapping=self.slot_mapping.long(),
+            block_table=self.block_table, cu_seqlens_q=self.cu_seqlens_q, kv_len=self.kv_len,
+            last_index=self.rows, block_size=self.block_size, decode=decode, prefill=None,
         )  # fmt: skip
 
     def upload(self) -> None:
@@ -177,7 +176,6 @@ class DecodeGraphs:
         layers = model.layers
         self.moe_layers = tuple(i for i, layer in enumerate(layers) if isinstance(layer.mlp, MoE))
         self.moes: tuple[MoE, ...] = tuple(layers[i].mlp for i in self.moe_layers)
-        self.windows = {getattr(layer.attn, "window", None) for layer in model.layers}
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.num_graphs = 0
@@ -291,8 +289,6 @@ class DecodeGraphs:
         if prev is None:
             h = model.embed_tokens(bucket.tokens)  # [B_pad, H]
             ctx = model.context(bucket.metadata())
-            for window in self.windows:  # NOTE: every mask is computed here, in segment 0's graph
-                ctx.mask(window)
             first = 0
         else:
             x = prev.moe_in[0]

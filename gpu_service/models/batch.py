@@ -2,19 +2,23 @@
 
 A step runs a batch of B sequences, each contributing n_i >= 1 new tokens at positions
 [start_pos_i, start_pos_i + n_i): a prefill (n_i = prompt length, start 0), a decode (n_i = 1), or a
-chunk of either. Layout (ragged, flattened):
-    tokens      [T]          T = sum n_i, sequence after sequence (cu_seqlens = [0, n_0, ..])
-    hidden      [T, H]       every projection, norm and MoE runs on this flat batch
-Attention pads per sequence: queries are gathered into [B, Qmax] (q_index), each sequence's cached
-keys into [B, Kmax] (kv_slots, positions 0..L_i-1 with L_i = start_pos_i + n_i), and a boolean mask
-[B, Qmax, Kmax] allows kv_pos <= q_pos (and kv_pos > q_pos - window with a sliding window).
-Padding rows/columns point at slot 0 and are masked out; padded queries are dropped afterwards.
+chunk of either. Layout (ragged, flattened, nothing padded):
+    tokens        [T]           T = sum n_i, sequence after sequence
+    hidden        [T, H]        every projection, norm and MoE runs on this flat batch
+    cu_seqlens_q  [B + 1] int32 sequence i's rows are cu_seqlens_q[i]:cu_seqlens_q[i + 1]
+    kv_len        [B] int32     L_i = start_pos_i + n_i: its keys are positions 0..L_i - 1
+    block_table   [B, W] int32  its cache blocks (W: the most any sequence of the step needs;
+                                unused entries 0, never read); slot = block * block_size + offset
+Attention (paged_attention.py) splits the sequences in two groups, each with its own rows of T
+and its own block_table / cu_seqlens_q / kv_len: decodes (n_i = 1: one query at L_i - 1, batched)
+and prefills (n_i > 1: ragged, causal over their own keys).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -70,57 +74,76 @@ class Batch:
         return out
 
 
+Rows = slice | torch.Tensor  # a group's rows of T: a slice where they are contiguous
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """The decode or the prefill sequences of a step."""
+
+    rows: Rows
+    block_table: torch.Tensor  # [b, W] int32
+    cu_seqlens_q: torch.Tensor  # [b + 1] int32, into the group's own rows
+    kv_len: torch.Tensor  # [b] int32
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
-    q_index: torch.Tensor  # [B, Qmax] int64 into the flat T
-    q_valid: torch.Tensor  # [B, Qmax] bool
-    q_pos: torch.Tensor  # [B, Qmax] int64 (padding: the sequence's last position)
-    kv_slots: torch.Tensor  # [B, Kmax] int64
-    kv_len: torch.Tensor  # [B] int64
+    block_table: torch.Tensor  # [B, W] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    kv_len: torch.Tensor  # [B] int32
     last_index: torch.Tensor  # [B] int64 into the flat T
+    block_size: int
+    decode: AttentionGroup | None  # sequences with one new token
+    prefill: AttentionGroup | None  # sequences with more
 
     @classmethod
     def build(cls, batch: Batch, device: torch.device | str) -> AttentionMetadata:
-        positions, slot_mapping, q_index, q_pos, kv_slots = [], [], [], [], []
-        qmax = max(len(s.token_ids) for s in batch.seqs)
-        kmax = max(s.end_pos for s in batch.seqs)
-        offset = 0
+        positions, slot_mapping = [], []
+        block_size = batch.seqs[0].cache.block_size
+        width = max(-(-s.end_pos // block_size) for s in batch.seqs)
+        table = []
         for s in batch.seqs:
-            n, end = len(s.token_ids), s.end_pos
-            positions.extend(range(s.start_pos, end))
-            slot_mapping.extend(s.cache.slots(s.start_pos, end))
-            q_index.append([offset + min(j, n - 1) for j in range(qmax)])
-            q_pos.append([s.start_pos + min(j, n - 1) for j in range(qmax)])
-            kv_slots.append(s.cache.slots(0, end) + [0] * (kmax - end))
-            offset += n
-        lens = [len(s.token_ids) for s in batch.seqs]
+            positions.extend(range(s.start_pos, s.end_pos))
+            slot_mapping.extend(s.cache.slots(s.start_pos, s.end_pos))
+            blocks = s.cache.block_ids[: -(-s.end_pos // block_size)]
+            table.append(blocks + [0] * (width - len(blocks)))
+        cu_seqlens = batch.cu_seqlens
+        kv_len = [s.end_pos for s in batch.seqs]
 
-        def tensor(data: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        def tensor(data: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.tensor(data, dtype=dtype).to(device)
 
-        return cls(
-            positions=tensor(positions),
-            slot_mapping=tensor(slot_mapping),
-            q_index=tensor(q_index),
-            q_valid=tensor([[j < n for j in range(qmax)] for n in lens], torch.bool),
-            q_pos=tensor(q_pos),
-            kv_slots=tensor(kv_slots),
-            kv_len=tensor([s.end_pos for s in batch.seqs]),
-            last_index=tensor(batch.cu_seqlens[1:]) - 1,
-        )
+        def group(members: list[int]) -> AttentionGroup | None:
+            if not members:
+                return None
+            rows = [r for i in members for r in range(cu_seqlens[i], cu_seqlens[i + 1])]
+            lens = [cu_seqlens[i + 1] - cu_seqlens[i] for i in members]
+            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+            return AttentionGroup(
+                rows=slice(rows[0], rows[0] + len(rows))
+                if contiguous
+                else tensor(rows, torch.int64),
+                block_table=tensor([table[i] for i in members]),
+                cu_seqlens_q=tensor(list(itertools.accumulate(lens, initial=0))),
+                kv_len=tensor([kv_len[i] for i in members]),
+            )
 
-    def mask(self, window: int | None = None) -> torch.Tensor:
-        """[B, Qmax, Kmax] bool: True where query may attend to key."""
-        kv_pos = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)  # [Kmax]
-        q_pos = self.q_pos[:, :, None]  # [B, Qmax, 1]
-        allowed = (kv_pos[None, None, :] <= q_pos) & (
-            kv_pos[None, None, :] < self.kv_len[:, None, None]
+        decodes = [i for i, s in enumerate(batch.seqs) if len(s.token_ids) == 1]
+        prefills = [i for i, s in enumerate(batch.seqs) if len(s.token_ids) > 1]
+        return cls(
+            positions=tensor(positions, torch.int64),
+            slot_mapping=tensor(slot_mapping, torch.int64),
+            block_table=tensor(table),
+            cu_seqlens_q=tensor(cu_seqlens),
+            kv_len=tensor(kv_len),
+            last_index=tensor(cu_seqlens[1:], torch.int64) - 1,
+            block_size=block_size,
+            decode=group(decodes),
+            prefill=group(prefills),
         )
-        if window is not None:
-            allowed &= kv_pos[None, None, :] > q_pos - window
-        return allowed
 
 
 @dataclass(frozen=True)
@@ -131,9 +154,3 @@ class StepContext:
     cos: torch.Tensor  # [T, rope_dim/2] float32
     sin: torch.Tensor  # [T, rope_dim/2] float32
     kv_cache: KVCache
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-
-    def mask(self, window: int | None) -> torch.Tensor:
-        if window not in self._masks:
-            self._masks[window] = self.meta.mask(window)
-        return self._masks[window]

@@ -38,3 +38,20 @@ class BaseConfig:
             tie_word_embeddings=hf.bool("tie_word_embeddings", False),
             max_position_embeddings=hf.int("max_position_embeddings", 4096),
         )
+
+
+def model_max_len(hf: HFConfig) -> int:
+    """The model's own context length: max_position_embeddings, or with YaRN (rope_scaling or
+    rope_parameters of type yarn) original_max_position_embeddings x factor where that is more
+    (DeepSeek-V3: 4096 x 40 = 163,840; Qwen3 with YaRN 4: 32,768 x 4 = 131,072)."""
+    max_pos = hf.int("max_position_embeddings", 4096)
+    params = hf.dict("rope_scaling") or hf.dict("rope_parameters")
+    if (params.get("rope_type") or params.get("type")) != "yarn":
+        return max_pos
+    original = params.get("original_max_position_embeddings") or hf.data.get(
+        "original_max_position_embeddings"
+    )
+    factor = params.get("factor")
+    if not original or not factor:
+        return max_pos
+    return max(max_pos, int(int(original) * float(factor)))

@@ -24,15 +24,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gpu_service.models.attention import attend
 from gpu_service.models.batch import StepContext
 from gpu_service.models.config import BaseConfig
 from gpu_service.models.experts import RoutedExperts
-from gpu_service.models.kv_cache import KVCache, KVCacheConfig
+from gpu_service.models.kv_cache import KVCache, KVCacheConfig, write_cache
 from gpu_service.models.layers import DenseMLP, Linear, RMSNorm
 from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM, DecoderLayer
 from gpu_service.models.moe import GroupedSigmoidRouter, MoE, SoftmaxRouter
+from gpu_service.models.paged_attention import paged_attention
 from gpu_service.models.rope import RopeConfig, Rotary, apply_rotary
 from ktserve.checkpoint import HFConfig, InvalidConfig, ModelSpec
 
@@ -150,11 +150,13 @@ class MLAttention(nn.Module):
         q_rot = apply_rotary(q_rot, ctx.cos, ctx.sin, interleaved)
         k_rot = apply_rotary(k_rot[:, None, :], ctx.cos, ctx.sin, interleaved)[:, 0]  # [T, rope]
         (cache,) = ctx.kv_cache.layers[self.layer]  # [S, r + rope]
-        cache[ctx.meta.slot_mapping] = torch.cat((c, k_rot), dim=-1)
-        latent = cache[ctx.meta.kv_slots][:, :, None, :]  # [B, K, 1, r + rope]
+        write_cache(cache, ctx.meta.slot_mapping, torch.cat((c, k_rot), dim=-1))
+        latent = cache[:, None, :]  # [S, 1, r + rope]: one kv head; values its first r columns
         q_lat = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)  # [T, h, r]
         queries = torch.cat((q_lat, q_rot), dim=-1)  # [T, h, r + rope]
-        out = attend(queries, latent, latent[..., :rank], ctx, self.scale)  # [T, h, r]
+        out = paged_attention(
+            queries, latent, latent[..., :rank], ctx.meta, self.scale
+        )  # [T, h, r]
         out = torch.einsum("thr,hvr->thv", out, self.w_uv)  # [T, h, v]
         return self.o_proj(out.reshape(t, heads * cfg.v_head_dim))
 

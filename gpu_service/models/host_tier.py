@@ -93,6 +93,7 @@ class HostTier:
         host_slots = self._slots([c.host_block for c in copies])
         for device_layer, host_layer in zip(device_layers, self.layers):
             for dev, host in zip(device_layer, host_layer):
+                dev, host = _raw(dev), _raw(host)
                 slots = device_slots.to(dev.device)
                 if to_host:
                     host.index_copy_(0, host_slots, dev.index_select(0, slots).cpu())
@@ -104,3 +105,8 @@ class HostTier:
         """[len(blocks) * block_size] int64: the slots of these blocks, block after block."""
         offsets = torch.arange(self.block_size)
         return (torch.tensor(blocks)[:, None] * self.block_size + offsets).flatten()
+
+
+def _raw(cache: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes where its dtype is FP8 (index_copy_ has no FP8 kernel on the CPU)."""
+    return cache.view(torch.uint8) if cache.dtype == torch.float8_e4m3fn else cache

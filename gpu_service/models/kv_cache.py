@@ -7,6 +7,8 @@ A sequence owns a list of blocks (`SeqCache.block_ids`); its token at position p
     block_ids[p // block_size] * block_size + p % block_size.
 Entry shapes: GQA (num_kv_heads, head_dim) for k and for v; MLA (kv_lora_rank + qk_rope_head_dim,),
 the normalized compressed kv followed by the roped shared key, per token.
+Storage dtype: the model's, or FP8 (float8_e4m3fn, --kv-cache-dtype fp8): written with a saturating
+cast (write_cache; per-tensor scale 1.0, values beyond +-448 clamp), upcast as attention reads it.
 One more slot past the blocks, `scratch_slot`, belongs to no sequence: padding rows of a fixed-size
 decode batch (CUDA graphs) write their K/V there.
 
@@ -34,6 +36,14 @@ import torch
 
 from gpu_service.models.block_pool import BlockPool
 from gpu_service.models.host_tier import BlockCopy, HostTier
+
+
+def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """cache[slots] = values, cast to the cache's dtype (saturating where it is FP8)."""
+    if values.dtype != cache.dtype and cache.dtype == torch.float8_e4m3fn:
+        limit = torch.finfo(cache.dtype).max
+        values = values.clamp(-limit, limit)
+    cache[slots] = values.to(cache.dtype)
 
 
 class KVCacheFull(RuntimeError):

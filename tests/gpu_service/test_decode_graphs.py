@@ -139,7 +139,8 @@ def _tensors(out) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
     meta = [getattr(out.ctx.meta, f.name) for f in dataclasses.fields(out.ctx.meta)]
-    return [out.h, *out.moe_in, out.ctx.cos, out.ctx.sin, *meta, *out.ctx._masks.values()]
+    meta = [value for value in meta if isinstance(value, torch.Tensor)]
+    return [out.h, *out.moe_in, out.ctx.cos, out.ctx.sin, *meta]
 
 
 def _greedy_decode(graphs: DecodeGraphs, prompts: list[list[int]], joiner: list[int],

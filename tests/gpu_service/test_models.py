@@ -261,6 +261,28 @@ def test_bf16_logit_error(cases: dict[str, Case], name: str) -> None:
     assert last_err < BF16_REL_TOL
 
 
+@pytest.mark.parametrize("name", MAIN)
+def test_fp8_kv_cache_logit_error(cases: dict[str, Case], name: str) -> None:
+    """The KV cache in FP8 (e4m3: 3 mantissa bits, saturating, scale 1), all else fp32, against
+    the fp32 oracle: prefill and decode steps read the rounded K/V, and the logits move by no
+    more than the bf16 model dtype moves them."""
+    case = cases[name]
+    prompt = _prompt(case.seed + 3, 24)
+    expected = _reference_logits(case, prompt)  # [T, V]
+    model = _load(case.path)
+    model.kv_cache = KVCache(model.kv_cache.config, torch.float8_e4m3fn, "cpu")
+    assert all(t.dtype == torch.float8_e4m3fn for layer in model.kv_cache.layers for t in layer)
+    cache = model.kv_cache.allocate(len(prompt))
+    split = len(prompt) - 4  # a prefill, then the last 4 tokens as decode steps
+    got = [model.forward(Batch((SeqInput(prompt[:split], cache, 0),)), all_positions=True)]
+    for pos in range(split, len(prompt)):
+        got.append(model.forward(Batch((SeqInput(prompt[pos : pos + 1], cache, pos),))))
+    model.kv_cache.free(cache)
+    err = _rel_err(torch.cat(got), expected)
+    print(f"[{name}] seed={case.seed} fp8 KV cache rel err over all positions: {err:.2e}")
+    assert 0 < err < BF16_REL_TOL
+
+
 def _hub_style_rope(path: Path, dest: Path) -> Path:
     """The checkpoint with Hub-style config keys: rope_scaling{type} and a top-level rope_theta."""
     shutil.copytree(path, dest)

@@ -107,10 +107,11 @@ def test_block_hashes_chain_over_the_whole_prefix():
     assert partial == one
 
 
-def cache_with_data(num_tokens: int, host_tokens: int = 0) -> KVCache:
+def cache_with_data(num_tokens: int, host_tokens: int = 0,
+                    dtype: torch.dtype = torch.float32) -> KVCache:  # fmt: skip
     config = KVCacheConfig(num_layers=2, entry_shapes=((2, 3), (5,)), max_num_tokens=num_tokens,
                            block_size=BLOCK, max_num_host_tokens=host_tokens)  # fmt: skip
-    return KVCache(config, torch.float32, "cpu")
+    return KVCache(config, dtype, "cpu")
 
 
 def write(cache: KVCache, seq, tokens: int, value: float) -> None:
@@ -159,8 +160,9 @@ def test_allocation_reuses_the_longest_cached_prefix():
     assert off.allocate(10, hashes).num_tokens == 0 and off.stats.queries == 0
 
 
-def test_evicted_blocks_go_to_host_ram_and_come_back_with_their_contents():
-    cache = cache_with_data(12, host_tokens=16)  # 3 device blocks, 4 host blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_evicted_blocks_go_to_host_ram_and_come_back_with_their_contents(dtype):
+    cache = cache_with_data(12, host_tokens=16, dtype=dtype)  # 3 device blocks, 4 host blocks
     ids = list(range(9))
     hashes: list[bytes] = []
     extend_block_hashes(hashes, ids, BLOCK)
@@ -168,6 +170,7 @@ def test_evicted_blocks_go_to_host_ram_and_come_back_with_their_contents():
     write(cache, a, 9, 100.0)
     cache.cache_blocks(a, hashes)
     want = [t[a.slots(0, 8)].clone() for layer in cache.layers for t in layer]
+    assert all(w.dtype == dtype and w.float().abs().min() >= 96 for w in want)
     cache.free(a)
     assert cache.take_copies() == ()
     other = cache.allocate(12)  # evicts both cached blocks: copies to the host tier

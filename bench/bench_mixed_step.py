@@ -1,0 +1,174 @@
+"""A long prompt joining running decodes: the prompt's time alone and joined, and the decodes'
+inter-token latency (ITL) undisturbed and while it is prefilled, in one run.
+
+An in-process GPU service (the model's GPU part, its engine and scheduler as `ktserve serve`
+builds them) on one `ktserve expert` worker subprocess, prefix caching off and every prompt fresh
+random tokens. Per --max-num-batched-tokens value (a service each):
+  1. the prompt alone: seconds to its first token (its whole prefill, chunked as the scheduler
+     chunks it);
+  2. --decodes requests decoding (greedy, ignore_eos): their ITL over --window tokens each;
+  3. a prompt of the same length submitted while they decode: its seconds to first token, and
+     the decodes' ITL over the gaps that overlap it.
+Targets (issue 14): joined <= 1.5x alone; ITL p99 during <= 3x undisturbed p99.
+
+    python bench/bench_mixed_step.py [--model demo_model] [--prompt-tokens 2000] [--decodes 8]
+        [--max-num-batched-tokens 2048,256] [--label NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
+
+import numpy as np
+import torch
+
+from bench.common import DEMO_MODEL, Column, default_device, print_table
+from bench.worker_process import expert_worker
+from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
+from gpu_service.engine import SamplingParams
+from gpu_service.service import build_gpu_service
+
+TIMEOUT_S = 900.0
+JOINED_TARGET, ITL_TARGET = 1.5, 3.0
+
+
+class Arrivals:
+    """Token arrival times per request, fed by the engine thread's callbacks."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {}
+        self.events: queue.Queue = queue.Queue()
+
+    def callback(self, key: str):
+        self.times[key] = []
+
+        def on_event(event) -> None:
+            now = time.perf_counter()
+            if event.error is not None:
+                self.events.put(("error", key, str(event.error)))
+                return
+            self.times[key].extend([now] * len(event.tokens))
+            self.events.put(("tokens", key, now))
+
+        return on_event
+
+    def wait_until(self, done) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not done():
+            kind, key, what = self.events.get(timeout=max(deadline - time.monotonic(), 0.001))
+            if kind == "error":
+                raise SystemExit(f"request {key} failed: {what}")
+
+
+def prompt_seconds(engine, arrivals: Arrivals, prompt: list[int], key: str) -> float:
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(prompt, params, arrivals.callback(key))
+    arrivals.wait_until(lambda: arrivals.times[key])
+    return arrivals.times[key][0] - start
+
+
+def gaps(times: list[float], lo: float, hi: float) -> list[float]:
+    """Inter-token gaps that overlap (lo, hi)."""
+    return [b - a for a, b in zip(times, times[1:]) if b > lo and a < hi]
+
+
+def measure(service, args, rng: random.Random) -> dict:
+    engine, vocab = service.engine, service.engine.model.config.vocab_size
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    arrivals = Arrivals()
+    prompt_seconds(engine, arrivals, tokens(64), "warm-up")
+    alone = prompt_seconds(engine, arrivals, tokens(args.prompt_tokens), "alone")
+    room = service.max_model_len - args.decode_prompt_tokens - 1
+    params = SamplingParams(max_tokens=room, temperature=0, ignore_eos=True)
+    keys = [f"decode-{i}" for i in range(args.decodes)]
+    ids = [engine.add_request(tokens(args.decode_prompt_tokens), params, arrivals.callback(k))
+           for k in keys]  # fmt: skip
+    warm = 4
+    arrivals.wait_until(lambda: min(len(arrivals.times[k]) for k in keys) >= warm + args.window)
+    submitted = time.perf_counter()
+    joined = prompt_seconds(engine, arrivals, tokens(args.prompt_tokens), "joined")
+    done = submitted + joined
+    arrivals.wait_until(lambda: all(arrivals.times[k][-1] > done for k in keys))
+    for request_id in ids:
+        engine.abort(request_id)
+    before = []  # gaps wholly before the prompt came
+    for k in keys:
+        before.extend(np.diff([t for t in arrivals.times[k][warm:] if t <= submitted]))
+    during = [g for k in keys for g in gaps(arrivals.times[k], submitted, done)]
+    return {"alone": alone, "joined": joined, "before": before, "during": during}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(DEMO_MODEL))
+    parser.add_argument("--format", default="int8", help="the experts' weight format")
+    parser.add_argument("--threads", type=int, default=1, help="expert worker threads")
+    parser.add_argument("--device", default=default_device())
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--decodes", type=int, default=8)
+    parser.add_argument("--decode-prompt-tokens", type=int, default=32)
+    parser.add_argument("--window", type=int, default=40, help="undisturbed tokens per decode")
+    parser.add_argument("--max-num-batched-tokens", default="2048,256",
+                        help="comma-separated: one service per value")  # fmt: skip
+    parser.add_argument("--label", default=Path(__file__).resolve().parent.parent.name,
+                        help="this tree's name in the table (default: its directory)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="threads of this process's torch (the GPU part on the CPU); 0: "
+                        "torch's default")  # fmt: skip
+    args = parser.parse_args()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    rng = random.Random(args.seed)
+    budgets = [int(b) for b in args.max_num_batched_tokens.split(",")]
+    rows = []
+    with expert_worker(args.model, args.format, args.threads) as address:
+        for budget in budgets:
+            config = GPUServiceConfig(
+                model_dir=args.model, device=args.device, dtype=args.dtype, prefix_caching=False,
+                scheduler=SchedulerConfig(max_num_seqs=args.decodes + 2,
+                                          max_num_batched_tokens=budget),
+                experts=ExpertClientConfig((address,)),
+            )  # fmt: skip
+            service = build_gpu_service(config)
+            try:
+                rows.append((budget, measure(service, args, rng)))
+            finally:
+                service.close()
+            m = rows[-1][1]
+            print(f"measured: {budget} batched tokens, alone {m['alone']:.2f} s, joined "
+                  f"{m['joined']:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
+
+    print(f"a {args.prompt_tokens}-token prompt joining {args.decodes} decodes: "
+          f"{Path(args.model).name}, {args.format} experts, GPU part on {args.device} "
+          f"({torch.get_num_threads()} torch threads), tree {args.label}")  # fmt: skip
+    columns = [Column("tree", 12, "<"), Column("batched tokens", 14), Column("alone s", 8),
+               Column("joined s", 8), Column("x", 5), Column("ITL p50 ms", 10),
+               Column("p99 ms", 7), Column("during p50", 10), Column("p99 ms", 7),
+               Column("x p99", 6), Column("", 6, "<")]  # fmt: skip
+    cells = []
+    for budget, m in rows:
+        b50, b99 = np.percentile(m["before"], [50, 99]) * 1e3
+        d50, d99 = np.percentile(m["during"], [50, 99]) * 1e3
+        slow, spike = m["joined"] / m["alone"], d99 / b99
+        verdict = "ok" if slow <= JOINED_TARGET and spike <= ITL_TARGET else "MISSED"
+        cells.append([args.label, budget, f"{m['alone']:.2f}", f"{m['joined']:.2f}",
+                      f"{slow:.2f}", f"{b50:.1f}", f"{b99:.1f}", f"{d50:.1f}", f"{d99:.1f}",
+                      f"{spike:.1f}", verdict])  # fmt: skip
+    print_table(columns, cells)
+
+
+if __name__ == "__main__":
+    main()
