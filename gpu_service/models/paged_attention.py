@@ -153,13 +153,16 @@ def triton_kernels() -> ModuleType | None:
         return None
 
 
-def attention_kernels(device: torch.device) -> tuple[Callable, Callable]:
+def attention_kernels(device: torch.device, latent: bool = False) -> tuple[Callable, Callable]:
     """(paged_decode, paged_prefill) for tensors on `device`: the GPU kernels on CUDA where their
-    module imports, else the torch reference."""
+    module imports, else the torch reference. latent: MLA's absorbed cache (values a view of the
+    keys), whose prefill stays on the torch reference: on the GPU host at DeepSeek-V3 shapes the
+    Triton prefill took 92.9 ms per 1k-token chunk at a 32k context against the torch gather's
+    62.0 (bench/bench_attention.py), while its decode took half the torch time."""
     if device.type == "cuda":
         kernels = triton_kernels()
         if kernels is not None:
-            return kernels.paged_decode, kernels.paged_prefill
+            return kernels.paged_decode, paged_prefill if latent else kernels.paged_prefill
     return paged_decode, paged_prefill
 
 
@@ -173,7 +176,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """A step's attention, q [T, Hq, D] -> [T, Hq, Dv]: its decode rows and its prefill rows each
     through their kernel (the metadata's split), the new tokens' K/V already in the cache."""
-    decode, prefill = attention_kernels(q.device)
+    latent = v_cache.data_ptr() == k_cache.data_ptr()
+    decode, prefill = attention_kernels(q.device, latent)
     bs, dg, pg = meta.block_size, meta.decode, meta.prefill
     if pg is None:
         assert dg is not None

@@ -236,6 +236,9 @@ def test_dispatch_on_cuda_uses_the_gpu_kernels_where_they_import() -> None:
     if kernels is not None:
         expected = (kernels.paged_decode, kernels.paged_prefill)
     assert pa.attention_kernels(torch.device("cuda")) == expected
+    # MLA's latent prefill stays on the torch reference (measured faster there)
+    latent = pa.attention_kernels(torch.device("cuda"), latent=True)
+    assert latent == (expected[0], pa.paged_prefill)
     assert pa.attention_kernels(torch.device("cpu")) == (pa.paged_decode, pa.paged_prefill)
 
 
