@@ -6,6 +6,10 @@ work. These kernels compute what the torch code in layers.py / rope.py computes 
 stays the CPU path), in the same float32 steps and with the same roundings:
     rms_norm: y = weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)        over the last dim
     rotary:   [x1 c - x2 s | x2 c + x1 s].to(x.dtype), (x1, x2) = halves or even/odd elements
+And the routers after their gate GEMM, one kernel per token row (moe.py's routers are the
+oracle): softmax_topk (Qwen-MoE, Mixtral, DeepSeek-V2 greedy: softmax in float32, top-k, renorm,
+scaling) and grouped_sigmoid_topk (DeepSeek-V3: sigmoid, the bias for choosing only, top-2-sum
+group scores, the best topk_group groups, top-k, renorm, scaling). Ties go to the lower expert id.
 `supports(...)` says when a tensor can take them (CUDA, Triton importable, unit last stride);
 otherwise callers keep the torch code.
 """
@@ -63,6 +67,110 @@ if triton is not None:
         kind = out_ptr.dtype.element_ty
         tl.store(dst + i, (x1 * c - x2 * s).to(kind), mask=mask)
         tl.store(dst + half + i, (x2 * c + x1 * s).to(kind), mask=mask)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _softmax_topk_kernel(logits_ptr, ids_ptr, weights_ptr, row_stride, num_experts, scaling,
+                             K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+                             RENORM: tl.constexpr, ROUND: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        valid = offs < num_experts
+        raw = tl.load(logits_ptr + row * row_stride + offs, mask=valid, other=float("-inf"))
+        x = raw.to(tl.float32)
+        e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
+        probs = e / tl.sum(e, axis=0)
+        work = tl.where(valid, probs, -1.0)
+        kk = tl.arange(0, KP)
+        vals = tl.zeros((KP,), tl.float32)
+        idxs = tl.zeros((KP,), tl.int32)
+        for j in tl.static_range(K):
+            best = tl.max(work, axis=0)
+            at = tl.min(tl.where(work == best, offs, BLOCK), axis=0)
+            vals = tl.where(kk == j, best, vals)
+            idxs = tl.where(kk == j, at, idxs)
+            work = tl.where(offs == at, -2.0, work)
+        if RENORM:
+            vals = vals / tl.sum(tl.where(kk < K, vals, 0.0), axis=0)
+        if ROUND:
+            vals = vals.to(raw.dtype).to(tl.float32)
+        tl.store(ids_ptr + row * K + kk, idxs, mask=kk < K)
+        tl.store(weights_ptr + row * K + kk, vals * scaling, mask=kk < K)
+
+    @triton.jit
+    def _grouped_sigmoid_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, row_stride,
+                                     scaling, G: tl.constexpr, EG: tl.constexpr,
+                                     TOPK_GROUPS: tl.constexpr, K: tl.constexpr,
+                                     KP: tl.constexpr, RENORM: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        g = tl.arange(0, G)
+        c = tl.arange(0, EG)
+        flat = g[:, None] * EG + c[None, :]  # [G, EG]: expert ids
+        scores = tl.sigmoid(tl.load(logits_ptr + row * row_stride + flat).to(tl.float32))
+        choice = scores + tl.load(bias_ptr + flat)
+        first = tl.max(choice, axis=1)  # [G]
+        first_at = tl.min(tl.where(choice == first[:, None], c[None, :], EG), axis=1)
+        second = tl.max(tl.where(c[None, :] == first_at[:, None], float("-inf"), choice), axis=1)
+        group_scores = first + second
+        chosen = tl.zeros((G,), tl.int32)
+        for _ in tl.static_range(TOPK_GROUPS):
+            best = tl.max(tl.where(chosen == 1, float("-inf"), group_scores), axis=0)
+            at = tl.min(tl.where((group_scores == best) & (chosen == 0), g, G), axis=0)
+            chosen = tl.where(g == at, 1, chosen)
+        work = tl.where(chosen[:, None] == 1, choice, float("-inf"))
+        kk = tl.arange(0, KP)
+        vals = tl.zeros((KP,), tl.float32)
+        idxs = tl.zeros((KP,), tl.int32)
+        for j in tl.static_range(K):
+            best = tl.max(tl.max(work, axis=1), axis=0)
+            at = tl.min(tl.min(tl.where(work == best, flat, G * EG), axis=1), axis=0)
+            score = tl.sum(tl.sum(tl.where(flat == at, scores, 0.0), axis=1), axis=0)
+            vals = tl.where(kk == j, score, vals)
+            idxs = tl.where(kk == j, at, idxs)
+            work = tl.where(flat == at, float("-inf"), work)
+        if RENORM:
+            vals = vals / (tl.sum(tl.where(kk < K, vals, 0.0), axis=0) + 1e-20)
+        tl.store(ids_ptr + row * K + kk, idxs, mask=kk < K)
+        tl.store(weights_ptr + row * K + kk, vals * scaling, mask=kk < K)
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, scaling: float,
+                 round_to_logits_dtype: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """logits [T, E] -> (ids [T, k] int32, weights [T, k] float32), best first."""
+    tokens, num_experts = logits.shape
+    ids = torch.empty((tokens, k), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((tokens, k), dtype=torch.float32, device=logits.device)
+    if tokens:
+        _softmax_topk_kernel[(tokens,)](
+            logits, ids, weights, logits.stride(0), num_experts, float(scaling), K=k,
+            KP=triton.next_power_of_2(k), BLOCK=triton.next_power_of_2(num_experts),
+            RENORM=renorm, ROUND=round_to_logits_dtype,
+        )  # fmt: skip
+    return ids, weights
+
+
+def grouped_topk_fits(num_experts: int, num_groups: int) -> bool:
+    """The kernel lays a row out as [groups, experts per group], both powers of two."""
+    per_group = num_experts // num_groups
+    return all(n > 0 and n & (n - 1) == 0 for n in (num_groups, per_group))
+
+
+def grouped_sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, num_groups: int,
+                         topk_groups: int, renorm: bool,
+                         scaling: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """logits [T, E] float32, bias [E] float32 -> (ids [T, k] int32, weights [T, k] float32)."""
+    tokens, num_experts = logits.shape
+    ids = torch.empty((tokens, k), dtype=torch.int32, device=logits.device)
+    weights = torch.empty((tokens, k), dtype=torch.float32, device=logits.device)
+    if tokens:
+        _grouped_sigmoid_topk_kernel[(tokens,)](
+            logits, bias, ids, weights, logits.stride(0), float(scaling), G=num_groups,
+            EG=num_experts // num_groups, TOPK_GROUPS=topk_groups, K=k,
+            KP=triton.next_power_of_2(k), RENORM=renorm,
+        )  # fmt: skip
+    return ids, weights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

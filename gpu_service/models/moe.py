@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_service.models import fused_ops
 from gpu_service.models.experts import PendingExperts, RoutedExperts, abandon
 from gpu_service.models.layers import DenseMLP, Linear
 
@@ -53,6 +54,12 @@ class GroupedSigmoidRouter(nn.Module):
         self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        e = self.weight.shape[0]
+        if fused_ops.supports(x) and fused_ops.grouped_topk_fits(e, self.num_groups):
+            logits = F.linear(x.float(), self.weight)  # [T, E]
+            return fused_ops.grouped_sigmoid_topk(logits, self.bias, self.top_k, self.num_groups,
+                                                  self.topk_groups, self.norm_topk_prob,
+                                                  self.scaling)  # fmt: skip
         scores = F.linear(x.float(), self.weight).sigmoid()  # [T, E]
         choice = scores + self.bias  # [T, E]
         t, e = choice.shape
@@ -90,6 +97,9 @@ class SoftmaxRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float() if self.logits_fp32 else x, self.weight)  # [T, E]
+        if self.num_groups is None and fused_ops.supports(logits):
+            return fused_ops.softmax_topk(logits, self.top_k, self.norm_topk_prob, self.scaling,
+                                          self.round_to_model_dtype)  # fmt: skip
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
         if self.num_groups is not None and self.topk_groups is not None:
             t, e = probs.shape

@@ -35,6 +35,11 @@ def torch_path(monkeypatch):
     monkeypatch.setattr(fused_ops, "supports", lambda *tensors: False)
 
 
+def fused_path(monkeypatch):
+    """The kernels for every tensor (on the CPU too, where the interpreter runs them)."""
+    monkeypatch.setattr(fused_ops, "supports", lambda *tensors: True)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 2048), (7, 4, 128), (33, 576), (3, 5, 72)])
 def test_rms_norm_matches_the_torch_code(seed, monkeypatch, dtype, shape):
@@ -94,3 +99,68 @@ def test_rotary_matches_the_torch_code(seed, monkeypatch, interleaved, dtype, to
 
         c, s = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
         torch.testing.assert_close(got, x * c + rotate_half(x) * s, rtol=1e-5, atol=1e-5)
+
+
+def _by_id(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's (ids, weights) ordered by id: the DeepSeek-V3 router's top-k is unsorted."""
+    order = ids.long().argsort(dim=-1)
+    return ids.gather(1, order), weights.gather(1, order)
+
+
+@pytest.mark.parametrize(
+    ("experts", "k", "renorm", "round_weights", "dtype"),
+    [(128, 8, True, False, torch.bfloat16), (60, 4, False, False, torch.float32),
+     (8, 2, True, True, torch.bfloat16), (64, 6, True, False, torch.float32)],
+)  # fmt: skip
+def test_softmax_router_matches_the_torch_code(seed, monkeypatch, experts, k, renorm,
+                                               round_weights, dtype):  # fmt: skip
+    """Qwen-MoE (128 experts, top 8, renorm), Qwen2-MoE (60, top 4), Mixtral (8, top 2, rounded
+    to the model dtype), DeepSeek-V2 greedy: the fused kernel after the gate GEMM."""
+    if DEVICE == "cpu" and round_weights:
+        pytest.skip("Triton's interpreter casts float32 to bfloat16 by truncation, not rounding")
+    from gpu_service.models.moe import SoftmaxRouter
+
+    g = torch.Generator().manual_seed(seed)
+    hidden = 64
+    router = SoftmaxRouter((torch.randn(experts, hidden, generator=g) / 8).to(DEVICE, dtype), k,
+                           norm_topk_prob=renorm, scaling=1.5,
+                           round_to_model_dtype=round_weights)  # fmt: skip
+    x = torch.randn(37, hidden, generator=g).to(DEVICE, dtype)
+    with monkeypatch.context() as m:
+        fused_path(m)
+        got_ids, got_w = router(x)
+    with monkeypatch.context() as m:
+        torch_path(m)
+        want_ids, want_w = router(x)
+    assert got_ids.dtype == torch.int32 and got_w.dtype == torch.float32
+    # bf16 logits tie often, and torch.topk breaks ties its own way: the chosen experts must
+    # have the probabilities torch's have, best first (the kernel: ties to the lower id)
+    probs = torch.softmax(torch.nn.functional.linear(x, router.weight), -1, dtype=torch.float32)
+    assert torch.equal(probs.gather(1, got_ids.long()), probs.gather(1, want_ids.long()))
+    assert all(len(set(row)) == k for row in got_ids.tolist())
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(("experts", "groups", "topk_groups", "k"), [(256, 8, 4, 8), (64, 4, 2, 6)])
+def test_grouped_sigmoid_router_matches_the_torch_code(seed, monkeypatch, experts, groups,
+                                                       topk_groups, k):  # fmt: skip
+    """DeepSeek-V3's router (256 experts in 8 groups, the best 4 groups, top 8) and a small one:
+    the same experts with the same weights (the torch top-k is unsorted: compared by id)."""
+    from gpu_service.models.moe import GroupedSigmoidRouter
+
+    g = torch.Generator().manual_seed(seed)
+    hidden = 96
+    router = GroupedSigmoidRouter(
+        (torch.randn(experts, hidden, generator=g) / 8).to(DEVICE),
+        (torch.randn(experts, generator=g) / 4).to(DEVICE), k, groups, topk_groups,
+        norm_topk_prob=True, scaling=2.5,
+    )  # fmt: skip
+    x = torch.randn(29, hidden, generator=g).to(DEVICE, torch.bfloat16)
+    with monkeypatch.context() as m:
+        fused_path(m)
+        got = _by_id(*router(x))
+    with monkeypatch.context() as m:
+        torch_path(m)
+        want = _by_id(*router(x))
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-7)
