@@ -165,9 +165,9 @@ class GPUServiceConfig:
     fused_kernels: bool = flag(
         True,
         name="--no-fused-kernels",
-        help="on CUDA, run RMSNorm and the rotary embedding as torch's elementwise steps (by "
-        "default each is one Triton kernel computing the same float32 math; "
-        "gpu_service/models/fused_ops.py)",
+        help="on CUDA, run RMSNorm, the rotary embedding and the MoE routers' top-k as torch's "
+        "elementwise steps (by default each is one Triton kernel computing the same float32 "
+        "math; gpu_service/models/fused_ops.py)",
     )
     cuda_graphs: bool = flag(
         True,
