@@ -45,9 +45,6 @@ FP32_REL_TOL = 1e-3
 # measured 4e-3 .. 7e-3 at the last position (up to 3e-2 over all positions, where bf16 flips a
 # routing choice); the bound leaves room for one such flip.
 BF16_REL_TOL = 3e-2
-# FP8 (e4m3) KV cache, all else fp32: K/V rounded to within 2^-4 (bf16: 2^-8); measured 1.1e-2 ..
-# 3.4e-2 over all positions (every variant here)
-FP8_KV_REL_TOL = 1e-1
 NUM_GREEDY_TOKENS = 32
 CACHE_TOKENS = 512
 VOCAB = 101  # every tiny config in tests/support/checkpoints.py
@@ -267,8 +264,9 @@ def test_bf16_logit_error(cases: dict[str, Case], name: str) -> None:
 @pytest.mark.parametrize("name", MAIN)
 def test_fp8_kv_cache_logit_error(cases: dict[str, Case], name: str) -> None:
     """The KV cache in FP8 (e4m3: 3 mantissa bits, saturating, scale 1), all else fp32, against
-    the fp32 oracle: prefill and decode steps read the rounded K/V, and the logits move by
-    about what that rounding explains."""
+    the fp32 oracle: prefill and decode steps read the rounded K/V, and the logits move by less
+    than e4m3's relative rounding error of one element (2^-4; bf16's bound, 3e-2, was exceeded
+    by a hair, 3.2e-2, on Qwen3's tiny checkpoint)."""
     case = cases[name]
     prompt = _prompt(case.seed + 3, 24)
     expected = _reference_logits(case, prompt)  # [T, V]
@@ -283,7 +281,7 @@ def test_fp8_kv_cache_logit_error(cases: dict[str, Case], name: str) -> None:
     model.kv_cache.free(cache)
     err = _rel_err(torch.cat(got), expected)
     print(f"[{name}] seed={case.seed} fp8 KV cache rel err over all positions: {err:.2e}")
-    assert 0 < err < FP8_KV_REL_TOL
+    assert 0 < err < 2**-4
 
 
 def _hub_style_rope(path: Path, dest: Path) -> Path:
