@@ -37,13 +37,24 @@ import torch
 from gpu_service.models.block_pool import BlockPool
 from gpu_service.models.host_tier import BlockCopy, HostTier
 
+FP8 = torch.float8_e4m3fn
+
 
 def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """cache[slots] = values, cast to the cache's dtype (saturating where it is FP8)."""
-    if values.dtype != cache.dtype and cache.dtype == torch.float8_e4m3fn:
-        limit = torch.finfo(cache.dtype).max
-        values = values.clamp(-limit, limit)
-    cache[slots] = values.to(cache.dtype)
+    if cache.dtype != FP8:
+        cache[slots] = values.to(cache.dtype)
+        return
+    limit = torch.finfo(FP8).max
+    # NOTE: FP8 moves as bytes: indexing kernels do not cover FP8 on every device and version
+    cache.view(torch.uint8)[slots] = values.clamp(-limit, limit).to(FP8).view(torch.uint8)
+
+
+def read_cache(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots], in the cache's dtype."""
+    if cache.dtype != FP8:
+        return cache[slots]
+    return cache.view(torch.uint8)[slots].view(FP8)
 
 
 class KVCacheFull(RuntimeError):

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gpu_service.models.kv_cache import read_cache
+
 if TYPE_CHECKING:
     from gpu_service.models.batch import AttentionMetadata
 
@@ -125,10 +127,10 @@ def _attend_rows(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The keys and values of these slots [*, Hkv, D] / [*, Hkv, Dv], as `dtype`."""
-    keys = k_cache[slots].to(dtype)
+    keys = read_cache(k_cache, slots).to(dtype)
     if _is_leading_view(v_cache, k_cache):
         return keys, keys[..., : v_cache.shape[-1]]
-    return keys, v_cache[slots].to(dtype)
+    return keys, read_cache(v_cache, slots).to(dtype)
 
 
 def _is_leading_view(v_cache: torch.Tensor, k_cache: torch.Tensor) -> bool:
