@@ -1,0 +1,199 @@
+"""The GPU part's linear layers, one module per weight format (weight_formats.py), and the
+factory the families build them through (`Linear.load`).
+
+Kernels, per format and device:
+    bf16  F.linear in the model dtype.
+    fp8   CUDA with compute capability >= 8.9: torch._scaled_mm, activations quantized per row
+          (token) on the fly, weights per output channel, bfloat16 out. Elsewhere: the weight is
+          upcast to the activation dtype per call (exact, slow: the reference path).
+    int8  CPU: torch._weight_int8pack_mm. CUDA: torch has no weight-only int8 kernel there, so
+          the weight is dequantized per call.
+    int4  torch's tinygemm kernels: CUDA torch._weight_int4pack_mm (bfloat16 activations; N a
+          multiple of 8, K of 32), CPU torch._weight_int4pack_mm_for_cpu (N a multiple of 16);
+          both need groups of >= 32 inputs. Other shapes dequantize per call.
+Every path computes x @ dequantize(W)^T (+ b) up to its own rounding; fp8 on _scaled_mm adds
+the activations' quantization.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_service.models.weight_formats import (
+    FP8_MAX,
+    MIN_SCALE,
+    Int4Weight,
+    LinearQuantConfig,
+    dequantize_int4,
+    quantize_fp8,
+    quantize_int4,
+    quantize_int8,
+)
+
+if TYPE_CHECKING:
+    from gpu_service.models.loader import WeightLoader
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), W [out, in]; weights are buffers (inference only)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def load(
+        cls,
+        loader: WeightLoader,
+        prefix: str,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = False,
+        quantize: bool = True,
+    ) -> nn.Module:
+        """`prefix`.weight [out, in] (and .bias) in the loader's GPU weight format, or in the
+        model dtype when quantize=False (routers' and gates' linears)."""
+        fmt = loader.linear_quant.format if quantize else "bf16"
+        b = loader.get(f"{prefix}.bias", (out_features,)) if bias else None
+        if fmt == "bf16":
+            return cls(loader.get(f"{prefix}.weight", (out_features, in_features)), b)
+        weight = loader.get(f"{prefix}.weight", (out_features, in_features), torch.float32)
+        return make_linear(weight, b, fmt, loader.dtype)
+
+    kernel_name = "linear"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype
+) -> nn.Module:
+    """The module of format `fmt` for weight [N, K] (any float dtype, on the target device) in
+    a model of activation dtype `dtype`."""
+    LinearQuantConfig(fmt)  # checks the name
+    if fmt == "bf16":
+        return Linear(weight.to(dtype), bias)
+    if fmt == "fp8":
+        return FP8Linear(*quantize_fp8(weight), bias)
+    if fmt == "int8":
+        return Int8Linear(*quantize_int8(weight, dtype), bias)
+    return Int4Linear(quantize_int4(weight, int4_scale_dtype(weight.device, dtype)), bias)
+
+
+def int4_scale_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """CUDA's int4 kernel takes bfloat16 scales (and activations) whatever the model dtype."""
+    return torch.bfloat16 if device.type == "cuda" else dtype
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
+
+
+def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
+
+
+@functools.cache
+def fp8_matmul_supported(device: torch.device) -> bool:
+    """FP8 matrix units (Ada, Hopper, Blackwell: compute capability >= 8.9)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class FP8Linear(nn.Module):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("weight", q)  # [N, K] float8_e4m3fn
+        self.register_buffer("weight_scale", scale.float())  # [N]
+        self.register_buffer("bias", bias)
+        dims_ok = self.out_features % 16 == 0 and self.in_features % 16 == 0
+        self.scaled_mm = fp8_matmul_supported(q.device) and dims_ok
+        self.kernel_name = "scaled_mm" if self.scaled_mm else "upcast"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.scaled_mm:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
+            return _add_bias(y, self.bias)
+        x2 = _flat(x)  # [M, K]
+        x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+        xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(
+            xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :],
+            out_dtype=torch.bfloat16,
+        )  # fmt: skip
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return _add_bias(y, self.bias)
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("weight", q)  # [N, K] int8
+        self.register_buffer("weight_scale", scale)  # [N], model dtype
+        self.register_buffer("bias", bias)
+        self.int8pack_mm = q.device.type == "cpu"
+        self.kernel_name = "int8pack_mm" if self.int8pack_mm else "dequantize"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8pack_mm:
+            y = torch._weight_int8pack_mm(_flat(x), self.weight, self.weight_scale.to(x.dtype))
+            y = y.view(*x.shape[:-1], self.out_features)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
+        return _add_bias(y, self.bias)
+
+
+def _inner_k_tiles(in_features: int) -> int | None:
+    """tinygemm's innerKTiles for K inputs: the largest of 8, 4, 2 with K % (16 * it) == 0."""
+    return next((t for t in (8, 4, 2) if in_features % (16 * t) == 0), None)
+
+
+class Int4Linear(nn.Module):
+    """Weights packed for the device's tinygemm kernel; scale_and_zero [K / g, N, 2]."""
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features = weight.packed.shape[0]
+        self.in_features = weight.packed.shape[1] * 2
+        self.group_size = weight.group_size
+        device = weight.packed.device
+        tiles = _inner_k_tiles(self.in_features)
+        self.kernel = None
+        if self.group_size < 32:
+            packed = weight.packed
+        elif device.type == "cpu" and self.out_features % 16 == 0:
+            packed = torch._convert_weight_to_int4pack_for_cpu(weight.unpacked(), 1)
+            self.kernel = torch._weight_int4pack_mm_for_cpu
+        elif device.type == "cuda" and tiles is not None and self.out_features % 8 == 0:
+            packed = torch._convert_weight_to_int4pack(weight.packed, tiles)
+            self.kernel = torch._weight_int4pack_mm
+        else:
+            packed = weight.packed
+        self.kernel_name = self.kernel.__name__ if self.kernel is not None else "dequantize"
+        self.register_buffer("weight", packed)
+        self.register_buffer("scale_and_zero",
+                             torch.stack((weight.scale, weight.zero), dim=-1).transpose(0, 1)
+                             .contiguous())  # fmt: skip
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is None:
+            y = F.linear(x, self._dequantized().to(x.dtype))
+            return _add_bias(y, self.bias)
+        dtype = self.scale_and_zero.dtype
+        y = self.kernel(_flat(x).to(dtype), self.weight, self.group_size, self.scale_and_zero)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return _add_bias(y, self.bias)
+
+    def _dequantized(self) -> torch.Tensor:
+        scale, zero = self.scale_and_zero.transpose(0, 1).unbind(-1)  # [N, G] each
+        return dequantize_int4(Int4Weight(self.weight, scale, zero, self.group_size))
