@@ -1,11 +1,16 @@
-"""What expert quantization costs: held-out perplexity of a model served by ktserve with CPU
-experts in bf16, int8 and int4, next to transformers' own perplexity on the same text, one run.
+"""What quantization costs: held-out perplexity of a model served by ktserve with CPU experts in
+bf16, int8 and int4 (axis "experts", GPU part in the model dtype), and with the GPU part's linear
+layers in fp8, int8 and int4 (axis "gpu-weights", bf16 experts; --gpu-weight-format), next to
+transformers' own perplexity on the same text, one run.
 
 The path measured is the serving one: the GPU part (this process) + a `ktserve expert` worker
-subprocess over ktshm, fp32 on the wire and in the GPU part, so the only difference between rows
-is the experts' weight format. Perplexity as training/perplexity.py defines it (same windows).
+subprocess over ktshm, fp32 on the wire and the model dtype float32, so the only difference between
+rows of an axis is one weight format. An experts row is compared with transformers; a GPU-weights
+row with the row whose GPU part is unquantized (same bf16 experts). Perplexity as
+training/perplexity.py defines it (same windows).
 
     python bench/bench_quality.py [--model demo_model] [--text training/heldout_sample.txt]
+                                  [--axes experts,gpu-weights] [--max-tokens N]
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from gpu_service.models import Batch, SeqInput
 from gpu_service.service import build_gpu_service
 from training.perplexity import tokenize_file, transformers_perplexity, windows
 
-TARGETS = {"bf16": 0.001, "int8": 0.005, "int4": 0.03}
+TARGETS = {"bf16": 0.001, "fp8": 0.005, "int8": 0.005, "int4": 0.03}
+AXES = ("experts", "gpu-weights")
 
 
 def ktserve_perplexity(model: Path, ids: list[int], seq_len: int, fmt: str, threads: int,
@@ -37,12 +43,12 @@ def ktserve_perplexity(model: Path, ids: list[int], seq_len: int, fmt: str, thre
 
 
 def served_perplexity(model: Path, address: str, ids: list[int], seq_len: int, device: str,
-                      deferred: int = 0) -> float:  # fmt: skip
+                      deferred: int = 0, gpu_weight_format: str = "bf16") -> float:  # fmt: skip
     """Perplexity of the GPU service on the worker at `address`, `deferred` experts per token
-    deferred (--max-deferred-experts-per-token)."""
+    deferred (--max-deferred-experts-per-token), the GPU part's linears in gpu_weight_format."""
     config = GPUServiceConfig(
         model_dir=str(model), device=device, dtype="float32", kv_cache_tokens=seq_len + 16,
-        max_deferred_experts_per_token=deferred,
+        max_deferred_experts_per_token=deferred, gpu_weight_format=gpu_weight_format,
         scheduler=SchedulerConfig(max_num_batched_tokens=seq_len, max_model_len=seq_len + 1),
         experts=ExpertClientConfig((address,), wire_dtype="float32"),
     )  # fmt: skip
@@ -74,24 +80,44 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--threads", type=int, default=1, help="expert worker threads")
     parser.add_argument("--device", default=default_device())
+    parser.add_argument("--axes", default=",".join(AXES),
+                        help=f"comma-separated, of {', '.join(AXES)} (default: both)")  # fmt: skip
     args = parser.parse_args()
+    axes = [a.strip() for a in args.axes.split(",") if a.strip()]
+    if not axes or set(axes) - set(AXES):
+        parser.error(f"--axes takes {', '.join(AXES)}, got {args.axes!r}")
     model = Path(args.model)
     ids = tokenize_file(model, args.text, args.max_tokens)
     start = time.perf_counter()
     reference = transformers_perplexity(model, args.text, args.seq_len, args.max_tokens)
-    rows = [("transformers fp32", reference, None, time.perf_counter() - start)]
-    for fmt in ("bf16", "int8", "int4"):
-        start = time.perf_counter()
-        ppl = ktserve_perplexity(model, ids, args.seq_len, fmt, args.threads, args.device)
-        rows.append((f"ktserve {fmt} experts", ppl, fmt, time.perf_counter() - start))
+    # (path, perplexity, format, baseline perplexity, seconds)
+    rows = [("transformers fp32", reference, None, reference, time.perf_counter() - start)]
+    if "experts" in axes:
+        for fmt in ("bf16", "int8", "int4"):
+            start = time.perf_counter()
+            ppl = ktserve_perplexity(model, ids, args.seq_len, fmt, args.threads, args.device)
+            rows.append((f"{fmt} experts", ppl, fmt, reference, time.perf_counter() - start))
+    if "gpu-weights" in axes:
+        with expert_worker(model, "bf16", args.threads) as address:
+            unquantized = None
+            for fmt in ("bf16", "fp8", "int8", "int4"):
+                start = time.perf_counter()
+                ppl = served_perplexity(model, address, ids, args.seq_len, args.device,
+                                        gpu_weight_format=fmt)  # fmt: skip
+                unquantized = unquantized or ppl
+                name = "GPU part fp32" if fmt == "bf16" else f"GPU part {fmt}"
+                rows.append((name, ppl, fmt if fmt != "bf16" else None,
+                             unquantized if fmt != "bf16" else reference,
+                             time.perf_counter() - start))  # fmt: skip
 
     print(f"held-out perplexity: {model.name}, {len(ids)} tokens of {Path(args.text).name}, "
-          f"windows of {args.seq_len}, GPU part on {args.device}")  # fmt: skip
-    columns = [Column("path", 22, "<"), Column("perplexity", 10), Column("vs transformers", 15),
-               Column("target", 7), Column("s", 5), Column("", 6, "<")]  # fmt: skip
+          f"windows of {args.seq_len}, GPU part on {args.device}; experts rows and the GPU part "
+          "fp32 row vs transformers, the other GPU part rows vs the GPU part fp32 row")  # fmt: skip
+    columns = [Column("path", 18, "<"), Column("perplexity", 10), Column("change", 8),
+               Column("target", 7), Column("s", 6), Column("", 6, "<")]  # fmt: skip
     cells = []
-    for name, ppl, fmt, seconds in rows:
-        delta = ppl / reference - 1
+    for name, ppl, fmt, baseline, seconds in rows:
+        delta = ppl / baseline - 1
         verdict = "" if fmt is None else ("ok" if abs(delta) <= TARGETS[fmt] else "MISSED")
         cells.append([name, f"{ppl:.4f}", f"{delta:+.3%}", f"{TARGETS[fmt]:.1%}" if fmt else "",
                       f"{seconds:.1f}", verdict])  # fmt: skip

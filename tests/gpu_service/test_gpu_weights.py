@@ -142,9 +142,9 @@ def test_fp8_block_checkpoint_requantized_per_channel() -> None:
 FAMILIES = [f for f in ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral")
             if f in available_families()]  # fmt: skip
 # Norm-relative error of the prefill logits against transformers (float32, bf16 checkpoint):
-# measured up to 3.1e-2 (fp8), 1.0e-2 (int8), 1.6e-1 (int4: groups of 4-8 inputs at these tiny
-# widths); the exact path stays at 1e-6.
-LOGITS_TOL = {"bf16": 1e-4, "fp8": 0.08, "int8": 0.03, "int4": 0.35}
+# measured up to 4.3e-2 (fp8), 1.5e-2 (int8), 1.3e-1 (int4: groups of 4-8 inputs at these tiny
+# widths) over the four families; the exact path stays at 2.5e-7.
+LOGITS_TOL = {"bf16": 1e-4, "fp8": 0.08, "int8": 0.03, "int4": 0.25}
 
 
 @pytest.fixture(scope="module")
