@@ -6,8 +6,10 @@ Kernels, per format and device:
     fp8   CUDA with compute capability >= 8.9: torch._scaled_mm, activations quantized per row
           (token) on the fly, weights per output channel, bfloat16 out. Elsewhere: the weight is
           upcast to the activation dtype per call (exact, slow: the reference path).
-    int8  CPU: torch._weight_int8pack_mm. CUDA: torch has no weight-only int8 kernel there, so
-          the weight is dequantized per call.
+    int8  CPU: torch._weight_int8pack_mm. CUDA (torch has no weight-only int8 kernel there):
+          a small Triton kernel (int8_triton.py) for bfloat16/float16 activations of up to
+          TRITON_INT8_MAX_ROWS rows (decode, small chunks); larger ones, float32, and hosts
+          without Triton dequantize the weight per call.
     int4  torch's tinygemm kernels: CUDA torch._weight_int4pack_mm (bfloat16 activations; N a
           multiple of 8, K of 32), CPU torch._weight_int4pack_mm_for_cpu (N a multiple of 16);
           both need groups of >= 32 inputs. Other shapes dequantize per call.
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_service.models.int8_triton import int8_mm, int8_mm_available
 from gpu_service.models.weight_formats import (
     FP8_MAX,
     MIN_SCALE,
@@ -34,6 +37,8 @@ from gpu_service.models.weight_formats import (
     quantize_int4,
     quantize_int8,
 )
+
+TRITON_INT8_MAX_ROWS = 128  # above, dequantizing once and one cuBLAS matmul is the cheaper
 
 if TYPE_CHECKING:
     from gpu_service.models.loader import WeightLoader
@@ -141,11 +146,19 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_scale", scale)  # [N], model dtype
         self.register_buffer("bias", bias)
         self.int8pack_mm = q.device.type == "cpu"
-        self.kernel_name = "int8pack_mm" if self.int8pack_mm else "dequantize"
+        half = scale.dtype in (torch.bfloat16, torch.float16)
+        self.triton = half and int8_mm_available(q.device)
+        self.kernel_name = (
+            "int8pack_mm" if self.int8pack_mm else "triton" if self.triton else "dequantize"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
         if self.int8pack_mm:
             y = torch._weight_int8pack_mm(_flat(x), self.weight, self.weight_scale.to(x.dtype))
+            y = y.view(*x.shape[:-1], self.out_features)
+        elif self.triton and rows <= TRITON_INT8_MAX_ROWS and x.dtype == self.weight_scale.dtype:
+            y = int8_mm(_flat(x), self.weight, self.weight_scale)
             y = y.view(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
