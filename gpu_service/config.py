@@ -126,14 +126,17 @@ class GPUServiceConfig:
         "auto",
         choices=("auto", *GPU_WEIGHT_FORMATS),
         help="weights of the GPU part's linear layers (attention projections, dense MLPs, "
-        "shared experts; routers, norms and embeddings stay in --dtype): bf16 = unquantized, "
+        "shared experts; routers, norms, the embedding table and MLA's absorbed kv_b stay in "
+        "--dtype, the head unless --quantize-lm-head): bf16 = unquantized, "
         "in --dtype (float32 on the CPU); fp8 = float8 e4m3 per output channel, run by "
         "torch._scaled_mm on GPUs with FP8 matrix units (compute capability >= 8.9), upcast "
         "per call elsewhere (slow: a reference path); int8 = weight-only, per output channel "
-        "(CUDA dequantizes per call: torch has no such kernel there); int4 = weight-only, "
-        "groups of 128 inputs, two per byte (torch's tinygemm kernels). auto: fp8 for an FP8 "
-        "checkpoint (DeepSeek-V3) on a GPU with FP8 units, else bf16 (FP8 checkpoints are "
-        "dequantized then) (default %(default)s)",
+        "(torch's int8 kernel on the CPU; on CUDA a Triton kernel for up to 128 rows, larger "
+        "steps dequantize per call); int4 = weight-only, groups of 128 inputs, two per byte "
+        "(torch's tinygemm kernels). auto: fp8 for an FP8 "
+        "checkpoint (DeepSeek-V3; its 128x128 block scales are requantized per output "
+        "channel) on a GPU with FP8 units, else bf16 (FP8 checkpoints are dequantized then) "
+        "(default %(default)s)",
     )
     quantize_lm_head: bool = flag(
         False,
