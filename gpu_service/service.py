@@ -146,6 +146,7 @@ def check_model_fits(config: GPUServiceConfig, spec: ModelSpec) -> None:
             f"--max-deferred-experts-per-token must be below the model's "
             f"{spec.num_experts_per_tok} routed experts per token, got {deferred}"
         )
+    resolve_linear_quant(config, spec, torch.device(config.device or default_device()))
 
 
 def _hybrid(config: GPUServiceConfig, spec: ModelSpec, experts: ShmExperts,
