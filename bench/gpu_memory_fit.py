@@ -14,7 +14,10 @@ by kind, the plan, and each phase's peak against the cap; exit status 1 when som
 fit (CUDA out of memory).
 
     python bench/gpu_memory_fit.py [--format fp8|int4] [--cap-gib 24] [--context 32768]
-                                   [--chunk 64] [--quantize-lm-head]
+                                   [--chunk 32] [--quantize-lm-head] [--weights-only]
+
+--weights-only builds the model on torch's meta device (no memory, no GPU needed) and prints
+the weights' bytes by kind and the KV cache's, nothing measured.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class RandomWeights:
                  seed: int) -> None:  # fmt: skip
         self.device, self.dtype, self.linear_quant = device, dtype, quant
         self.fp8_block = (128, 128)
-        self.gen = torch.Generator(device).manual_seed(seed)
+        self.gen = None if device.type == "meta" else torch.Generator(device).manual_seed(seed)
 
     def has(self, name: str) -> bool:
         return True
@@ -66,7 +69,7 @@ class RandomWeights:
         if name.endswith("e_score_correction_bias"):
             return torch.zeros(shape, dtype=dtype, device=self.device)
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        return out.normal_(0.0, 0.02, generator=self.gen)
+        return out if self.gen is None else out.normal_(0.0, 0.02, generator=self.gen)
 
 
 class ReducedCPUExperts:
@@ -103,9 +106,27 @@ def weights_by_kind(model: torch.nn.Module) -> dict[str, int]:
         elif "norm" in name or ".router." in name:
             kind = "norms, routers"
         else:
-            kind = "linears (quantized)"
+            kind = "linears (the format)"
         kinds[kind] += buf.nbytes
     return dict(kinds)
+
+
+def weights_only(fmt: str, context: int, quantize_lm_head: bool) -> None:
+    shape = SHAPES["deepseek"]
+    hf = HFConfig(config_json(shape, shape.full_layers, shape.dense_layers, fp8=True), "V3 shapes")
+    spec = ModelSpec.from_hf(hf)
+    loader = RandomWeights(torch.device("meta"), torch.bfloat16,
+                           LinearQuantConfig(fmt, quantize_lm_head), 0)  # fmt: skip
+    model = deepseek.build(hf, spec, loader, ReducedCPUExperts(1, 8, 8, 0), 16, 16)
+    kinds = weights_by_kind(model)
+    kv = model.kv_cache.config.bytes_per_token(torch.bfloat16) * context
+    print(f"DeepSeek-V3 shapes, linears in {fmt}{' (lm_head too)' if quantize_lm_head else ''}: "
+          "bytes of the GPU part (meta device: counted, not allocated)")  # fmt: skip
+    rows = [[k, f"{v / GIB:.3f}"] for k, v in sorted(kinds.items())]
+    rows += [["all weights", f"{sum(kinds.values()) / GIB:.3f}"],
+             [f"KV cache, {context} tokens", f"{kv / GIB:.3f}"],
+             ["weights + KV cache", f"{(sum(kinds.values()) + kv) / GIB:.3f}"]]  # fmt: skip
+    print_table([Column("part", 24, "<"), Column("GiB", 7)], rows)
 
 
 def phase(name: str, fn, device: torch.device, rows: list, cap: int) -> bool:
@@ -189,13 +210,17 @@ def main() -> None:
     parser.add_argument("--format", default="fp8", choices=("fp8", "int8", "int4", "bf16"))
     parser.add_argument("--cap-gib", type=float, default=24.0)
     parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--chunk", type=int, default=64,
+    parser.add_argument("--chunk", type=int, default=32,
                         help="prefill chunk tokens (today's padded attention makes a [128, "
                         "chunk, context] scores tensor)")  # fmt: skip
     parser.add_argument("--quantize-lm-head", action="store_true")
     parser.add_argument("--cpu-experts", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weights-only", action="store_true")
     args = parser.parse_args()
+    if args.weights_only:
+        weights_only(args.format, args.context, args.quantize_lm_head)
+        return
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (run it on the GPU host)")
     print(f"seed {args.seed}")
