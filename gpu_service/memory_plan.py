@@ -48,14 +48,14 @@ class MemoryPlan:
         lines = [f"GPU memory plan on {self.device}"
                  + (f": budget {budget / GIB:.2f} of {self.total / GIB:.2f} GiB"
                     if budget and self.total else " (nothing measured off CUDA)")]  # fmt: skip
-        lines.append(f"  {'part':<12} {'GiB':>8} {'share':>7}")
+        lines.append(f"  {'part':<12} {'GiB':>8} {'MiB':>10} {'share':>7}")
         for part in PARTS:
             value = self.parts.get(part)
             if value is None:
                 lines.append(f"  {part:<12} {'n/a':>8}")
                 continue
             share = f"{value / budget:7.1%}" if budget else ""
-            lines.append(f"  {part:<12} {value / GIB:8.3f} {share}")
+            lines.append(f"  {part:<12} {value / GIB:8.3f} {value / 2**20:10.1f} {share}")
         lines.append(f"  KV cache capacity: {self.kv_cache_tokens} tokens")
         return "\n".join(lines)
 
