@@ -63,7 +63,7 @@ def test_served_quantized_gpu_part(checkpoint, seed, fmt):
     try:
         config = GPUServiceConfig(
             model_dir=str(checkpoint), device=DEVICE, gpu_weight_format=fmt,
-            gpu_memory_utilization=0.1, scheduler=SchedulerConfig(max_model_len=64),
+            gpu_memory_utilization=0.02, scheduler=SchedulerConfig(max_model_len=64),
             experts=ExpertClientConfig((worker.address,), wire_dtype="float32"),
         )  # fmt: skip
         service = build_gpu_service(config)
