@@ -14,12 +14,15 @@ Kernels, per format and device:
           multiple of 8, K of 32), CPU torch._weight_int4pack_mm_for_cpu (N a multiple of 16);
           both need groups of >= 32 inputs. Other shapes dequantize per call.
 Every path computes x @ dequantize(W)^T (+ b) up to its own rounding; fp8 on _scaled_mm adds
-the activations' quantization.
+the activations' quantization. Each CUDA kernel is run once per device on a small case against
+dequantization before it is used; one that fails or disagrees logs a warning and its format
+dequantizes per call instead.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,12 +35,14 @@ from gpu_service.models.weight_formats import (
     MIN_SCALE,
     Int4Weight,
     LinearQuantConfig,
+    dequantize_fp8,
     dequantize_int4,
     quantize_fp8,
     quantize_int4,
     quantize_int8,
 )
 
+log = logging.getLogger("ktserve.gpu")
 TRITON_INT8_MAX_ROWS = 128  # above, dequantizing once and one cuBLAS matmul is the cheaper
 
 if TYPE_CHECKING:
@@ -108,8 +113,57 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 @functools.cache
 def fp8_matmul_supported(device: torch.device) -> bool:
-    """FP8 matrix units (Ada, Hopper, Blackwell: compute capability >= 8.9)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """FP8 matrix units (Ada, Hopper, Blackwell: compute capability >= 8.9) and a
+    torch._scaled_mm that runs on them and agrees with the upcast path on a small case."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        return False
+    return _kernel_agrees("torch._scaled_mm (fp8)", device, _fp8_probe)
+
+
+def _fp8_probe(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = quantize_fp8(w)
+    return fp8_scaled_mm(x, q, scale), x.float() @ dequantize_fp8(q, scale).T
+
+
+def _int4_probe(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = quantize_int4(w, torch.bfloat16)
+    packed = torch._convert_weight_to_int4pack(weight.packed, _inner_k_tiles(w.shape[1]))
+    sz = torch.stack((weight.scale, weight.zero), dim=-1).transpose(0, 1).contiguous()
+    return torch._weight_int4pack_mm(x, packed, weight.group_size, sz), x.float() @ (
+        dequantize_int4(weight).T
+    )
+
+
+@functools.cache
+def int4_mm_supported(device: torch.device) -> bool:
+    """torch's CUDA tinygemm kernel runs here and agrees with dequantization on a small case."""
+    return device.type == "cuda" and _kernel_agrees("torch._weight_int4pack_mm", device,
+                                                    _int4_probe)  # fmt: skip
+
+
+def _kernel_agrees(name: str, device: torch.device, probe) -> bool:
+    try:
+        gen = torch.Generator(device).manual_seed(0)
+        x = torch.randn(5, 256, generator=gen, device=device).bfloat16()
+        w = torch.randn(64, 256, generator=gen, device=device) * 0.02
+        got, want = probe(x, w)
+        err = float((got.float() - want).norm() / want.norm())
+    except Exception as exc:  # noqa: BLE001 - any failure means the per-call fallback
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log.warning("%s is unavailable here (%s): dequantizing per call", name, reason)
+        return False
+    if err > 0.1:
+        log.warning("%s disagrees with dequantization (%.2e): dequantizing per call", name, err)
+        return False
+    return True
+
+
+def fp8_scaled_mm(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x2 [M, K] @ (q * scale)^T with x2 quantized per row to e4m3; bfloat16 [M, N]."""
+    x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(xq, q.t(), scale_a=x_scale, scale_b=scale[None, :],
+                            out_dtype=torch.bfloat16)  # fmt: skip
 
 
 class FP8Linear(nn.Module):
@@ -127,13 +181,7 @@ class FP8Linear(nn.Module):
         if not self.scaled_mm:
             y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
             return _add_bias(y, self.bias)
-        x2 = _flat(x)  # [M, K]
-        x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
-        xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        y = torch._scaled_mm(
-            xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale[None, :],
-            out_dtype=torch.bfloat16,
-        )  # fmt: skip
+        y = fp8_scaled_mm(_flat(x), self.weight, self.weight_scale)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return _add_bias(y, self.bias)
 
@@ -186,7 +234,12 @@ class Int4Linear(nn.Module):
         elif device.type == "cpu" and self.out_features % 16 == 0:
             packed = torch._convert_weight_to_int4pack_for_cpu(weight.unpacked(), 1)
             self.kernel = torch._weight_int4pack_mm_for_cpu
-        elif device.type == "cuda" and tiles is not None and self.out_features % 8 == 0:
+        elif (
+            device.type == "cuda"
+            and tiles is not None
+            and self.out_features % 8 == 0
+            and int4_mm_supported(device)
+        ):
             packed = torch._convert_weight_to_int4pack(weight.packed, tiles)
             self.kernel = torch._weight_int4pack_mm
         else:

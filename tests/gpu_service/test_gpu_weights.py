@@ -18,7 +18,14 @@ from gpu_service.config import GPUServiceConfig
 from gpu_service.engine import EngineMetrics
 from gpu_service.memory_plan import PARTS, cpu_plan, cuda_plan, weight_bytes
 from gpu_service.models import Batch, SeqInput, TorchExperts, load_model
-from gpu_service.models.linear import FP8Linear, Int4Linear, Int8Linear, Linear, make_linear
+from gpu_service.models.linear import (
+    FP8Linear,
+    Int4Linear,
+    Int8Linear,
+    Linear,
+    fp8_scaled_mm,
+    make_linear,
+)
 from gpu_service.models.weight_formats import (
     LinearQuantConfig,
     dequantize_fp8,
@@ -110,6 +117,24 @@ def test_linear_matches_dequantized_weight(device: str, fmt: str, shape: tuple[i
         assert err_orig < ORIGINAL_TOL[fmt]
     x3 = torch.randn(2, 3, k, generator=gen).to(device, dtype)  # leading dims pass through
     torch.testing.assert_close(module(x3), module(x3.view(6, k)).view(2, 3, n))
+
+
+def test_fp8_scaled_mm_math_on_cpu() -> None:
+    """The _scaled_mm call the CUDA path makes (per-row e4m3 activations, column-major weight,
+    row and column scales) run by torch's CPU _scaled_mm, against float64 of the dequantized
+    weight: the layouts and scales agree, the error is the activations' quantization."""
+    seed = 17
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(128, 256, generator=gen) * 0.02
+    x = torch.randn(9, 256, generator=gen).bfloat16()
+    q, scale = quantize_fp8(w)
+    try:
+        y = fp8_scaled_mm(x, q, scale)
+    except (RuntimeError, NotImplementedError) as exc:
+        pytest.skip(f"this torch has no CPU _scaled_mm for these operands: {exc}")
+    err = _norm_err(y, x.double() @ dequantize_fp8(q, scale).double().T)
+    print(f"seed={seed} fp8 _scaled_mm (CPU) vs dequantized weight: {err:.2e}")
+    assert y.dtype == torch.bfloat16 and err < DEQUANT_TOL["cuda-fp8"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
