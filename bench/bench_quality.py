@@ -29,6 +29,7 @@ from bench.common import DEMO_MODEL, REPO, Column, default_device, print_table
 from bench.worker_process import expert_worker
 from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
 from gpu_service.models import Batch, SeqInput
+from gpu_service.models.linear import FP8Linear
 from gpu_service.service import build_gpu_service
 from training.perplexity import tokenize_file, transformers_perplexity, windows
 
@@ -43,9 +44,12 @@ def ktserve_perplexity(model: Path, ids: list[int], seq_len: int, fmt: str, thre
 
 
 def served_perplexity(model: Path, address: str, ids: list[int], seq_len: int, device: str,
-                      deferred: int = 0, gpu_weight_format: str = "bf16") -> float:  # fmt: skip
+                      deferred: int = 0, gpu_weight_format: str = "bf16",
+                      scaled_mm: bool = False) -> float:  # fmt: skip
     """Perplexity of the GPU service on the worker at `address`, `deferred` experts per token
-    deferred (--max-deferred-experts-per-token), the GPU part's linears in gpu_weight_format."""
+    deferred (--max-deferred-experts-per-token), the GPU part's linears in gpu_weight_format;
+    scaled_mm: fp8 runs torch._scaled_mm (the CUDA path's math: e4m3 activations, bf16 out)
+    even on the CPU, where the server upcasts the weights instead."""
     config = GPUServiceConfig(
         model_dir=str(model), device=device, dtype="float32", kv_cache_tokens=seq_len + 16,
         max_deferred_experts_per_token=deferred, gpu_weight_format=gpu_weight_format,
@@ -56,6 +60,9 @@ def served_perplexity(model: Path, address: str, ids: list[int], seq_len: int, d
     try:
         service.engine.stop()  # this benchmark drives the model directly, one window at a time
         net = service.engine.model
+        for module in net.modules():
+            if scaled_mm and isinstance(module, FP8Linear):
+                module.scaled_mm = True
         total, count = 0.0, 0
         for window in windows(ids, seq_len):
             cache = net.kv_cache.allocate(len(window))
@@ -82,6 +89,9 @@ def main() -> None:
     parser.add_argument("--device", default=default_device())
     parser.add_argument("--axes", default=",".join(AXES),
                         help=f"comma-separated, of {', '.join(AXES)} (default: both)")  # fmt: skip
+    parser.add_argument("--gpu-formats", default="fp8,int8,int4",
+                        help="the gpu-weights axis' formats (default: all); on the CPU fp8 adds "
+                        "a row with the CUDA path's _scaled_mm math")  # fmt: skip
     args = parser.parse_args()
     axes = [a.strip() for a in args.axes.split(",") if a.strip()]
     if not axes or set(axes) - set(AXES):
@@ -98,14 +108,18 @@ def main() -> None:
             ppl = ktserve_perplexity(model, ids, args.seq_len, fmt, args.threads, args.device)
             rows.append((f"{fmt} experts", ppl, fmt, reference, time.perf_counter() - start))
     if "gpu-weights" in axes:
+        runs = [("GPU part fp32", "bf16", False)]
+        for fmt in [f.strip() for f in args.gpu_formats.split(",") if f.strip()]:
+            runs.append((f"GPU part {fmt}", fmt, False))
+            if fmt == "fp8" and args.device == "cpu":
+                runs.append(("  (_scaled_mm math)", fmt, True))
         with expert_worker(model, "bf16", args.threads) as address:
             unquantized = None
-            for fmt in ("bf16", "fp8", "int8", "int4"):
+            for name, fmt, scaled_mm in runs:
                 start = time.perf_counter()
                 ppl = served_perplexity(model, address, ids, args.seq_len, args.device,
-                                        gpu_weight_format=fmt)  # fmt: skip
+                                        gpu_weight_format=fmt, scaled_mm=scaled_mm)  # fmt: skip
                 unquantized = unquantized or ppl
-                name = "GPU part fp32" if fmt == "bf16" else f"GPU part {fmt}"
                 rows.append((name, ppl, fmt if fmt != "bf16" else None,
                              unquantized if fmt != "bf16" else reference,
                              time.perf_counter() - start))  # fmt: skip
