@@ -3,8 +3,9 @@
     budget = utilization * total
            = weights + activations + cuda_graphs + non_torch + headroom + kv_cache
 weights: the model's buffers (after quantization). activations: the peak above the weights of a
-profiling forward of max_num_batched_tokens tokens in one sequence (as vLLM's profile run; its
-MoE layers call the expert workers like any step). cuda_graphs: a reserve for the decode graphs'
+profiling forward of max_num_batched_tokens tokens, in sequences of at most max_model_len (and
+at most max_num_seqs of them), as vLLM's profile run; its MoE layers call the expert workers
+like any step. cuda_graphs: a reserve for the decode graphs'
 memory pool, the peak of an eager decode step at the largest graph batch (at least
 MIN_GRAPH_RESERVE). non_torch: memory in use on the device outside torch's allocator (the CUDA
 context, libraries' workspaces, other processes). headroom: HEADROOM_FRACTION of the budget (at
@@ -82,11 +83,14 @@ def cuda_plan(
     max_num_batched_tokens: int,
     max_graph_batch: int,
     kv_tokens: int | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 1,
 ) -> MemoryPlan:
     """The plan on the model's CUDA device, after the profiling forwards; kv_tokens given
     (--kv-cache-tokens): that cache, the headroom being what is left."""
     device = model.device
-    activations = profile_peak(model, [max_num_batched_tokens])
+    lengths = profile_lengths(max_num_batched_tokens, max_model_len, max_num_seqs)
+    activations = profile_peak(model, lengths)
     graphs = max(profile_peak(model, [1] * max_graph_batch), MIN_GRAPH_RESERVE)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
@@ -112,6 +116,17 @@ def cuda_plan(
              "non_torch": non_torch, "headroom": budget - fixed - kv_bytes,
              "kv_cache": kv_bytes}  # fmt: skip
     return MemoryPlan(str(device), total, budget, parts, kv_tokens)
+
+
+def profile_lengths(num_tokens: int, max_model_len: int | None, max_num_seqs: int) -> list[int]:
+    """num_tokens as the scheduler could fill a step: sequences of at most max_model_len, at
+    most max_num_seqs of them."""
+    longest = max_model_len or num_tokens
+    lengths: list[int] = []
+    while num_tokens > 0 and len(lengths) < max(max_num_seqs, 1):
+        lengths.append(min(num_tokens, longest))
+        num_tokens -= lengths[-1]
+    return lengths
 
 
 def profile_peak(model: CausalLM, lengths: list[int]) -> int:

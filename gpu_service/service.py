@@ -87,7 +87,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         if device.type == "cuda":
             plan = cuda_plan(model, dtype, config.gpu_memory_utilization,
                              scheduler.max_num_batched_tokens, max_graph_batch,
-                             config.kv_cache_tokens)  # fmt: skip
+                             config.kv_cache_tokens, max_model_len,
+                             scheduler.max_num_seqs)  # fmt: skip
         else:
             plan = cpu_plan(model, config.kv_cache_tokens or CPU_DEFAULT_CACHE_TOKENS, dtype)
         log.info("%s", plan.table())

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from gpu_service.config import GPUServiceConfig
 from gpu_service.engine import EngineMetrics
-from gpu_service.memory_plan import PARTS, cpu_plan, cuda_plan, weight_bytes
+from gpu_service.memory_plan import PARTS, cpu_plan, cuda_plan, profile_lengths, weight_bytes
 from gpu_service.models import Batch, SeqInput, TorchExperts, load_model
 from gpu_service.models.linear import (
     FP8Linear,
@@ -330,6 +330,14 @@ def test_config_checks() -> None:
 
 
 # --- the memory plan -------------------------------------------------------------------------
+
+
+def test_profile_lengths() -> None:
+    assert profile_lengths(2048, 8192, 64) == [2048]
+    assert profile_lengths(2048, 512, 64) == [512] * 4
+    assert profile_lengths(2048, 600, 64) == [600, 600, 600, 248]
+    assert profile_lengths(2048, 64, 3) == [64] * 3  # the step holds at most max_num_seqs
+    assert profile_lengths(100, None, 1) == [100]
 
 
 @pytest.mark.skipif("deepseek_v3" not in available_families(), reason="no DeepseekV3Config")
