@@ -127,7 +127,7 @@ def main() -> None:
     print(f"held-out perplexity: {model.name}, {len(ids)} tokens of {Path(args.text).name}, "
           f"windows of {args.seq_len}, GPU part on {args.device}; experts rows and the GPU part "
           "fp32 row vs transformers, the other GPU part rows vs the GPU part fp32 row")  # fmt: skip
-    columns = [Column("path", 18, "<"), Column("perplexity", 10), Column("change", 8),
+    columns = [Column("path", 20, "<"), Column("perplexity", 10), Column("change", 8),
                Column("target", 7), Column("s", 6), Column("", 6, "<")]  # fmt: skip
     cells = []
     for name, ppl, fmt, baseline, seconds in rows:
