@@ -12,6 +12,7 @@ from ktserve.names import FLOAT_DTYPE_NAMES
 
 MODEL_DTYPES = ("auto", *FLOAT_DTYPE_NAMES)
 KV_CACHE_DTYPES = ("auto", "fp8")
+GPU_WEIGHT_FORMATS = ("bf16", "fp8", "int8", "int4")
 DEVICE_ENV = "KTSERVE_DEVICE"
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 
@@ -94,8 +95,9 @@ class ExpertClientConfig:
 class GPUServiceConfig:
     """GPU service: the model's GPU part, its KV cache, hot experts and CUDA graphs.
 
-    The KV cache takes what gpu_memory_fraction of the free GPU memory holds after the weights
-    (unless kv_cache_tokens says); CUDA graphs are captured in the memory the fraction leaves.
+    The KV cache takes what gpu_memory_utilization of the GPU's total memory leaves after the
+    weights, the activations' measured peak, the CUDA graphs' reserve and a headroom (unless
+    kv_cache_tokens says): memory_plan.py.
     """
 
     model_dir: str = flag(
@@ -119,8 +121,37 @@ class GPUServiceConfig:
     )
     kv_cache_tokens: int | None = flag(
         None,
-        help="KV cache size in tokens (default: what 90%% of the free GPU memory holds; 32768 "
-        "on the CPU)",
+        help="KV cache size in tokens (default: what --gpu-memory-utilization leaves for it; "
+        "32768 on the CPU)",
+    )
+    gpu_memory_utilization: float = flag(
+        0.9,
+        metavar="FRACTION",
+        help="fraction of the GPU's total memory ktserve may use: weights, KV cache, CUDA "
+        "graphs, activations (measured by a profiling forward of --max-num-batched-tokens "
+        "tokens at start-up) and headroom fit in it; the KV cache gets what is left (default "
+        "%(default)s; the start-up log prints the plan)",
+    )
+    gpu_weight_format: str = flag(
+        "auto",
+        choices=("auto", *GPU_WEIGHT_FORMATS),
+        help="weights of the GPU part's linear layers (attention projections, dense MLPs, "
+        "shared experts; routers, norms, the embedding table and MLA's absorbed kv_b stay in "
+        "--dtype, the head unless --quantize-lm-head): bf16 = unquantized, "
+        "in --dtype (float32 on the CPU); fp8 = float8 e4m3 per output channel, run by "
+        "torch._scaled_mm on GPUs with FP8 matrix units (compute capability >= 8.9), upcast "
+        "per call elsewhere (slow: a reference path); int8 = weight-only, per output channel "
+        "(torch's int8 kernel on the CPU; on CUDA a Triton kernel for up to 128 rows, larger "
+        "steps dequantize per call); int4 = weight-only, groups of 128 inputs, two per byte "
+        "(torch's tinygemm kernels). auto: fp8 for an FP8 "
+        "checkpoint (DeepSeek-V3; its 128x128 block scales are requantized per output "
+        "channel) on a GPU with FP8 units, else bf16 (FP8 checkpoints are dequantized then) "
+        "(default %(default)s)",
+    )
+    quantize_lm_head: bool = flag(
+        False,
+        help="with --gpu-weight-format fp8|int8|int4, the output head (lm_head) in that format "
+        "too; off by default (the input embedding table always stays in --dtype)",
     )
     kv_cache_dtype: str = flag(
         "auto",
@@ -130,7 +161,6 @@ class GPUServiceConfig:
         "written with a saturating cast at scale 1.0, read back as the model's dtype) "
         "(default %(default)s)",
     )
-    gpu_memory_fraction: float = 0.9
     prefix_caching: bool = flag(
         True,
         name="--no-prefix-caching",
@@ -213,9 +243,16 @@ class GPUServiceConfig:
             raise ValueError(f"--kv-host-cache-gib must be >= 0, got {self.kv_host_cache_gib}")
         if self.kv_host_cache_gib and not self.prefix_caching:
             raise ValueError("--kv-host-cache-gib needs prefix caching (drop --no-prefix-caching)")
-        if not 0 < self.gpu_memory_fraction <= 1:
+        if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
-                f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}"
+                f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.quantize_lm_head and self.gpu_weight_format == "bf16":
+            raise ValueError("--quantize-lm-head needs --gpu-weight-format fp8, int8 or int4")
+        if self.gpu_weight_format not in ("auto", *GPU_WEIGHT_FORMATS):
+            raise ValueError(
+                f"--gpu-weight-format must be auto or one of {GPU_WEIGHT_FORMATS}, got "
+                f"{self.gpu_weight_format!r}"
             )
         if self.gpu_experts < 0:
             raise ValueError(f"--gpu-experts must be >= 0, got {self.gpu_experts}")

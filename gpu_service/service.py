@@ -1,5 +1,6 @@
-"""Assemble the GPU service: the model's GPU part, its routed-experts backend, the KV cache
-sized to the memory left, and the engine."""
+"""Assemble the GPU service: the model's GPU part (its linear layers in the GPU weight format),
+its routed-experts backend, the KV cache sized by the memory plan (memory_plan.py), and the
+engine."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from gpu_service.gpu_experts import (
     choose_hot_experts,
     worker_activation_counts,
 )
+from gpu_service.memory_plan import MemoryPlan, cpu_plan, cuda_plan
 from gpu_service.models import KVCache, fused_ops, load_model
 from gpu_service.models.config import model_max_len
+from gpu_service.models.linear import fp8_matmul_supported
 from gpu_service.models.registry import default_device
+from gpu_service.models.weight_formats import LinearQuantConfig
 from gpu_service.moe_client import ShmExperts
 from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec
 from ktserve.names import float_dtype
@@ -44,6 +48,7 @@ class GPUService:
     metrics: EngineMetrics
     max_model_len: int
     refresher: HotExpertRefresher | None = None
+    memory_plan: MemoryPlan | None = None
 
     def close(self) -> None:
         if self.refresher is not None:
@@ -71,11 +76,24 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         if config.gpu_experts or config.expert_placement:
             backend = _hybrid(config, spec, experts, device, dtype)
         deferred = config.max_deferred_experts_per_token
+        linear_quant = resolve_linear_quant(config, spec, device)
+        log.info("GPU weight format: %s%s", linear_quant.format,
+                 " (lm_head too)" if linear_quant.quantize_lm_head else "")  # fmt: skip
         model = load_model(config.model_dir, device, dtype, experts=backend,
                            max_num_tokens_in_cache=16, hf=hf,
-                           max_deferred_experts_per_token=deferred)  # fmt: skip
+                           max_deferred_experts_per_token=deferred,
+                           linear_quant=linear_quant)  # fmt: skip
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
-        tokens = config.kv_cache_tokens or _cache_tokens(model.kv_cache, kv_dtype, device, config)
+        max_graph_batch = min(config.cuda_graph_max_batch, scheduler.max_num_seqs)
+        if device.type == "cuda":
+            plan = cuda_plan(model, kv_dtype, config.gpu_memory_utilization,
+                             scheduler.max_num_batched_tokens, max_graph_batch,
+                             config.kv_cache_tokens, scheduler.max_model_len,
+                             scheduler.max_num_seqs)  # fmt: skip
+        else:
+            plan = cpu_plan(model, config.kv_cache_tokens or CPU_DEFAULT_CACHE_TOKENS, kv_dtype)
+        log.info("%s", plan.table())
+        tokens = plan.kv_cache_tokens
         per_token = model.kv_cache.config.bytes_per_token(kv_dtype)
         host_tokens = int(config.kv_host_cache_gib * 2**30) // per_token
         cache_config = replace(model.kv_cache.config, max_num_tokens=tokens,
@@ -93,10 +111,10 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
                  max_model_len, model_max, tokens)  # fmt: skip
         graphs = None
         if device.type == "cuda" and config.cuda_graphs:
-            max_batch = min(config.cuda_graph_max_batch, scheduler.max_num_seqs)
-            graphs = DecodeGraphConfig(max_batch=max_batch,
+            graphs = DecodeGraphConfig(max_batch=max_graph_batch,
                                        experts_in_graph=config.graph_expert_calls)  # fmt: skip
         metrics = EngineMetrics()
+        metrics.observe_memory_plan(plan)
         experts.on_round_trip = metrics.moe_round_trip.observe
         engine = Engine(model, scheduler, eos_token_ids=eos_token_ids, decode=decode,
                         metrics=metrics, experts_stats=experts.stats,
@@ -109,7 +127,23 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
     except BaseException:
         experts.close()
         raise
-    return GPUService(config, engine, experts, metrics, max_model_len, refresher)
+    return GPUService(config, engine, experts, metrics, max_model_len, refresher, plan)
+
+
+def resolve_linear_quant(config: GPUServiceConfig, spec: ModelSpec,
+                         device: torch.device) -> LinearQuantConfig:  # fmt: skip
+    """--gpu-weight-format auto: fp8 for an FP8 checkpoint on a GPU with FP8 matrix units, the
+    model dtype otherwise."""
+    fmt = config.gpu_weight_format
+    if fmt == "auto":
+        fp8_checkpoint = spec.weight_block_size is not None
+        fmt = "fp8" if fp8_checkpoint and fp8_matmul_supported(device) else "bf16"
+        if fmt == "bf16" and config.quantize_lm_head:
+            raise ValueError(
+                "--quantize-lm-head needs a quantized GPU weight format, and auto chose bf16 "
+                "here: name one with --gpu-weight-format fp8|int8|int4"
+            )
+    return LinearQuantConfig(fmt, config.quantize_lm_head)
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -143,6 +177,7 @@ def check_model_fits(config: GPUServiceConfig, spec: ModelSpec) -> None:
             f"--max-deferred-experts-per-token must be below the model's "
             f"{spec.num_experts_per_tok} routed experts per token, got {deferred}"
         )
+    resolve_linear_quant(config, spec, torch.device(config.device or default_device()))
 
 
 def _hybrid(config: GPUServiceConfig, spec: ModelSpec, experts: ShmExperts,
@@ -154,18 +189,3 @@ def _hybrid(config: GPUServiceConfig, spec: ModelSpec, experts: ShmExperts,
     )  # fmt: skip
     log.info("GPU experts: %d per layer", len(next(iter(hot.values()))))
     return HybridExperts(experts, reader, hot, device, dtype)
-
-
-def _cache_tokens(cache: KVCache, dtype: torch.dtype, device: torch.device,
-                  config: GPUServiceConfig) -> int:  # fmt: skip
-    if device.type != "cuda":
-        return CPU_DEFAULT_CACHE_TOKENS
-    free, _ = torch.cuda.mem_get_info(device)
-    per_token = cache.config.bytes_per_token(dtype)
-    tokens = int(free * config.gpu_memory_fraction) // per_token
-    if tokens < 16:
-        raise RuntimeError(
-            f"only {free / 2**30:.2f} GiB of GPU memory is free after the weights: too little "
-            "for a KV cache; lower the model size or free the GPU"
-        )
-    return tokens

@@ -11,13 +11,21 @@ Prefix cache, named as vLLM names them: ktserve_prefix_cache_queries (prompt tok
 admission) and ktserve_prefix_cache_hits (tokens found; label tier: gpu for the device KV cache,
 cpu for the host-RAM tier), and ktserve_{gpu,cpu}_prefix_cache_hit_rate, each tier's hits over
 all queried tokens since the start (the two add up to the overall hit rate).
+Memory (set once at start-up from the plan, gpu_service/memory_plan.py):
+ktserve_gpu_memory_plan_bytes{part} (weights, activations, cuda_graphs, non_torch, headroom,
+kv_cache; parts not measured on the device are absent) and ktserve_kv_cache_capacity_tokens.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gpu_service.models.kv_cache import PrefixCacheStats
+
+if TYPE_CHECKING:
+    from gpu_service.memory_plan import MemoryPlan
 
 LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 FAST = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 12.8e-3, 25.6e-3,
@@ -90,6 +98,19 @@ class EngineMetrics:
             for tier, where in (("gpu", "device KV cache"), ("cpu", "host-RAM tier"))
         }  # fmt: skip
         self._prefix_seen = PrefixCacheStats()
+        self.memory_plan_bytes = Gauge(
+            "ktserve_gpu_memory_plan_bytes",
+            "The start-up GPU memory plan: bytes per part of --gpu-memory-utilization's budget",
+            ["part"], registry=r,
+        )  # fmt: skip
+        self.kv_cache_capacity = Gauge("ktserve_kv_cache_capacity_tokens",
+                                       "Tokens the KV cache holds", registry=r)  # fmt: skip
+
+    def observe_memory_plan(self, plan: MemoryPlan) -> None:
+        for part, value in plan.parts.items():
+            if value is not None:
+                self.memory_plan_bytes.labels(part=part).set(value)
+        self.kv_cache_capacity.set(plan.kv_cache_tokens)
 
     def observe_prefix_cache(self, stats: PrefixCacheStats) -> None:
         """Bring the prefix-cache metrics up to the cache's running totals."""

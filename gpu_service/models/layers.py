@@ -1,5 +1,6 @@
-"""Building blocks shared by the families: Linear, RMSNorm and the dense SwiGLU MLP, with the
-exact dtype handling of transformers 5 (RMSNorm normalizes in float32, scales in model dtype)."""
+"""Building blocks shared by the families: Linear (linear.py: one module per GPU weight format),
+RMSNorm and the dense SwiGLU MLP, with the exact dtype handling of transformers 5 (RMSNorm
+normalizes in float32, scales in model dtype)."""
 
 from __future__ import annotations
 
@@ -8,34 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_service.models import fused_ops
+from gpu_service.models.linear import Linear
 from gpu_service.models.loader import WeightLoader
 
-
-class Linear(nn.Module):
-    """y = x W^T (+ b), W [out, in]; weights are buffers (inference only)."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        self.register_buffer("weight", weight)
-        self.register_buffer("bias", bias)
-
-    @classmethod
-    def load(
-        cls,
-        loader: WeightLoader,
-        prefix: str,
-        in_features: int,
-        out_features: int,
-        *,
-        bias: bool = False,
-        dtype: torch.dtype | None = None,
-    ) -> Linear:
-        weight = loader.get(f"{prefix}.weight", (out_features, in_features), dtype)
-        b = loader.get(f"{prefix}.bias", (out_features,), dtype) if bias else None
-        return cls(weight, b)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+__all__ = ["DenseMLP", "Linear", "RMSNorm"]
 
 
 class RMSNorm(nn.Module):
@@ -59,7 +36,7 @@ class RMSNorm(nn.Module):
 class DenseMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); also the shared experts of DeepSeek and Qwen2-MoE."""
 
-    def __init__(self, gate: Linear, up: Linear, down: Linear) -> None:
+    def __init__(self, gate: nn.Module, up: nn.Module, down: nn.Module) -> None:
         super().__init__()
         self.gate, self.up, self.down = gate, up, down
 

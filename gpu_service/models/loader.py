@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from gpu_service.models.weight_formats import LinearQuantConfig
 from ktserve.checkpoint import (
     DEFAULT_FP8_BLOCK,
     CheckpointError,
@@ -32,7 +33,8 @@ class MissingTensor(CheckpointError):
 
 
 class WeightLoader:
-    """Reads named tensors, checks their shape, and places them as `dtype` on `device`."""
+    """Reads named tensors, checks their shape, and places them as `dtype` on `device`;
+    linear_quant: the format the families' linear layers take (Linear.load)."""
 
     def __init__(
         self,
@@ -40,11 +42,13 @@ class WeightLoader:
         device: torch.device | str,
         dtype: torch.dtype,
         fp8_block: tuple[int, int] | None = None,
+        linear_quant: LinearQuantConfig | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
         self.fp8_block = fp8_block or DEFAULT_FP8_BLOCK
+        self.linear_quant = linear_quant or LinearQuantConfig()
         self._files = index_tensors(self.model_dir)
         self._handles: dict[Path, Any] = {}
 

@@ -27,6 +27,7 @@ from gpu_service.models.config import BaseConfig
 from gpu_service.models.experts import abandon
 from gpu_service.models.kv_cache import KVCache
 from gpu_service.models.layers import Linear, RMSNorm
+from gpu_service.models.linear import make_linear
 from gpu_service.models.loader import WeightLoader
 from gpu_service.models.moe import MoE
 from gpu_service.models.rope import Rotary
@@ -78,10 +79,13 @@ class CausalLM(nn.Module):
         self.register_buffer("embed", loader.get("model.embed_tokens.weight", (vocab, hidden)))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm.load(loader, "model.norm", hidden, config.rms_norm_eps)
+        quant = loader.linear_quant
         if config.tie_word_embeddings and not loader.has("lm_head.weight"):
-            self.lm_head = Linear(self.embed)
+            fmt = quant.format if quant.quantize_lm_head else "bf16"
+            self.lm_head = make_linear(self.embed, None, fmt, self.dtype)
         else:
-            self.lm_head = Linear.load(loader, "lm_head", hidden, vocab)
+            self.lm_head = Linear.load(loader, "lm_head", hidden, vocab,
+                                       quantize=quant.quantize_lm_head)  # fmt: skip
         self.rotary = rotary
         self.kv_cache = kv_cache
 

@@ -152,7 +152,9 @@ def build(
             if cfg.shared_expert_intermediate_size:
                 inter = cfg.shared_expert_intermediate_size
                 shared = DenseMLP.load(loader, f"{p}.mlp.shared_expert", hidden, inter)
-                shared_gate = Linear.load(loader, f"{p}.mlp.shared_expert_gate", hidden, 1)
+                shared_gate = Linear.load(
+                    loader, f"{p}.mlp.shared_expert_gate", hidden, 1, quantize=False
+                )
             mlp: nn.Module = MoE(i, router, experts, shared, shared_gate)
         else:
             mlp = DenseMLP.load(loader, f"{p}.mlp", hidden, cfg.intermediate_size)

@@ -11,6 +11,7 @@ from gpu_service.models import deepseek, mixtral, qwen_moe
 from gpu_service.models.experts import RoutedExperts
 from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM
+from gpu_service.models.weight_formats import LinearQuantConfig
 from ktserve.checkpoint import HFConfig, ModelSpec, UnsupportedArchitecture
 
 Builder = Callable[[HFConfig, ModelSpec, WeightLoader, RoutedExperts, int, int], CausalLM]
@@ -42,20 +43,21 @@ def load_model(
     block_size: int = DEFAULT_BLOCK_SIZE,
     hf: HFConfig | None = None,
     max_deferred_experts_per_token: int = 0,
+    linear_quant: LinearQuantConfig | None = None,
 ) -> CausalLM:
     """The model's non-expert part on `device` (default: cuda when available) as `dtype`, with a
     paged KV cache of `max_num_tokens_in_cache` token slots; routed experts go to `experts`.
     hf: the checkpoint's config.json when the caller has read it already.
-    max_deferred_experts_per_token: expert deferral (CausalLM.defer_experts; 0: off)."""
+    max_deferred_experts_per_token: expert deferral (CausalLM.defer_experts; 0: off).
+    linear_quant: the GPU weight format of the linear layers (default: the model dtype)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"model dtype {dtype} is not supported; use float32, bfloat16 or float16")
     hf = hf or HFConfig.from_dir(model_dir)
     if hf.model_type not in MODEL_BUILDERS:
         raise UnsupportedArchitecture(hf.source, hf.model_type, SUPPORTED_MODEL_TYPES)
     spec = ModelSpec.from_hf(hf)
-    loader = WeightLoader(
-        model_dir, device or default_device(), dtype, fp8_block=spec.weight_block_size
-    )
+    loader = WeightLoader(model_dir, device or default_device(), dtype,
+                          fp8_block=spec.weight_block_size, linear_quant=linear_quant)  # fmt: skip
     build = MODEL_BUILDERS[hf.model_type]
     model = build(hf, spec, loader, experts, max_num_tokens_in_cache, block_size)
     model.defer_experts(max_deferred_experts_per_token)

@@ -494,8 +494,11 @@ def test_metrics_count_what_was_served(server, client):
         "ktserve_num_preemptions_total",
         "ktserve_request_queue_time_seconds_count",
         "ktserve_inter_token_latency_seconds_count",
+        "ktserve_gpu_memory_plan_bytes{part=weights}",
+        "ktserve_gpu_memory_plan_bytes{part=kv_cache}",
     ):
         assert name in after
+    assert after["ktserve_kv_cache_capacity_tokens"] > 0  # the start-up memory plan
 
 
 def test_health_reports_the_workers(server):

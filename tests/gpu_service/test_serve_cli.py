@@ -197,6 +197,11 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
             "--no-cuda-graphs",
             "--cuda-graph-max-batch",
             "4",
+            "--gpu-weight-format",
+            "int4",
+            "--quantize-lm-head",
+            "--gpu-memory-utilization",
+            "0.5",
         ]
     )
     config = serve_config(args)
@@ -211,6 +216,8 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
     assert gpu.scheduler.max_num_batched_tokens == 96 and not gpu.cuda_graphs
     assert gpu.gpu_experts == 2 and gpu.gpu_experts_refresh_s == 30
     assert gpu.cuda_graph_max_batch == 4
+    assert gpu.gpu_weight_format == "int4" and gpu.quantize_lm_head
+    assert gpu.gpu_memory_utilization == 0.5
     assert gpu.model_dir == config.model_dir == str(checkpoint)
     assert gpu.experts.workers == () and gpu.scheduler.max_model_len is None
     on_workers = gpu.with_workers(("127.0.0.1:1", "127.0.0.1:2"))
@@ -260,6 +267,9 @@ def test_no_model_serves_the_demo_or_says_how_to_pass_one(tmp_path):
             "--max-deferred-experts-per-token must be >= 0",
         ),
         (("--max-deferred-experts-per-token", "9"), "must be below the model's"),
+        (("--gpu-memory-utilization", "1.5"), "--gpu-memory-utilization must be in (0, 1]"),
+        (("--gpu-weight-format", "bf16", "--quantize-lm-head"), "--quantize-lm-head needs"),
+        (("--quantize-lm-head",), "auto chose bf16 here"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(checkpoint, args, message):

@@ -1,0 +1,102 @@
+"""The served path with the GPU part's linears quantized (--gpu-weight-format fp8|int8|int4): GPU
+service (this process) + `ktserve expert` (a subprocess, bf16 experts) over ktshm. The engine's
+greedy tokens (on CUDA its decode steps replay CUDA graphs) are each the argmax of the same
+model's eager forward over prompt + tokens, and the memory plan is made, logged and exported."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
+from gpu_service.engine import FinishReason, SamplingParams
+from gpu_service.memory_plan import PARTS
+from gpu_service.models import Batch, SeqInput
+from gpu_service.models.linear import FP8Linear, Int4Linear, Int8Linear
+from gpu_service.service import build_gpu_service
+from tests.support.checkpoints import make_tiny_checkpoint
+from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
+
+DEVICE = os.environ.get("KTSERVE_TEST_DEVICE", "cpu")  # KTSERVE_TEST_DEVICE=cuda on the GPU host
+MODULES = {"fp8": FP8Linear, "int8": Int8Linear, "int4": Int4Linear}
+NUM_TOKENS = 8
+# How far below the eager argmax an engine token's logit may be: float32 on the CPU (the engine
+# and the eager forward run the same kernels); bfloat16 on CUDA, where graphs and batch sizes
+# pick other GEMM tiles.
+ARGMAX_SLACK = {"cpu": 1e-4, "cuda": 0.05}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, seed):
+    return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("gw") / "ds", seed=seed)
+
+
+def engine_greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+    for i, prompt in enumerate(prompts):
+
+        def on_event(event, i=i):
+            outputs[i].extend(t.token_id for t in event.tokens)
+            if event.finish_reason is not None:
+                assert event.finish_reason == FinishReason.LENGTH, event.error
+                done.release()
+
+        engine.add_request(prompt, params, on_event)
+    for _ in prompts:
+        assert done.acquire(timeout=300)
+    return outputs
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+def test_served_quantized_gpu_part(checkpoint, seed, fmt):
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (5, 12, 3)]
+    print(f"seed={seed} format={fmt} device={DEVICE}")
+    worker = ExpertProcess("--model", str(checkpoint), "--format", "bf16")
+    service = None
+    try:
+        config = GPUServiceConfig(
+            model_dir=str(checkpoint), device=DEVICE, gpu_weight_format=fmt,
+            gpu_memory_utilization=0.02, scheduler=SchedulerConfig(max_model_len=64),
+            experts=ExpertClientConfig((worker.address,), wire_dtype="float32"),
+        )  # fmt: skip
+        service = build_gpu_service(config)
+        model, plan = service.engine.model, service.memory_plan
+        print(plan.table())
+        assert type(model.layers[0].attn.q_b_proj) is MODULES[fmt]
+        assert model.kv_cache.config.max_num_tokens == plan.kv_cache_tokens
+        if DEVICE == "cuda":
+            assert set(plan.parts) == set(PARTS) and sum(plan.parts.values()) == plan.budget
+        else:
+            assert set(plan.parts) == {"weights", "kv_cache"}
+        metrics = generate_latest(service.metrics.registry).decode()
+        assert f"ktserve_kv_cache_capacity_tokens {float(plan.kv_cache_tokens)}" in metrics
+        weights = float(plan.parts["weights"])
+        assert f'ktserve_gpu_memory_plan_bytes{{part="weights"}} {weights}' in metrics
+
+        outputs = engine_greedy(service.engine, prompts, NUM_TOKENS)
+        service.engine.stop()  # the eager forwards below run on this thread
+        for prompt, tokens in zip(prompts, outputs):
+            seq = prompt + tokens
+            cache = model.kv_cache.allocate(len(seq))
+            try:
+                logits = model.forward(Batch((SeqInput(seq, cache, 0),)), all_positions=True)
+            finally:
+                model.kv_cache.free(cache)
+            rows = logits[len(prompt) - 1 : len(seq) - 1]  # [n, V]
+            chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
+            gap = float((rows.max(dim=1).values - chosen).max())
+            scale = float(rows.abs().max())
+            print(f"prompt of {len(prompt)}: {tokens}, largest gap below argmax {gap:.2e} "
+                  f"(logits up to {scale:.2f})")  # fmt: skip
+            assert gap <= ARGMAX_SLACK[DEVICE] * max(scale, 1.0)
+    finally:
+        if service is not None:
+            service.close()
+        worker.close()
