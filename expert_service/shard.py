@@ -7,11 +7,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from expert_service import packed_store
-from expert_service.expert_shard import ExpertShard, LoadProgress
+from expert_service import packed_store, shared_store
+from expert_service.expert_shard import ExpertShard, LoadProgress, StoreLayout
 from expert_service.kernels import PackedExperts, pack_expert_list, pack_experts
 from ktserve.checkpoint import (
     CheckpointReader,
+    HFConfig,
     check_memory_available,
     estimate_shard_bytes,
     validate_shard,
@@ -28,8 +29,13 @@ def load_shard(
     *,
     pack_threads: int | None = None,
     progress: LoadProgress | None = None,
+    share: bool = False,
 ) -> ExpertShard:
-    """Load a shard from a checkpoint or a `ktserve convert` directory (detected by its index)."""
+    """Load a shard from a checkpoint or a `ktserve convert` directory (detected by its index).
+
+    share: a checkpoint's packed layers go to a store in /dev/shm (shared_store), each mapped
+    back as soon as it is written, so another process can map the same pages; the caller
+    removes `shard.store.dir` when done. Without room there they stay in private memory."""
     model_dir = Path(model_dir)
     if packed_store.is_packed_dir(model_dir):
         return packed_store.load(model_dir, experts, weight_format, progress=progress)
@@ -41,14 +47,32 @@ def load_shard(
         # NOTE: one layer is held while it is packed: as stored, or in float32 (fused layouts).
         transient = estimate_shard_bytes(spec, len(experts), 4.0) // max(spec.num_moe_layers, 1)
         check_memory_available(required + transient)
+        store_dir = shared_store.create(required) if share else None
         layers: dict[int, PackedExperts] = {}
+        entries: dict[int, dict] = {}
         done_bytes = 0
-        for i, layer in enumerate(spec.moe_layers):
-            layers[layer] = _pack_layer(reader, layer, experts, weight_format, pack_threads)
-            done_bytes += layers[layer].nbytes
-            if progress is not None:
-                progress(i + 1, len(spec.moe_layers), done_bytes)
-    return ExpertShard(spec, str(model_dir), weight_format, experts, layers)
+        try:
+            for i, layer in enumerate(spec.moe_layers):
+                packed = _pack_layer(reader, layer, experts, weight_format, pack_threads)
+                if store_dir is not None:  # NOTE: the private copy goes as the mapped one comes
+                    entries[layer] = packed_store.write_layer(store_dir, layer, packed)
+                    packed = packed_store.map_layer(store_dir, entries[layer], weight_format,
+                                                    len(experts), spec)  # fmt: skip
+                layers[layer] = packed
+                done_bytes += packed.nbytes
+                if progress is not None:
+                    progress(i + 1, len(spec.moe_layers), done_bytes)
+            store = None
+            if store_dir is not None:
+                config = HFConfig.from_dir(model_dir).data
+                packed_store.write_index(store_dir, config, weight_format, experts,
+                                         str(model_dir), entries)  # fmt: skip
+                store = StoreLayout(str(store_dir), entries)
+        except BaseException:
+            if store_dir is not None:
+                shared_store.remove(store_dir)
+            raise
+    return ExpertShard(spec, str(model_dir), weight_format, experts, layers, store)
 
 
 def _pack_layer(reader: CheckpointReader, layer: int, experts: range, weight_format: str,

@@ -19,6 +19,8 @@ from gpu_service.gpu_experts import (
 from gpu_service.models import KVCache, load_model
 from gpu_service.models.registry import default_device
 from gpu_service.moe_client import ShmExperts
+from gpu_service.stream_prefill.backend import StreamingExperts
+from gpu_service.stream_prefill.build import build_streaming
 from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec
 from ktserve.names import float_dtype
 
@@ -43,11 +45,14 @@ class GPUService:
     metrics: EngineMetrics
     max_model_len: int
     refresher: HotExpertRefresher | None = None
+    streaming: StreamingExperts | None = None  # prefill through the GPU (--stream-prefill)
 
     def close(self) -> None:
         if self.refresher is not None:
             self.refresher.stop()
         self.engine.stop()
+        if self.streaming is not None:
+            self.streaming.close()
         self.experts.close()
 
 
@@ -66,10 +71,14 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         config.experts, hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok,
         max_tokens=max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs), device=device,
     )  # fmt: skip
+    streaming = None
     try:
         backend = experts
         if config.gpu_experts or config.expert_placement:
             backend = _hybrid(config, spec, experts, device, dtype)
+        # NOTE: before the model and the KV cache, so their sizes leave room for its buffers
+        streaming = build_streaming(config.stream_prefill, spec, experts, backend, device, dtype)
+        backend = streaming or backend
         deferred = config.max_deferred_experts_per_token
         model = load_model(config.model_dir, device, dtype, experts=backend,
                            max_num_tokens_in_cache=16, hf=hf,
@@ -100,9 +109,11 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
             refresher = HotExpertRefresher(backend, config.gpu_experts,
                                            config.gpu_experts_refresh_s).start()  # fmt: skip
     except BaseException:
+        if streaming is not None:
+            streaming.close()
         experts.close()
         raise
-    return GPUService(config, engine, experts, metrics, max_model_len, refresher)
+    return GPUService(config, engine, experts, metrics, max_model_len, refresher, streaming)
 
 
 def check_model_fits(config: GPUServiceConfig, spec: ModelSpec) -> None:
