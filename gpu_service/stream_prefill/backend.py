@@ -18,9 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from gpu_service.models.experts import PendingExperts, RoutedExperts, abandon
-from gpu_service.stream_prefill.compute import DEFAULT_SCRATCH_BYTES, streamed_moe
+from gpu_service.stream_prefill.compute import (
+    DEFAULT_SCRATCH_BYTES,
+    experts_per_group,
+    streamed_moe,
+)
 from gpu_service.stream_prefill.cost_model import StreamCost
 from gpu_service.stream_prefill.staging import LayerStager
+from gpu_service.stream_prefill.store import MappedStore, UntrustedStore
 
 log = logging.getLogger("ktserve.gpu")
 
@@ -50,6 +55,7 @@ class StreamingExperts:
         self.min_tokens = min_tokens
         self.scratch_bytes = scratch_bytes
         self.cost: StreamCost | None = None
+        self.workers = None  # the ShmExperts whose stores it maps: see follow_workers
         self._rows: _StepRows | None = None
         self.steps_streamed = 0  # stats
         self.rows_streamed = 0
@@ -60,12 +66,48 @@ class StreamingExperts:
         raise AttributeError(name)
 
     @property
+    def scratch_bound(self) -> int:
+        """Most device memory one layer's dequantized group (and its intermediates) takes."""
+        group = experts_per_group(self.hidden, self.inter, self.dtype, self.scratch_bytes)
+        per_group = min(group, self.stager.num_experts) * 3 * self.hidden * self.inter
+        return per_group * (self.dtype.itemsize + 8)
+
+    @property
     def memory_bytes(self) -> int:
         """Device memory streaming holds: two layers' packed experts and the dequant scratch."""
-        return self.stager.memory_bytes + self.scratch_bytes
+        return self.stager.memory_bytes + self.scratch_bound
+
+    def follow(self, workers) -> None:
+        """Map a worker's new store when it restarts (its re-attach brings new WorkerInfo):
+        the old mapping's memory goes as soon as it is unmapped."""
+        self.workers = workers
+        self._dirs = _store_dirs(workers)
+
+    def _follow_restarts(self) -> None:
+        dirs = _store_dirs(self.workers)
+        if dirs == self._dirs:
+            return
+        self._dirs = dirs
+        stores = []
+        try:
+            for w in self.workers.workers:
+                stores.append(MappedStore(w.info, self.hidden, self.inter, self.moe_layers))
+            old = self.stager.replace_stores(stores)
+        except (UntrustedStore, ValueError, OSError) as exc:
+            for store in stores:
+                store.close()
+            log.error("prefill: a restarted worker's experts cannot be streamed (%s); prefill "
+                      "stays on the CPU workers from now on", exc)  # fmt: skip
+            self.min_tokens = None
+            return
+        for store in old:
+            store.close()
+        log.info("prefill: mapped the restarted workers' stores %s", dirs)
 
     def begin_step(self, seq_lens: list[int]) -> None:
         self._rows = None
+        if self.workers is not None and self.min_tokens is not None:
+            self._follow_restarts()
         prefill = sum(n for n in seq_lens if n > 1)
         if self.min_tokens is None or prefill == 0 or prefill < self.min_tokens:
             return
@@ -114,6 +156,11 @@ class StreamingExperts:
         self.stager.close()
         for store in self.stager.stores:
             store.close()
+
+
+def _store_dirs(workers) -> list[str | None]:
+    return [w.info.store.dir if w.info is not None and w.info.HasField("store") else None
+            for w in workers.workers]  # fmt: skip
 
 
 class _RowsJoined:

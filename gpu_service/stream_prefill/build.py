@@ -52,6 +52,7 @@ def build_streaming(
         return None
     streaming = StreamingExperts(backend, stager, spec.hidden_size, spec.moe_intermediate_size,
                                  spec.moe_layers, dtype, min_tokens=1)  # fmt: skip
+    streaming.follow(workers)
     try:
         cost = measure(streaming, workers, spec, max_tokens=workers.max_tokens)
     except BaseException:
@@ -67,7 +68,7 @@ def build_streaming(
     log.info("prefill streaming holds %.2f GiB of %s memory (two MoE layers' packed experts "
              "%.2f GiB, dequantization scratch %.2f GiB; pinned host mappings: %s)",
              streaming.memory_bytes / 2**30, device.type, stager.memory_bytes / 2**30,
-             streaming.scratch_bytes / 2**30, "yes" if stager.pinned else "no")  # fmt: skip
+             streaming.scratch_bound / 2**30, "yes" if stager.pinned else "no")  # fmt: skip
     if mode == "auto" and cost.min_tokens is None:
         streaming.close()
         return None

@@ -37,6 +37,7 @@ class _Slot:
     layer: int | None = None
     copied: torch.cuda.Event | None = None
     released: torch.cuda.Event | None = None
+    used: int = 0  # when it was last acquired (a count)
 
 
 class LayerStager:
@@ -44,13 +45,7 @@ class LayerStager:
 
     def __init__(self, stores: list[MappedStore], num_experts: int, device: torch.device,
                  register: bool = True) -> None:  # fmt: skip
-        self.stores = sorted(stores, key=lambda s: s.experts.start)
-        covered = [e for s in self.stores for e in s.experts]
-        if covered != list(range(num_experts)):
-            held = [f"{s.experts.start}-{s.experts.stop - 1}" for s in self.stores]
-            raise ValueError(f"the stores hold experts {held}, not each of {num_experts} once")
-        if len({s.fmt for s in self.stores}) != 1:
-            raise ValueError(f"the workers' formats differ: {[s.fmt for s in self.stores]}")
+        self.stores = _checked(stores, num_experts)
         self.fmt = self.stores[0].fmt
         self.device = device
         self.num_experts = num_experts
@@ -62,10 +57,10 @@ class LayerStager:
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._registered: list[int] = []
-        self.pinned = False
-        if self.cuda and register:
-            self.pinned = self._register()
+        self.register = register
+        self.pinned = self.cuda and register and self._register()
         self.copies = 0  # layers copied (tests and stats)
+        self._acquired = 0
 
     @property
     def memory_bytes(self) -> int:
@@ -92,7 +87,8 @@ class LayerStager:
         """Start copying `layer` into the slot that does not hold `busy` (the layer computing)."""
         if self._slot_of(layer) is not None:
             return
-        slot = next(s for s in self.slots if s.layer != busy)
+        free = [s for s in self.slots if busy is None or s.layer != busy]
+        slot = min(free, key=lambda s: s.used)  # NOTE: the least recently acquired
         slot.layer = layer
         self.copies += 1
         if not self.cuda:
@@ -121,6 +117,8 @@ class LayerStager:
             slot = self._slot_of(layer)
         if slot.copied is not None:
             torch.cuda.current_stream(self.device).wait_event(slot.copied)
+        self._acquired += 1
+        slot.used = self._acquired
         return slot.tensors
 
     def release(self, layer: int) -> None:
@@ -135,6 +133,19 @@ class LayerStager:
         for slot in self.slots:
             slot.layer = None
 
+    def replace_stores(self, stores: list[MappedStore]) -> list[MappedStore]:
+        """Stage from these stores from now on (a restarted worker's); returns the old ones."""
+        stores = _checked(stores, self.num_experts)
+        if {s.fmt for s in stores} != {self.fmt}:
+            raise ValueError(f"the workers now hold {stores[0].fmt}, streaming began in {self.fmt}")
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # NOTE: no copy may still read the old ones
+        self.close_registrations()
+        old, self.stores = self.stores, stores
+        self.pinned = self.cuda and self.register and self._register()
+        self.reset()
+        return old
+
     def close_registrations(self) -> None:
         if self._registered:
             cudart = torch.cuda.cudart()
@@ -147,6 +158,18 @@ class LayerStager:
             torch.cuda.synchronize(self.device)
         self.close_registrations()
         self.slots.clear()
+
+
+def _checked(stores: list[MappedStore], num_experts: int) -> list[MappedStore]:
+    """The stores by expert range; they must hold each expert once, in one format."""
+    stores = sorted(stores, key=lambda s: s.experts.start)
+    covered = [e for s in stores for e in s.experts]
+    if covered != list(range(num_experts)):
+        held = [f"{s.experts.start}-{s.experts.stop - 1}" for s in stores]
+        raise ValueError(f"the stores hold experts {held}, not each of {num_experts} once")
+    if len({s.fmt for s in stores}) != 1:
+        raise ValueError(f"the workers' formats differ: {[s.fmt for s in stores]}")
+    return stores
 
 
 def _as_tensor(array: np.ndarray) -> torch.Tensor:
