@@ -105,7 +105,10 @@ class MappedStore:
         return StoreLayerView(entry.layer, self.experts, tensors)
 
     def _map(self, name: str) -> mmap.mmap:
-        fd = os.open(self.dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = os.open(self.dir / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:  # NOTE: ELOOP: a symlink
+            raise UntrustedStore(f"{self.dir / name}: {exc.strerror}") from exc
         try:
             st = os.fstat(fd)
             _check_stat(st, self.dir / name, directory=False)
