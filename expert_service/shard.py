@@ -7,9 +7,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from expert_service import packed_store, shared_store
+from expert_service import packed_store
 from expert_service.expert_shard import ExpertShard, LoadProgress, StoreLayout
 from expert_service.kernels import PackedExperts, pack_expert_list, pack_experts
+from ktserve import shared_store
 from ktserve.checkpoint import (
     CheckpointReader,
     HFConfig,

@@ -21,13 +21,12 @@ from pathlib import Path
 import numpy as np
 
 import ktshm
-from expert_service import shared_store
 from expert_service.config import WorkerConfig
 from expert_service.expert_shard import ExpertShard, LoadProgress
 from expert_service.kernels import MoEKernel
 from expert_service.metrics import WorkerMetrics
 from expert_service.shard import load_shard
-from ktserve import wire
+from ktserve import shared_store, wire
 
 log = logging.getLogger("ktserve.expert")
 

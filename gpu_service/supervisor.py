@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from expert_service import shared_store
 from gpu_service.moe_client import RECONNECT_OPTIONS
+from ktserve import shared_store
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV
 

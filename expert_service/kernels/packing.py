@@ -25,6 +25,7 @@ from expert_service.kernels.arrays import (
     is_torch_tensor,
     raw,
 )
+from ktserve.packed_layout import INT4_GROUP, padded, tensor_specs  # noqa: F401 - re-exported
 
 
 class WeightFormat(enum.StrEnum):
@@ -35,33 +36,6 @@ class WeightFormat(enum.StrEnum):
 
 # NOTE: codes match KTK_FMT_* in ktk.h.
 FORMAT_CODES = {WeightFormat.BF16: 0, WeightFormat.INT8: 1, WeightFormat.INT4: 2}
-INT4_GROUP = 32
-
-
-def padded(n: int) -> int:
-    return (n + 63) // 64 * 64
-
-
-def tensor_specs(fmt: WeightFormat, H: int, I: int) -> dict[str, tuple[np.dtype, int]]:  # noqa: E741
-    """name -> (dtype, elements per expert) of every packed buffer of one format."""
-    Hp, Ip = padded(H), padded(I)
-    if fmt == WeightFormat.BF16:
-        return {"w13": (np.dtype(np.uint16), 2 * Ip * Hp), "w2": (np.dtype(np.uint16), Hp * Ip)}
-    if fmt == WeightFormat.INT8:
-        return {
-            "w13": (np.dtype(np.int8), 2 * Ip * Hp),
-            "w2": (np.dtype(np.int8), Hp * Ip),
-            "s13": (np.dtype(np.float32), 2 * Ip),
-            "s2": (np.dtype(np.float32), Hp),
-            "r13": (np.dtype(np.int32), 2 * Ip),
-            "r2": (np.dtype(np.int32), Hp),
-        }
-    return {
-        "w13": (np.dtype(np.uint8), Ip * Hp),
-        "w2": (np.dtype(np.uint8), Hp * Ip // 2),
-        "s13": (np.dtype(np.uint16), 2 * Ip * Hp // INT4_GROUP),
-        "s2": (np.dtype(np.uint16), Hp * Ip // INT4_GROUP),
-    }
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from expert_service.kernels.packing import tensor_specs
 from ktserve.names import weight_format_from_pb
+from ktserve.packed_layout import tensor_specs
 from ktserve.protocol import expert_pb2 as pb
 
 

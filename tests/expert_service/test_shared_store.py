@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from expert_service import shared_store
 from expert_service.shard import load_shard
+from ktserve import shared_store
 from ktserve.protocol import expert_pb2 as pb
 from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 import ktshm
-from expert_service import shared_store
-from ktserve import wire
+from ktserve import shared_store, wire
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.protocol import expert_pb2_grpc as pb_grpc
 from tests.support.watched_process import WatchedProcess
