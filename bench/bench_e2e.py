@@ -6,6 +6,9 @@ writes them) and the GPU service in this process, once per mode:
   segments  CUDA graphs of the segments between MoE layers, the host calls the experts
   graph-d1, segments-d1  the same with one expert per token deferred (--modes names them; the
             worker's per-call phases are then per call, two per deferring layer)
+  stream-off, stream-on, stream-auto  graph with --stream-prefill off / on / auto: prefill's
+            chunks through the CPU workers, streamed to the GPU, or as the start-up cost model
+            chooses (printed per mode)
 For each: decode tok/s at each batch size (greedy, ignore_eos, 16-token prompts), the per-MoE-
 layer split of a step (the GPU's part is the segments mode's measured GPU time; the worker's
 dispatch, kernel, publish and bookkeeping come from its GetStats; hand-off is what is left of the
@@ -18,6 +21,7 @@ the ratios.
 
     python bench/bench_e2e.py CHECKPOINT [--format int4] [--threads 15] [--batch 1,4,16,64]
         [--prefill 512,2048,8192] [--tokens 64] [--modes graph,segments]
+        [--max-num-batched-tokens 2048]
         [--llama-build DIR --gguf FILE --peer-script run_peer.sh]
 """
 
@@ -53,7 +57,12 @@ MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
          "graph-d1": dict(cuda_graphs=True, graph_expert_calls=True,
                           max_deferred_experts_per_token=1),
          "segments-d1": dict(cuda_graphs=True, graph_expert_calls=False,
-                             max_deferred_experts_per_token=1)}  # fmt: skip
+                             max_deferred_experts_per_token=1),
+         # prefill through the GPU (--stream-prefill), side by side: --modes stream-off,stream-on
+         "stream-off": dict(cuda_graphs=True, graph_expert_calls=True, stream_prefill="off"),
+         "stream-on": dict(cuda_graphs=True, graph_expert_calls=True, stream_prefill="on"),
+         "stream-auto": dict(cuda_graphs=True, graph_expert_calls=True,
+                             stream_prefill="auto")}  # fmt: skip
 PHASES = ("dispatch", "kernel", "publish", "bookkeeping")
 
 
@@ -99,7 +108,8 @@ def prefill(service, n: int, seed: int) -> float:
 def run_mode(mode: str, args, address: str, stub, dram: DramMeter) -> dict:
     batches, prompts = args.batches, args.prefills
     longest = max(prompts, default=0)
-    scheduler = SchedulerConfig(max_num_seqs=max(batches), max_model_len=longest + args.tokens + 64)
+    scheduler = SchedulerConfig(max_num_seqs=max(batches), max_model_len=longest + args.tokens + 64,
+                                max_num_batched_tokens=args.max_num_batched_tokens)  # fmt: skip
     config = GPUServiceConfig(
         model_dir=str(args.checkpoint), device=args.device, dtype="bfloat16",
         cuda_graph_max_batch=max(batches), scheduler=scheduler,
@@ -109,6 +119,10 @@ def run_mode(mode: str, args, address: str, stub, dram: DramMeter) -> dict:
     service = build_gpu_service(config)
     built = time.perf_counter() - start
     out: dict = {"decode": {}, "prefill": {}, "build_s": built}
+    streaming = service.streaming
+    out["stream"] = (streaming.cost.describe() if streaming is not None and streaming.cost
+                     else "prefill: experts on the CPU workers")  # fmt: skip
+    print(f"[{mode}] {out['stream']}", flush=True)
     try:
         run_batch(service, 1, 8)  # warm-up
         for b in batches:
@@ -226,7 +240,7 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
     print_table(cols, rows)
     if args.prefills:
         print("\nprefill (one prompt; time to first token)")
-        cols = [Column("mode", 8, "<"), Column("tokens", 6), Column("TTFT s", 7),
+        cols = [Column("mode", 12, "<"), Column("tokens", 6), Column("TTFT s", 7),
                 Column("tok/s", 7), Column("llama.cpp", 9), Column("vs llama", 8)]  # fmt: skip
         rows = []
         for mode, res in results.items():
@@ -269,6 +283,12 @@ def main() -> None:
     parser.add_argument("--batch", default="1,4,16,64")
     parser.add_argument("--prefill", default="512,2048,8192", help="prompt lengths ('' none)")
     parser.add_argument("--prefill-reps", type=int, default=2)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens per step: longer prompts prefill in chunks of this",
+    )
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per decode request")
     parser.add_argument("--modes", default="graph,segments")
     parser.add_argument("--device", default=default_device())

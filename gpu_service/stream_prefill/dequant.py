@@ -10,7 +10,8 @@ Per expert, blocks of 16 output rows over the padded K (Hp = roundup(H, 64), Ip 
     w13: 2*Ip/16 blocks over K = Hp, block 2b = gate rows 16b.., 2b+1 = up rows 16b..
     w2:  Hp/16 blocks over K = Ip (down rows)
 Products are formed in float32 (exact for int4 and bf16: a 4-bit integer times a bf16 scale),
-then rounded to the compute dtype.
+then rounded to the compute dtype; for bfloat16 compute, int4 and bf16 are dequantized in bf16
+directly (the same values, half the memory traffic).
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ def padded(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
-def _rows_bf16(w: torch.Tensor, num_blocks: int, k: int) -> torch.Tensor:
-    """uint16 [E, num_blocks * 16 * k] -> float32 [E, num_blocks * 16, k]."""
+def _rows_bf16(w: torch.Tensor, num_blocks: int, k: int, work: torch.dtype) -> torch.Tensor:
+    """uint16 [E, num_blocks * 16 * k] -> `work` [E, num_blocks * 16, k]."""
     e = w.shape[0]
     blocks = w.view(e, num_blocks, k // 2, 16, 2).permute(0, 1, 3, 2, 4)  # [E, nb, 16, K/2, 2]
-    return bf16_bits_to_float(blocks.reshape(e, num_blocks * 16, k))
+    rows = blocks.reshape(e, num_blocks * 16, k)
+    return rows.view(torch.bfloat16) if work == torch.bfloat16 else bf16_bits_to_float(rows)
 
 
 def _rows_int8(w: torch.Tensor, s: torch.Tensor, num_blocks: int, k: int) -> torch.Tensor:
@@ -39,16 +41,21 @@ def _rows_int8(w: torch.Tensor, s: torch.Tensor, num_blocks: int, k: int) -> tor
     return q * s.view(e, num_blocks * 16, 1)
 
 
-def _rows_int4(w: torch.Tensor, s: torch.Tensor, num_blocks: int, k: int) -> torch.Tensor:
-    """uint8 [E, nb*8*k] and bf16 (uint16) group scales [E, nb*(k/32)*16] -> float32
+def _rows_int4(w: torch.Tensor, s: torch.Tensor, num_blocks: int, k: int,
+               work: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """uint8 [E, nb*8*k] and bf16 (uint16) group scales [E, nb*(k/32)*16] -> `work`
     [E, nb*16, k]."""
     e, groups = w.shape[0], k // 32
     b = w.view(e, num_blocks, groups, 4, 16, 4)  # [E, nb, G, q%4, r, k%4]
     nibbles = torch.stack((b & 0x0F, b >> 4), dim=3)  # [E, nb, G, hi, q%4, r, k%4]
     q = nibbles.permute(0, 1, 5, 2, 3, 4, 6).reshape(e, num_blocks * 16, groups, 32)
-    q = q.to(torch.float32) - 8.0  # [E, rows, G, 32]
-    scale = bf16_bits_to_float(s).view(e, num_blocks, groups, 16).permute(0, 1, 3, 2)
+    q = q.to(work) - 8  # [E, rows, G, 32], exact in bf16 too
+    scale = _rows_scales(s, work).view(e, num_blocks, groups, 16).permute(0, 1, 3, 2)
     return (q * scale.reshape(e, num_blocks * 16, groups, 1)).view(e, num_blocks * 16, k)
+
+
+def _rows_scales(s: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+    return s.view(torch.bfloat16) if work == torch.bfloat16 else bf16_bits_to_float(s)
 
 
 def bf16_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
@@ -58,14 +65,15 @@ def bf16_bits_to_float(bits: torch.Tensor) -> torch.Tensor:
     return words.view(torch.float32).squeeze(-1)
 
 
-def _rows(fmt: str, tensors: dict[str, torch.Tensor], which: str, num_blocks: int, k: int):
+def _rows(fmt: str, tensors: dict[str, torch.Tensor], which: str, num_blocks: int, k: int,
+          work: torch.dtype):  # fmt: skip
     w = tensors[f"w{which}"]
     if fmt == "bf16":
-        return _rows_bf16(w, num_blocks, k)
+        return _rows_bf16(w, num_blocks, k, work)
     if fmt == "int8":
         return _rows_int8(w, tensors[f"s{which}"], num_blocks, k)
     if fmt == "int4":
-        return _rows_int4(w, tensors[f"s{which}"], num_blocks, k)
+        return _rows_int4(w, tensors[f"s{which}"], num_blocks, k, work)
     raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
 
 
@@ -74,11 +82,14 @@ def dequantize(fmt: str, tensors: dict[str, torch.Tensor], hidden: int, inter: i
     """Packed experts (rows [E, per-expert] of w13, w2 and their scales) -> (w13 [E, 2I, H]:
     gate rows then up rows, w2 [E, H, I]: down), in `dtype`, on the tensors' device."""
     hp, ip = padded(hidden), padded(inter)
-    rows13 = _rows(fmt, tensors, "13", 2 * ip // 16, hp)  # [E, 2Ip, Hp], gate/up blocks mixed
+    # NOTE: a bf16 weight, and a 4-bit integer times a bf16 scale, are exact in float32 and
+    # correctly rounded by one bf16 multiply: bf16 work gives float32 work rounded to bf16
+    work = torch.bfloat16 if dtype == torch.bfloat16 and fmt != "int8" else torch.float32
+    rows13 = _rows(fmt, tensors, "13", 2 * ip // 16, hp, work)  # [E, 2Ip, Hp], gate/up mixed
     e = rows13.shape[0]
     pairs = rows13.view(e, ip // 16, 2, 16, hp)  # [E, Ip/16, gate|up, 16, Hp]
     gate = pairs[:, :, 0].reshape(e, ip, hp)[:, :inter, :hidden]
     up = pairs[:, :, 1].reshape(e, ip, hp)[:, :inter, :hidden]
     w13 = torch.cat((gate, up), dim=1).to(dtype)  # [E, 2I, H]
-    down = _rows(fmt, tensors, "2", hp // 16, ip)[:, :hidden, :inter].to(dtype)  # [E, H, I]
+    down = _rows(fmt, tensors, "2", hp // 16, ip, work)[:, :hidden, :inter].to(dtype)  # [E, H, I]
     return w13, down

@@ -129,8 +129,14 @@ class LayerStager:
             slot.released.record(torch.cuda.current_stream(self.device))
 
     def reset(self) -> None:
-        """Forget what the slots hold (the weights are re-copied at the next step)."""
+        """Forget what the slots hold (the weights are copied again when next asked for)."""
         for slot in self.slots:
+            slot.layer = None
+
+    def forget(self, layer: int) -> None:
+        """Forget one layer (benchmarks: copy it again although it is staged)."""
+        slot = self._slot_of(layer)
+        if slot is not None:
             slot.layer = None
 
     def replace_stores(self, stores: list[MappedStore]) -> list[MappedStore]:

@@ -94,14 +94,18 @@ def test_dequantize_matches_the_documented_layout(fmt, hidden, inter, device, se
         assert np.all(np.abs(got - orig) <= BOUND[fmt] * limit + 1e-30)
 
 
-def test_dequantize_rounds_to_the_compute_dtype(seed):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dequantize_rounds_to_the_compute_dtype(fmt, dtype, device, seed):
+    """bf16 / fp16 compute gets the float32 dequantization rounded once."""
     g = torch.Generator().manual_seed(seed)
     gate, up, down = (torch.randn(2, 40, 72, generator=g), torch.randn(2, 40, 72, generator=g),
                       torch.randn(2, 72, 40, generator=g))  # fmt: skip
-    packed = pack_experts(gate, up, down, "int4", num_threads=1)
-    tensors = {n: torch.from_numpy(np.array(a)) for n, a in packed.tensors.items()}
-    exact = dequantize("int4", tensors, 72, 40, torch.float32)
-    rounded = dequantize("int4", tensors, 72, 40, torch.bfloat16)
+    packed = pack_experts(gate, up, down, fmt, num_threads=1)
+    tensors = {n: torch.from_numpy(np.array(a)).to(device) for n, a in packed.tensors.items()}
+    exact = dequantize(fmt, tensors, 72, 40, torch.float32)
+    rounded = dequantize(fmt, tensors, 72, 40, dtype)
     for a, b in zip(exact, rounded):
-        assert b.dtype == torch.bfloat16
-        assert torch.equal(a.to(torch.bfloat16), b)
+        assert b.dtype == dtype
+        assert torch.equal(a.to(dtype), b)
