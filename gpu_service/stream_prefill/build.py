@@ -103,6 +103,11 @@ def measure(streaming: StreamingExperts, workers: ShmExperts, spec: ModelSpec,
 
     fixed, per_token = linear_fit((small, large), (timed(compute(small), device),
                                                    timed(compute(large), device)))  # fmt: skip
-    cpu_s = timed(lambda: workers.submit(layer, x, ids, weights).wait(), device)
+
+    def on_cpu(n: int):
+        return lambda: workers.submit(layer, x[:n], ids[:n], weights[:n]).wait()
+
+    cpu_times = (timed(on_cpu(small), device), timed(on_cpu(large), device))
+    cpu_fixed, cpu_per_token = linear_fit((small, large), cpu_times)
     return StreamCost(stager.layer_nbytes, stager.layer_nbytes / copy_s, fixed, per_token,
-                      cpu_s / large)  # fmt: skip
+                      cpu_per_token, cpu_fixed)  # fmt: skip

@@ -1,10 +1,13 @@
 """When streaming a layer's experts to the GPU beats the CPU workers, from what this machine
 measures at start-up:
 
-    cpu(T)      = cpu_s_per_token * T                      (a calibration call to the workers)
+    cpu(T)      = cpu_fixed_s + cpu_s_per_token * T        (calibration calls to the workers)
     streamed(T) = max(layer_bytes / h2d_bytes_per_s,       (the copy of layer L+1 runs while
                       gpu_fixed_s + gpu_s_per_token * T)    layer L computes: the slower one)
-    a chunk of T prefill tokens streams when T >= min_tokens, the least T with streamed < cpu.
+    a chunk of T prefill tokens streams when T >= min_tokens: the least T from which on every
+    chunk streams faster (None if there is none: the CPU is faster per token).
+Each side is a line through two measured sizes; the CPU's per-token cost falls with T (larger
+tiles), so one measured at a few hundred tokens errs towards streaming.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ class StreamCost:
     gpu_fixed_s: float
     gpu_s_per_token: float
     cpu_s_per_token: float
+    cpu_fixed_s: float = 0.0
 
     def cpu_s(self, num_tokens: int) -> float:
-        return self.cpu_s_per_token * num_tokens
+        return self.cpu_fixed_s + self.cpu_s_per_token * num_tokens
 
     def streamed_s(self, num_tokens: int) -> float:
         transfer = self.layer_bytes / self.h2d_bytes_per_s
@@ -34,12 +38,14 @@ class StreamCost:
 
     @property
     def min_tokens(self) -> int | None:
-        """The least chunk that streams; None when the CPU is faster at every size."""
+        """The least chunk from which on streaming is faster; None when the CPU's cost grows
+        slower with T (whatever a smaller chunk does)."""
         margin = self.cpu_s_per_token - self.gpu_s_per_token
         if margin <= 0:
             return None
         transfer = self.layer_bytes / self.h2d_bytes_per_s
-        tokens = max(transfer / self.cpu_s_per_token, self.gpu_fixed_s / margin)
+        tokens = max((transfer - self.cpu_fixed_s) / self.cpu_s_per_token,
+                     (self.gpu_fixed_s - self.cpu_fixed_s) / margin)  # fmt: skip
         return max(1, math.floor(tokens) + 1)
 
     def describe(self) -> str:
@@ -52,7 +58,8 @@ class StreamCost:
             f"{self.layer_bytes / 2**20:.0f} MiB per MoE layer = "
             f"{self.layer_bytes / self.h2d_bytes_per_s * 1e3:.2f} ms; GPU "
             f"{self.gpu_fixed_s * 1e3:.2f} ms + {self.gpu_s_per_token * 1e6:.2f} us/token; "
-            f"CPU workers {self.cpu_s_per_token * 1e6:.2f} us/token per layer)"
+            f"CPU workers {self.cpu_fixed_s * 1e3:.2f} ms + {self.cpu_s_per_token * 1e6:.2f} "
+            "us/token; per MoE layer)"
         )
 
 
