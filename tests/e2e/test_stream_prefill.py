@@ -62,6 +62,8 @@ def test_streamed_prefill_matches_the_worker_path(family, fmt, checkpoints, seed
     try:
         streamed, on_cpu = service(path, worker, "on"), service(path, worker, "off")
         assert on_cpu.streaming is None
+        if DEVICE == "cuda":
+            assert streamed.streaming.stager.pinned  # the mappings registered as pinned memory
         ps = prompts(seed)
         got, want = last_logits(streamed, ps).cpu(), last_logits(on_cpu, ps).cpu()
         assert streamed.streaming.steps_streamed == 1
@@ -143,3 +145,33 @@ def test_a_step_splits_decode_rows_to_the_worker(deferred, checkpoints, seed):
         for s in services:
             s.close()
         worker.close()
+
+
+def test_two_workers_stores_stream_as_one_layer(checkpoints, seed):
+    """Experts 0-4 on one worker and 5-11 on another: the staged layer holds both stores."""
+    path = checkpoints["deepseek_v3"]
+    low = ExpertProcess("--model", str(path), "--format", "int8", "--experts", "0-4")
+    high = None
+    services = []
+    try:
+        high = ExpertProcess("--model", str(path), "--format", "int8", "--experts", "5-11")
+        for mode in ("off", "on"):
+            config = GPUServiceConfig(
+                model_dir=str(path), device=DEVICE, dtype="float32", kv_cache_tokens=1024,
+                stream_prefill=mode, scheduler=SchedulerConfig(max_model_len=128),
+                experts=ExpertClientConfig((low.address, high.address), wire_dtype="float32",
+                                           worker_timeout_s=20),
+            )  # fmt: skip
+            services.append(build_gpu_service(config))
+        ps = prompts(seed + 2)
+        want, got = (last_logits(s, ps).cpu() for s in services)
+        assert services[1].streaming.steps_streamed == 1
+        err = max(relative_error(got[i], want[i]) for i in range(len(ps)))
+        print(f"two workers, int8: streamed vs worker logits relative error {err:.2e}")
+        assert err < BOUNDS["int8"]
+    finally:
+        for s in services:
+            s.close()
+        low.close()
+        if high is not None:
+            high.close()

@@ -8,7 +8,6 @@ import pytest
 
 from gpu_service.stream_prefill.cost_model import StreamCost, linear_fit
 
-
 LIMIT = 20_000
 
 
