@@ -82,6 +82,8 @@ def dequantize(fmt: str, tensors: dict[str, torch.Tensor], hidden: int, inter: i
     """Packed experts (rows [E, per-expert] of w13, w2 and their scales) -> (w13 [E, 2I, H]:
     gate rows then up rows, w2 [E, H, I]: down), in `dtype`, on the tensors' device."""
     hp, ip = padded(hidden), padded(inter)
+    # NOTE: uint16 has few CUDA kernels (no index_select, say): bit patterns travel as int16
+    tensors = {n: t.view(torch.int16) if t.dtype == torch.uint16 else t for n, t in tensors.items()}
     # NOTE: a bf16 weight, and a 4-bit integer times a bf16 scale, are exact in float32 and
     # correctly rounded by one bf16 multiply: bf16 work gives float32 work rounded to bf16
     work = torch.bfloat16 if dtype == torch.bfloat16 and fmt != "int8" else torch.float32
