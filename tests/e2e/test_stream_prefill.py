@@ -5,6 +5,9 @@ tensor copies)."""
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -175,3 +178,40 @@ def test_two_workers_stores_stream_as_one_layer(checkpoints, seed):
         low.close()
         if high is not None:
             high.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_restarted_worker_s_store_is_mapped_instead(checkpoints, seed):
+    """The worker is killed (its store stays, mapped by the GPU service) and another starts at
+    its address with a store of its own: the call in flight is replayed on it, the next step maps
+    the new store and lets go of the old one, and the logits stay the CPU path's."""
+    path = checkpoints["qwen3_moe"]
+    port = free_port()
+    worker = ExpertProcess("--model", str(path), "--format", "int4", "--listen",
+                           f"127.0.0.1:{port}")  # fmt: skip
+    services = []
+    try:
+        services = [service(path, worker, mode) for mode in ("off", "on")]
+        streamed = services[1].streaming
+        old = Path(streamed.stager.stores[0].dir)
+        ps = prompts(seed + 3)
+        want = last_logits(services[0], ps).cpu()
+        worker.close()  # killed: the old store is removed from /dev/shm, its pages still mapped
+        worker = ExpertProcess("--model", str(path), "--format", "int4", "--listen",
+                               f"127.0.0.1:{port}")  # fmt: skip
+        for s in services:  # a decode-like step: the re-attach brings the new WorkerInfo
+            last_logits(s, [ps[0][:1]])
+        got = last_logits(services[1], ps).cpu()
+        new = Path(streamed.stager.stores[0].dir)
+        assert new != old and new.is_dir() and not old.exists()
+        assert relative_error(got[0], want[0]) < BOUNDS["int4"]
+        assert max(relative_error(got[i], want[i]) for i in range(len(ps))) < BOUNDS["int4"]
+    finally:
+        for s in services:
+            s.close()
+        worker.close()
