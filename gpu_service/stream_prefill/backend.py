@@ -55,7 +55,7 @@ class StreamingExperts:
         self.min_tokens = min_tokens
         self.scratch_bytes = scratch_bytes
         self.cost: StreamCost | None = None
-        self.workers = None  # the ShmExperts whose stores it maps: see follow_workers
+        self.workers = None  # the ShmExperts whose stores it maps: see follow()
         self._rows: _StepRows | None = None
         self.steps_streamed = 0  # stats
         self.rows_streamed = 0
