@@ -197,7 +197,7 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
           f"expert tensors = {load['bytes'] / load['seconds'] / 1e9:.2f} GB/s")  # fmt: skip
     print(dram.summary())
     print("\ndecode (tok/s; bound: the experts' bytes the worker read per step over DRAM bw)")
-    cols = [Column("mode", 8, "<"), Column("batch", 5), Column("tok/s", 7), Column("ms/step", 7),
+    cols = [Column("mode", 11, "<"), Column("batch", 5), Column("tok/s", 7), Column("ms/step", 7),
             Column("bound tok/s", 11), Column("% bound", 7), Column("llama.cpp", 9),
             Column("vs llama", 8), Column("vs b1", 5)]  # fmt: skip
     rows = []
@@ -220,7 +220,7 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
         "the worker's mean gap from a reply to the next request (the caller's time between "
         "two calls: gpu + hand-off)"
     )
-    cols = [Column("mode", 8, "<"), Column("batch", 5), Column("layer", 6), Column("gpu", 6),
+    cols = [Column("mode", 11, "<"), Column("batch", 5), Column("layer", 6), Column("gpu", 6),
             *[Column(p, len(p)) for p in PHASES], Column("hand-off", 8),
             Column("idle", 6)]  # fmt: skip
     rows = []
@@ -240,7 +240,7 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
     print_table(cols, rows)
     if args.prefills:
         print("\nprefill (one prompt; time to first token)")
-        cols = [Column("mode", 12, "<"), Column("tokens", 6), Column("TTFT s", 7),
+        cols = [Column("mode", 11, "<"), Column("tokens", 6), Column("TTFT s", 7),
                 Column("tok/s", 7), Column("llama.cpp", 9), Column("vs llama", 8)]  # fmt: skip
         rows = []
         for mode, res in results.items():
