@@ -100,6 +100,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
                                        experts_in_graph=config.graph_expert_calls)  # fmt: skip
         metrics = EngineMetrics()
         experts.on_round_trip = metrics.moe_round_trip.observe
+        if streaming is not None:
+            streaming.on_streamed = metrics.prefill_streamed_tokens.inc
         engine = Engine(model, scheduler, eos_token_ids=eos_token_ids, decode=decode,
                         metrics=metrics, experts_stats=experts.stats,
                         graph_config=graphs).start()  # fmt: skip

@@ -13,6 +13,7 @@ CPU workers:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,7 @@ class StreamingExperts:
         self._rows: _StepRows | None = None
         self.steps_streamed = 0  # stats
         self.rows_streamed = 0
+        self.on_streamed: Callable[[int], None] | None = None  # a metric: rows per step
 
     def __getattr__(self, name: str):
         if name in _FROM_CPU:
@@ -121,6 +123,8 @@ class StreamingExperts:
         )
         self.steps_streamed += 1
         self.rows_streamed += prefill
+        if self.on_streamed is not None:
+            self.on_streamed(prefill)
         self.stager.prefetch(self.moe_layers[0])
 
     def end_step(self) -> None:

@@ -71,6 +71,7 @@ def test_streamed_prefill_matches_the_worker_path(family, fmt, checkpoints, seed
         got, want = last_logits(streamed, ps).cpu(), last_logits(on_cpu, ps).cpu()
         assert streamed.streaming.steps_streamed == 1
         assert streamed.streaming.rows_streamed == sum(map(len, ps))
+        assert streamed.metrics.prefill_streamed_tokens._value.get() == sum(map(len, ps))
         err = max(relative_error(got[i], want[i]) for i in range(len(ps)))
         print(f"{family} {fmt}: streamed vs worker logits relative error {err:.2e}")
         assert err < BOUNDS[fmt]
