@@ -17,6 +17,7 @@ import numpy as np
 from expert_service.expert_shard import ExpertShard, LoadProgress, StoreLayout
 from expert_service.kernels import PackedExperts
 from ktserve.checkpoint import CheckpointError, ModelSpec, validate_shard
+from ktserve.packed_layout import tensor_specs
 
 INDEX_NAME = "ktserve-packed.json"
 FORMAT_VERSION = 1
@@ -45,6 +46,33 @@ def write_layer(out: Path, layer: int, packed: PackedExperts) -> dict:
             offset += arr.nbytes
     os.replace(out / (name + ".tmp"), out / name)
     return {"file": name, "tensors": entries}
+
+
+def create_layer(out: Path, layer: int, weight_format: str, num_experts: int,
+                 spec: ModelSpec) -> tuple[dict, dict[str, np.ndarray]]:  # fmt: skip
+    """A layer file laid out as write_layer lays it out, zero-filled; returns its index entry
+    and writable mapped arrays of its tensors to pack into (in place: no copy to write)."""
+    name = f"layer_{layer:03d}.bin"
+    specs = tensor_specs(weight_format, spec.hidden_size, spec.moe_intermediate_size)
+    entries, offset = {}, 0
+    for tname, (dtype, per_expert) in sorted(specs.items()):
+        offset += -offset % ALIGN
+        shape = [num_experts, per_expert]
+        entries[tname] = {"dtype": dtype.str, "shape": shape, "offset": offset}
+        offset += num_experts * per_expert * dtype.itemsize
+    with open(out / name, "wb") as f:
+        f.truncate(offset)
+    tensors = {
+        tname: np.memmap(
+            out / name,
+            dtype=np.dtype(t["dtype"]),
+            mode="r+",
+            offset=t["offset"],
+            shape=tuple(t["shape"]),
+        )  # fmt: skip
+        for tname, t in entries.items()
+    }
+    return {"file": name, "tensors": entries}, tensors
 
 
 def write_index(out: Path, spec_config: dict, weight_format: str, experts: range, source: str,

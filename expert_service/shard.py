@@ -54,9 +54,14 @@ def load_shard(
         done_bytes = 0
         try:
             for i, layer in enumerate(spec.moe_layers):
-                packed = _pack_layer(reader, layer, experts, weight_format, pack_threads)
-                if store_dir is not None:  # NOTE: the private copy goes as the mapped one comes
-                    entries[layer] = packed_store.write_layer(store_dir, layer, packed)
+                out = None
+                if store_dir is not None:  # NOTE: packed straight into the store's file
+                    entries[layer], out = packed_store.create_layer(
+                        store_dir, layer, weight_format, len(experts), spec
+                    )
+                packed = _pack_layer(reader, layer, experts, weight_format, pack_threads, out)
+                if store_dir is not None:  # NOTE: served from a read-only mapping of it
+                    del out
                     packed = packed_store.map_layer(store_dir, entries[layer], weight_format,
                                                     len(experts), spec)  # fmt: skip
                 layers[layer] = packed
@@ -77,15 +82,16 @@ def load_shard(
 
 
 def _pack_layer(reader: CheckpointReader, layer: int, experts: range, weight_format: str,
-                pack_threads: int | None) -> PackedExperts:  # fmt: skip
+                pack_threads: int | None, out: dict | None = None) -> PackedExperts:  # fmt: skip
     """One layer's experts packed from their tensors as stored (every core reads and converts,
-    FP8 dequantized while packing), or from a float32 copy where the layout needs one."""
+    FP8 dequantized while packing), or from a float32 copy where the layout needs one; into
+    `out`'s buffers where given."""
     stored = reader.stored_experts(layer, list(experts))
     if stored is not None:
         return pack_expert_list(stored.weights, weight_format, scales=stored.scales,
-                                block=stored.block, num_threads=pack_threads)  # fmt: skip
+                                block=stored.block, num_threads=pack_threads, out=out)  # fmt: skip
     gate, up, down = reader.read_experts(layer, list(experts))
-    return pack_experts(gate, up, down, weight_format, num_threads=pack_threads)
+    return pack_experts(gate, up, down, weight_format, num_threads=pack_threads, out=out)
 
 
 class ProgressPrinter:

@@ -96,3 +96,22 @@ def test_a_converted_directory_is_the_store(checkpoint, tmp_path):
         assert out.is_dir() and len(store.layers) > 0  # not the worker's to remove
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize("fp8, per_expert_names", [(True, True), (False, False)])
+def test_packed_into_the_store_equals_packed_in_memory(fp8, per_expert_names, tmp_path, seed):
+    """FP8 experts (dequantized while packing) and a fused layout (through float32), packed in
+    place into the store's files: the same bytes as a private load."""
+    path = make_tiny_checkpoint("deepseek_v3", tmp_path / "c", seed=seed, fp8=fp8,
+                                per_expert_names=per_expert_names)  # fmt: skip
+    shared = load_shard(path, range(1, 9), "int4", pack_threads=1, share=True)
+    try:
+        assert shared.store is not None and Path(shared.store.dir).parent == Path("/dev/shm")
+        private = load_shard(path, range(1, 9), "int4", pack_threads=1)
+        for layer, packed in private.layers.items():
+            for name, arr in packed.tensors.items():
+                got = shared.layers[layer].tensors[name]
+                assert not got.flags.writeable
+                np.testing.assert_array_equal(got, arr)
+    finally:
+        shared_store.remove(Path(shared.store.dir))
