@@ -21,7 +21,7 @@ python3 setup.py -q build_py build_ext --inplace > "$out/build.log" 2>&1 || { ta
 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu_service/stream_prefill 2>&1 \
   | tee "$out/stream-prefill-unit.log" | tail -6
 KTSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -s tests/e2e/test_stream_prefill.py \
-  -k "deepseek_v3 or splits or two_workers" 2>&1 | tee "$out/stream-prefill-e2e.log" \
+  -k "deepseek_v3 and int4 or splits" 2>&1 | tee "$out/stream-prefill-e2e.log" \
   | grep -E "relative error|passed|failed|Error" | tail -20
 python3 bench/bench_stream_prefill.py --shapes qwen3,deepseek --formats int4 \
-  --tokens 512,2048,8192 --layers 6 --worker-threads "$threads" 2>&1 | tee "$out/bench-stream-prefill.log"
+  --tokens 512,2048,8192 --layers 4 --worker-threads "$threads" 2>&1 | tee "$out/bench-stream-prefill.log"
