@@ -7,6 +7,7 @@ import logging
 
 import torch
 
+from gpu_service.engine.errors import ExpertsUnavailable
 from gpu_service.models.experts import RoutedExperts
 from gpu_service.moe_client import ShmExperts
 from gpu_service.stream_prefill.backend import StreamingExperts
@@ -55,6 +56,16 @@ def build_streaming(
     streaming.follow(workers)
     try:
         cost = measure(streaming, workers, spec, max_tokens=workers.max_tokens)
+    except ExpertsUnavailable:  # NOTE: the workers' failure, not streaming's
+        streaming.close()
+        raise
+    except RuntimeError as exc:  # NOTE: torch.OutOfMemoryError is one
+        streaming.close()
+        if mode == "on":
+            raise StreamPrefillUnavailable(f"--stream-prefill on: measuring failed: {exc}") from exc
+        log.warning("prefill: experts stay on the CPU workers (measuring streaming failed: %s)",
+                    exc)  # fmt: skip
+        return None
     except BaseException:
         streaming.close()
         raise
