@@ -11,12 +11,17 @@ Per expert, blocks of 16 output rows over the padded K (Hp = roundup(H, 64), Ip 
     w2:  Hp/16 blocks over K = Ip (down rows)
 Products are formed in float32 (exact for int4 and bf16: a 4-bit integer times a bf16 scale),
 then rounded to the compute dtype; for bfloat16 compute, int4 and bf16 are dequantized in bf16
-directly (the same values, half the memory traffic).
+directly (the same values, half the memory traffic). On CUDA, int4 goes through one Triton
+kernel where Triton is installed (int4_triton.py: the same values again).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger("ktserve.gpu")
 
 FORMATS = ("bf16", "int8", "int4")
 
@@ -73,8 +78,29 @@ def _rows(fmt: str, tensors: dict[str, torch.Tensor], which: str, num_blocks: in
     if fmt == "int8":
         return _rows_int8(w, tensors[f"s{which}"], num_blocks, k)
     if fmt == "int4":
-        return _rows_int4(w, tensors[f"s{which}"], num_blocks, k, work)
+        s = tensors[f"s{which}"]
+        if w.device.type == "cuda" and _triton_int4() is not None:
+            try:
+                return _triton_int4()(w, s, num_blocks, k, work)
+            except Exception:  # noqa: BLE001 - a Triton that cannot build it here: torch ops
+                log.exception("the Triton int4 dequantization failed; using torch ops")
+                _TRITON["rows_int4"] = None
+        return _rows_int4(w, s, num_blocks, k, work)
     raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+
+
+_TRITON: dict = {}
+
+
+def _triton_int4():
+    """int4_triton.rows_int4 (one kernel on CUDA), or None without Triton."""
+    if "rows_int4" not in _TRITON:
+        try:
+            from gpu_service.stream_prefill.int4_triton import rows_int4
+        except ImportError:
+            rows_int4 = None
+        _TRITON["rows_int4"] = rows_int4
+    return _TRITON["rows_int4"]
 
 
 def dequantize(fmt: str, tensors: dict[str, torch.Tensor], hidden: int, inter: int,
