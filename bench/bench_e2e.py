@@ -9,6 +9,9 @@ writes them) and the GPU service in this process, once per mode:
   graph-memops   graph with --device-handoff memops (copies and stream memory operations where
             by default Triton kernels read and write the workers' slots)
   graph-unfused  graph with --no-fused-kernels (RMSNorm and RoPE as torch's elementwise steps)
+  stream-off, stream-on, stream-auto  graph with --stream-prefill off / on / auto: prefill's
+            chunks through the CPU workers, streamed to the GPU, or as the start-up cost model
+            chooses (printed per mode)
 For each: decode tok/s at each batch size (greedy, ignore_eos, 16-token prompts), the per-MoE-
 layer split of a step (the GPU's part is the segments mode's measured GPU time; the worker's
 dispatch, kernel, publish and bookkeeping come from its GetStats; hand-off is what is left of the
@@ -21,6 +24,7 @@ the ratios.
 
     python bench/bench_e2e.py CHECKPOINT [--format int4] [--threads 15] [--batch 1,4,16,64]
         [--prefill 512,2048,8192] [--tokens 64] [--modes graph,segments]
+        [--max-num-batched-tokens 2048]
         [--llama-build DIR --gguf FILE --peer-script run_peer.sh]
 """
 
@@ -59,7 +63,12 @@ MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
                              max_deferred_experts_per_token=1),
          "graph-unfused": dict(cuda_graphs=True, graph_expert_calls=True, fused_kernels=False),
          "graph-memops": dict(cuda_graphs=True, graph_expert_calls=True,
-                              device_handoff="memops")}  # fmt: skip
+                              device_handoff="memops"),
+         # prefill through the GPU (--stream-prefill), side by side: --modes stream-off,stream-on
+         "stream-off": dict(cuda_graphs=True, graph_expert_calls=True, stream_prefill="off"),
+         "stream-on": dict(cuda_graphs=True, graph_expert_calls=True, stream_prefill="on"),
+         "stream-auto": dict(cuda_graphs=True, graph_expert_calls=True,
+                             stream_prefill="auto")}  # fmt: skip
 CLIENT_FIELDS = ("device_handoff",)  # MODES' keys that configure the expert client
 PHASES = ("dispatch", "kernel", "publish", "bookkeeping")
 
@@ -104,9 +113,12 @@ def prefill(service, n: int, seed: int) -> float:
 
 
 def service_config(mode: str, checkpoint: Path, device: str, address: str, max_batch: int,
-                   max_model_len: int) -> GPUServiceConfig:  # fmt: skip
+                   max_model_len: int, max_num_batched_tokens: int | None = None,
+                   ) -> GPUServiceConfig:  # fmt: skip
     """The GPU service of one of MODES, bf16, on the worker at `address`."""
-    scheduler = SchedulerConfig(max_num_seqs=max_batch, max_model_len=max_model_len)
+    batched = {} if max_num_batched_tokens is None else {
+        "max_num_batched_tokens": max_num_batched_tokens}  # fmt: skip
+    scheduler = SchedulerConfig(max_num_seqs=max_batch, max_model_len=max_model_len, **batched)
     client = {k: v for k, v in MODES[mode].items() if k in CLIENT_FIELDS}
     service_fields = {k: v for k, v in MODES[mode].items() if k not in CLIENT_FIELDS}
     return GPUServiceConfig(
@@ -121,11 +133,15 @@ def run_mode(mode: str, args, address: str, stub, dram: DramMeter) -> dict:
     batches, prompts = args.batches, args.prefills
     longest = max(prompts, default=0)
     config = service_config(mode, args.checkpoint, args.device, address, max(batches),
-                            longest + args.tokens + 64)  # fmt: skip
+                            longest + args.tokens + 64, args.max_num_batched_tokens)  # fmt: skip
     start = time.perf_counter()
     service = build_gpu_service(config)
     built = time.perf_counter() - start
     out: dict = {"decode": {}, "prefill": {}, "build_s": built}
+    streaming = service.streaming
+    out["stream"] = (streaming.cost.describe() if streaming is not None and streaming.cost
+                     else "prefill: experts on the CPU workers")  # fmt: skip
+    print(f"[{mode}] {out['stream']}", flush=True)
     try:
         run_batch(service, 1, 8)  # warm-up
         for b in batches:
@@ -200,7 +216,7 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
           f"expert tensors = {load['bytes'] / load['seconds'] / 1e9:.2f} GB/s")  # fmt: skip
     print(dram.summary())
     print("\ndecode (tok/s; bound: the experts' bytes the worker read per step over DRAM bw)")
-    cols = [Column("mode", 8, "<"), Column("batch", 5), Column("tok/s", 7), Column("ms/step", 7),
+    cols = [Column("mode", 11, "<"), Column("batch", 5), Column("tok/s", 7), Column("ms/step", 7),
             Column("bound tok/s", 11), Column("% bound", 7), Column("llama.cpp", 9),
             Column("vs llama", 8), Column("vs b1", 5)]  # fmt: skip
     rows = []
@@ -223,7 +239,7 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
         "the worker's mean gap from a reply to the next request (the caller's time between "
         "two calls: gpu + hand-off)"
     )
-    cols = [Column("mode", 8, "<"), Column("batch", 5), Column("layer", 6), Column("gpu", 6),
+    cols = [Column("mode", 11, "<"), Column("batch", 5), Column("layer", 6), Column("gpu", 6),
             *[Column(p, len(p)) for p in PHASES], Column("hand-off", 8),
             Column("idle", 6)]  # fmt: skip
     rows = []
@@ -243,7 +259,7 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
     print_table(cols, rows)
     if args.prefills:
         print("\nprefill (one prompt; time to first token)")
-        cols = [Column("mode", 8, "<"), Column("tokens", 6), Column("TTFT s", 7),
+        cols = [Column("mode", 11, "<"), Column("tokens", 6), Column("TTFT s", 7),
                 Column("tok/s", 7), Column("llama.cpp", 9), Column("vs llama", 8)]  # fmt: skip
         rows = []
         for mode, res in results.items():
@@ -286,6 +302,12 @@ def main() -> None:
     parser.add_argument("--batch", default="1,4,16,64")
     parser.add_argument("--prefill", default="512,2048,8192", help="prompt lengths ('' none)")
     parser.add_argument("--prefill-reps", type=int, default=2)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens per step: longer prompts prefill in chunks of this",
+    )
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per decode request")
     parser.add_argument("--modes", default="graph,segments")
     parser.add_argument("--device", default=default_device())

@@ -81,6 +81,13 @@ class WorkerConfig:
         name="--drain-timeout",
         help="seconds SIGTERM waits for calls in flight (default %(default)s)",
     )
+    share_experts: bool = flag(
+        True,
+        help="keep experts packed at load in a 0700 directory under /dev/shm (removed at exit), "
+        "so a GPU service on this host maps the same pages to stream prefill to the GPU instead "
+        "of holding a second copy; a `ktserve convert` directory is shared as it is (default: "
+        "on; --no-share-experts keeps them in private memory)",
+    )
 
     def __post_init__(self) -> None:
         check_weight_format(self.weight_format)

@@ -18,6 +18,16 @@ LoadProgress = Callable[[int, int, int], None]  # (layers done, layers total, by
 
 
 @dataclass(frozen=True)
+class StoreLayout:
+    """Where a shard's packed tensors lie in files (a packed store directory: packed_store), for
+    a GPU service on the same host to map: {layer: {"file", "tensors": {name: {dtype, shape,
+    offset}}}}."""
+
+    dir: str
+    layers: dict[int, dict]
+
+
+@dataclass(frozen=True)
 class ExpertShard:
     """Packed experts [start, stop) of every MoE layer of one model."""
 
@@ -26,6 +36,7 @@ class ExpertShard:
     weight_format: str
     experts: range
     layers: dict[int, PackedExperts]
+    store: StoreLayout | None = None  # None: the tensors are in this process's private memory
 
     @property
     def nbytes(self) -> int:

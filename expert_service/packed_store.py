@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from expert_service.expert_shard import ExpertShard, LoadProgress
+from expert_service.expert_shard import ExpertShard, LoadProgress, StoreLayout
 from expert_service.kernels import PackedExperts
 from ktserve.checkpoint import CheckpointError, ModelSpec, validate_shard
+from ktserve.packed_layout import tensor_specs
 
 INDEX_NAME = "ktserve-packed.json"
 FORMAT_VERSION = 1
@@ -31,39 +32,86 @@ def is_packed_dir(path: Path) -> bool:
     return (path / INDEX_NAME).is_file()
 
 
-def save(shard: ExpertShard, out_dir: str | Path, config: dict) -> Path:
-    """Write every layer of `shard`; the index is written last, so a crash leaves no index."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    layers = {}
-    for layer, packed in sorted(shard.layers.items()):
-        name = f"layer_{layer:03d}.bin"
-        entries, offset = {}, 0
-        with open(out / (name + ".tmp"), "wb") as f:
-            for tname, arr in sorted(packed.tensors.items()):
-                pad = -offset % ALIGN
-                f.write(b"\0" * pad)
-                offset += pad
-                entries[tname] = {
-                    "dtype": arr.dtype.str,
-                    "shape": list(arr.shape),
-                    "offset": offset,
-                }
-                f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
-                offset += arr.nbytes
-        os.replace(out / (name + ".tmp"), out / name)
-        layers[str(layer)] = {"file": name, "tensors": entries}
+def write_layer(out: Path, layer: int, packed: PackedExperts) -> dict:
+    """Write one layer's packed tensors to out/layer_LLL.bin; returns its index entry."""
+    name = f"layer_{layer:03d}.bin"
+    entries, offset = {}, 0
+    with open(out / (name + ".tmp"), "wb") as f:
+        for tname, arr in sorted(packed.tensors.items()):
+            pad = -offset % ALIGN
+            f.write(b"\0" * pad)
+            offset += pad
+            entries[tname] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "offset": offset}
+            f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
+            offset += arr.nbytes
+    os.replace(out / (name + ".tmp"), out / name)
+    return {"file": name, "tensors": entries}
+
+
+def create_layer(out: Path, layer: int, weight_format: str, num_experts: int,
+                 spec: ModelSpec) -> tuple[dict, dict[str, np.ndarray]]:  # fmt: skip
+    """A layer file laid out as write_layer lays it out, zero-filled; returns its index entry
+    and writable mapped arrays of its tensors to pack into (in place: no copy to write)."""
+    name = f"layer_{layer:03d}.bin"
+    specs = tensor_specs(weight_format, spec.hidden_size, spec.moe_intermediate_size)
+    entries, offset = {}, 0
+    for tname, (dtype, per_expert) in sorted(specs.items()):
+        offset += -offset % ALIGN
+        shape = [num_experts, per_expert]
+        entries[tname] = {"dtype": dtype.str, "shape": shape, "offset": offset}
+        offset += num_experts * per_expert * dtype.itemsize
+    with open(out / name, "wb") as f:
+        f.truncate(offset)
+    tensors = {
+        tname: np.memmap(
+            out / name,
+            dtype=np.dtype(t["dtype"]),
+            mode="r+",
+            offset=t["offset"],
+            shape=tuple(t["shape"]),
+        )  # fmt: skip
+        for tname, t in entries.items()
+    }
+    return {"file": name, "tensors": entries}, tensors
+
+
+def write_index(out: Path, spec_config: dict, weight_format: str, experts: range, source: str,
+                layers: dict[int, dict]) -> None:  # fmt: skip
+    """The index, written last (atomically), so a directory without one holds no store."""
     index = {
         "format_version": FORMAT_VERSION,
-        "config": config,
-        "weight_format": shard.weight_format,
-        "experts": [shard.experts.start, shard.experts.stop],
-        "source": shard.source_dir,
-        "layers": layers,
+        "config": spec_config,
+        "weight_format": weight_format,
+        "experts": [experts.start, experts.stop],
+        "source": source,
+        "layers": {str(layer): entry for layer, entry in sorted(layers.items())},
     }
     tmp = out / (INDEX_NAME + ".tmp")
     tmp.write_text(json.dumps(index, indent=1))
     os.replace(tmp, out / INDEX_NAME)
+
+
+def map_layer(path: Path, entry: dict, weight_format: str, num_experts: int,
+              spec: ModelSpec) -> PackedExperts:  # fmt: skip
+    """One layer's tensors memory-mapped read-only from the file its index entry names."""
+    file = path / entry["file"]
+    tensors = {
+        name: np.memmap(
+            file, dtype=np.dtype(t["dtype"]), mode="r", offset=t["offset"], shape=tuple(t["shape"])
+        )  # fmt: skip
+        for name, t in entry["tensors"].items()
+    }
+    return PackedExperts.from_tensors(
+        weight_format, num_experts, spec.hidden_size, spec.moe_intermediate_size, tensors
+    )
+
+
+def save(shard: ExpertShard, out_dir: str | Path, config: dict) -> Path:
+    """Write every layer of `shard`; the index is written last, so a crash leaves no index."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    layers = {layer: write_layer(out, layer, packed) for layer, packed in shard.layers.items()}
+    write_index(out, config, shard.weight_format, shard.experts, shard.source_dir, layers)
     return out
 
 
@@ -90,23 +138,11 @@ def load(
     layers = {}
     total, done_bytes = len(index["layers"]), 0
     for i, (layer, entry) in enumerate(sorted(index["layers"].items(), key=lambda kv: int(kv[0]))):
-        file = path / entry["file"]
-        tensors = {
-            name: np.memmap(
-                file,
-                dtype=np.dtype(t["dtype"]),
-                mode="r",
-                offset=t["offset"],
-                shape=tuple(t["shape"]),
-            )
-            for name, t in entry["tensors"].items()
-        }
-        layers[int(layer)] = PackedExperts.from_tensors(
-            weight_format, len(held), spec.hidden_size, spec.moe_intermediate_size, tensors
-        )
+        layers[int(layer)] = map_layer(path, entry, weight_format, len(held), spec)
         done_bytes += layers[int(layer)].nbytes
         if progress is not None:
             progress(i + 1, total, done_bytes)
     if set(layers) != set(spec.moe_layers):
         raise PackedStoreError(f"{path}: layers {sorted(layers)} != MoE layers {spec.moe_layers}")
-    return ExpertShard(spec, str(path), weight_format, held, layers)
+    store = StoreLayout(str(path.resolve()), {int(k): v for k, v in index["layers"].items()})
+    return ExpertShard(spec, str(path), weight_format, held, layers, store)

@@ -199,7 +199,18 @@ def worker_info(worker: ExpertWorker) -> pb.WorkerInfo:
         info.hidden_size = shard.spec.hidden_size
         info.moe_layers.extend(shard.spec.moe_layers)
         info.weight_bytes = shard.nbytes
+        if shard.store is not None:
+            info.store.CopyFrom(_store_pb(shard.store))
     return info
+
+
+def _store_pb(store) -> pb.PackedStore:
+    return pb.PackedStore(dir=store.dir, layers=[
+        pb.StoreLayer(layer=layer, file=entry["file"], tensors=[
+            pb.StoreTensor(name=name, dtype=t["dtype"], shape=t["shape"], offset=t["offset"])
+            for name, t in sorted(entry["tensors"].items())
+        ]) for layer, entry in sorted(store.layers.items())
+    ])  # fmt: skip
 
 
 def _mem_total() -> int:

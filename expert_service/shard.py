@@ -8,10 +8,12 @@ import time
 from pathlib import Path
 
 from expert_service import packed_store
-from expert_service.expert_shard import ExpertShard, LoadProgress
+from expert_service.expert_shard import ExpertShard, LoadProgress, StoreLayout
 from expert_service.kernels import PackedExperts, pack_expert_list, pack_experts
+from ktserve import shared_store
 from ktserve.checkpoint import (
     CheckpointReader,
+    HFConfig,
     check_memory_available,
     estimate_shard_bytes,
     validate_shard,
@@ -28,8 +30,13 @@ def load_shard(
     *,
     pack_threads: int | None = None,
     progress: LoadProgress | None = None,
+    share: bool = False,
 ) -> ExpertShard:
-    """Load a shard from a checkpoint or a `ktserve convert` directory (detected by its index)."""
+    """Load a shard from a checkpoint or a `ktserve convert` directory (detected by its index).
+
+    share: a checkpoint's packed layers go to a store in /dev/shm (shared_store), each mapped
+    back as soon as it is written, so another process can map the same pages; the caller
+    removes `shard.store.dir` when done. Without room there they stay in private memory."""
     model_dir = Path(model_dir)
     if packed_store.is_packed_dir(model_dir):
         return packed_store.load(model_dir, experts, weight_format, progress=progress)
@@ -41,26 +48,50 @@ def load_shard(
         # NOTE: one layer is held while it is packed: as stored, or in float32 (fused layouts).
         transient = estimate_shard_bytes(spec, len(experts), 4.0) // max(spec.num_moe_layers, 1)
         check_memory_available(required + transient)
+        store_dir = shared_store.create(required) if share else None
         layers: dict[int, PackedExperts] = {}
+        entries: dict[int, dict] = {}
         done_bytes = 0
-        for i, layer in enumerate(spec.moe_layers):
-            layers[layer] = _pack_layer(reader, layer, experts, weight_format, pack_threads)
-            done_bytes += layers[layer].nbytes
-            if progress is not None:
-                progress(i + 1, len(spec.moe_layers), done_bytes)
-    return ExpertShard(spec, str(model_dir), weight_format, experts, layers)
+        try:
+            for i, layer in enumerate(spec.moe_layers):
+                out = None
+                if store_dir is not None:  # NOTE: packed straight into the store's file
+                    entries[layer], out = packed_store.create_layer(
+                        store_dir, layer, weight_format, len(experts), spec
+                    )
+                packed = _pack_layer(reader, layer, experts, weight_format, pack_threads, out)
+                if store_dir is not None:  # NOTE: served from a read-only mapping of it
+                    del out
+                    packed = packed_store.map_layer(store_dir, entries[layer], weight_format,
+                                                    len(experts), spec)  # fmt: skip
+                layers[layer] = packed
+                done_bytes += packed.nbytes
+                if progress is not None:
+                    progress(i + 1, len(spec.moe_layers), done_bytes)
+            store = None
+            if store_dir is not None:
+                config = HFConfig.from_dir(model_dir).data
+                packed_store.write_index(store_dir, config, weight_format, experts,
+                                         str(model_dir), entries)  # fmt: skip
+                store = StoreLayout(str(store_dir), entries)
+        except BaseException:
+            if store_dir is not None:
+                shared_store.remove(store_dir)
+            raise
+    return ExpertShard(spec, str(model_dir), weight_format, experts, layers, store)
 
 
 def _pack_layer(reader: CheckpointReader, layer: int, experts: range, weight_format: str,
-                pack_threads: int | None) -> PackedExperts:  # fmt: skip
+                pack_threads: int | None, out: dict | None = None) -> PackedExperts:  # fmt: skip
     """One layer's experts packed from their tensors as stored (every core reads and converts,
-    FP8 dequantized while packing), or from a float32 copy where the layout needs one."""
+    FP8 dequantized while packing), or from a float32 copy where the layout needs one; into
+    `out`'s buffers where given."""
     stored = reader.stored_experts(layer, list(experts))
     if stored is not None:
         return pack_expert_list(stored.weights, weight_format, scales=stored.scales,
-                                block=stored.block, num_threads=pack_threads)  # fmt: skip
+                                block=stored.block, num_threads=pack_threads, out=out)  # fmt: skip
     gate, up, down = reader.read_experts(layer, list(experts))
-    return pack_experts(gate, up, down, weight_format, num_threads=pack_threads)
+    return pack_experts(gate, up, down, weight_format, num_threads=pack_threads, out=out)
 
 
 class ProgressPrinter:

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from expert_service.expert_shard import ExpertShard, LoadProgress
 from expert_service.kernels import MoEKernel
 from expert_service.metrics import WorkerMetrics
 from expert_service.shard import load_shard
-from ktserve import wire
+from ktserve import shared_store, wire
 
 log = logging.getLogger("ktserve.expert")
 
@@ -103,6 +104,7 @@ class ExpertWorker:
             shard = load_shard(
                 model_dir, experts, weight_format,
                 pack_threads=self.config.num_threads, progress=progress,
+                share=self.config.share_experts,
             )  # fmt: skip
         except BaseException:
             with self._lock:
@@ -314,6 +316,9 @@ class ExpertWorker:
         for a in attached:
             a.thread.join(5)
         self.kernel.close()
+        store = self.shard.store if self.shard is not None else None
+        if store is not None and shared_store.is_store_name(Path(store.dir).name):
+            shared_store.remove(Path(store.dir))  # NOTE: ours: a convert directory is not
 
     @property
     def in_flight(self) -> int:

@@ -13,6 +13,7 @@ from ktserve.names import FLOAT_DTYPE_NAMES
 MODEL_DTYPES = ("auto", *FLOAT_DTYPE_NAMES)
 KV_CACHE_DTYPES = ("auto", "fp8")
 GPU_WEIGHT_FORMATS = ("bf16", "fp8", "int8", "int4")
+STREAM_PREFILL_MODES = ("auto", "on", "off")
 DEVICE_ENV = "KTSERVE_DEVICE"
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 
@@ -222,6 +223,17 @@ class GPUServiceConfig:
         "joining the next MoE layer's instead of their own (the last MoE layer defers none); N "
         "must be below the model's experts per token (default %(default)s: off)",
     )
+    stream_prefill: str = flag(
+        "auto",
+        choices=STREAM_PREFILL_MODES,
+        help="prefill through the GPU: a step's prefill chunk has its routed experts computed on "
+        "the GPU from the workers' packed weights, streamed over PCIe layer by layer (the next "
+        "layer's copy overlapping this one's compute; two layers' experts on the GPU), while "
+        "decode rows of the same step go to the CPU workers. auto: for chunks at least as long "
+        "as a cost model measured at start-up says pays off (printed; CUDA only); on: every "
+        "chunk; off: never (default %(default)s). Needs workers on this host that share their "
+        "packed experts (ktserve expert --share-experts, the default)",
+    )
     cuda_graph_max_batch: int = flag(
         32,
         help="largest decode batch run with CUDA graphs; larger ones run eagerly (default "
@@ -262,6 +274,11 @@ class GPUServiceConfig:
             )
         if self.expert_placement is not None and not Path(self.expert_placement).is_file():
             raise ValueError(f"--expert-placement {self.expert_placement!r} is not a file")
+        if self.stream_prefill not in STREAM_PREFILL_MODES:
+            raise ValueError(
+                f"--stream-prefill must be one of {STREAM_PREFILL_MODES}, got "
+                f"{self.stream_prefill!r}"
+            )
         if self.max_deferred_experts_per_token < 0:
             raise ValueError(
                 "--max-deferred-experts-per-token must be >= 0, got "

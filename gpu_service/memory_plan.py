@@ -85,9 +85,11 @@ def cuda_plan(
     kv_tokens: int | None = None,
     max_model_len: int | None = None,
     max_num_seqs: int = 1,
+    streaming_bytes: int = 0,
 ) -> MemoryPlan:
     """The plan on the model's CUDA device, after the profiling forwards; kv_tokens given
-    (--kv-cache-tokens): that cache, the headroom being what is left."""
+    (--kv-cache-tokens): that cache, the headroom being what is left. streaming_bytes: the
+    prefill streaming's staging slots (--stream-prefill), allocated already."""
     device = model.device
     lengths = profile_lengths(max_num_batched_tokens, max_model_len, max_num_seqs)
     activations = profile_peak(model, lengths)
@@ -98,7 +100,7 @@ def cuda_plan(
     non_torch = max(total - free - torch.cuda.memory_reserved(device), 0)
     weights = weight_bytes(model)
     per_token = model.kv_cache.config.bytes_per_token(dtype)
-    fixed = weights + activations + graphs + non_torch
+    fixed = weights + activations + graphs + non_torch + streaming_bytes
     if kv_tokens is None:
         headroom = max(int(HEADROOM_FRACTION * budget), MIN_HEADROOM)
         kv_tokens = (budget - fixed - headroom) // per_token
@@ -107,14 +109,15 @@ def cuda_plan(
                 f"--gpu-memory-utilization {utilization} of {total / GIB:.2f} GiB leaves "
                 f"{(budget - fixed - headroom) / GIB:.2f} GiB for the KV cache after weights "
                 f"{weights / GIB:.2f}, activations {activations / GIB:.2f}, CUDA graphs "
-                f"{graphs / GIB:.2f}, other {non_torch / GIB:.2f} and headroom "
+                f"{graphs / GIB:.2f}, prefill streaming {streaming_bytes / GIB:.2f}, other "
+                f"{non_torch / GIB:.2f} and headroom "
                 f"{headroom / GIB:.2f} GiB: raise --gpu-memory-utilization, lower "
                 "--max-num-batched-tokens, or use --gpu-weight-format fp8 or int4"
             )
     kv_bytes = kv_tokens * per_token
     parts = {"weights": weights, "activations": activations, "cuda_graphs": graphs,
-             "non_torch": non_torch, "headroom": budget - fixed - kv_bytes,
-             "kv_cache": kv_bytes}  # fmt: skip
+             "non_torch": non_torch, "prefill_streaming": streaming_bytes,
+             "headroom": budget - fixed - kv_bytes, "kv_cache": kv_bytes}  # fmt: skip
     return MemoryPlan(str(device), total, budget, parts, kv_tokens)
 
 

@@ -24,6 +24,8 @@ from gpu_service.models.linear import fp8_matmul_supported
 from gpu_service.models.registry import default_device
 from gpu_service.models.weight_formats import LinearQuantConfig
 from gpu_service.moe_client import ShmExperts
+from gpu_service.stream_prefill.backend import StreamingExperts
+from gpu_service.stream_prefill.build import build_streaming
 from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec
 from ktserve.names import float_dtype
 
@@ -49,11 +51,14 @@ class GPUService:
     max_model_len: int
     refresher: HotExpertRefresher | None = None
     memory_plan: MemoryPlan | None = None
+    streaming: StreamingExperts | None = None  # prefill through the GPU (--stream-prefill)
 
     def close(self) -> None:
         if self.refresher is not None:
             self.refresher.stop()
         self.engine.stop()
+        if self.streaming is not None:
+            self.streaming.close()
         self.experts.close()
 
 
@@ -71,10 +76,14 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         config.experts, hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok,
         max_tokens=max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs), device=device,
     )  # fmt: skip
+    streaming = None
     try:
         backend = experts
         if config.gpu_experts or config.expert_placement:
             backend = _hybrid(config, spec, experts, device, dtype)
+        # NOTE: before the model and the KV cache, so their sizes leave room for its buffers
+        streaming = build_streaming(config.stream_prefill, spec, experts, backend, device, dtype)
+        backend = streaming or backend
         deferred = config.max_deferred_experts_per_token
         linear_quant = resolve_linear_quant(config, spec, device)
         log.info("GPU weight format: %s%s", linear_quant.format,
@@ -89,7 +98,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
             plan = cuda_plan(model, kv_dtype, config.gpu_memory_utilization,
                              scheduler.max_num_batched_tokens, max_graph_batch,
                              config.kv_cache_tokens, scheduler.max_model_len,
-                             scheduler.max_num_seqs)  # fmt: skip
+                             scheduler.max_num_seqs,
+                             streaming.memory_bytes if streaming is not None else 0)  # fmt: skip
         else:
             plan = cpu_plan(model, config.kv_cache_tokens or CPU_DEFAULT_CACHE_TOKENS, kv_dtype)
         log.info("%s", plan.table())
@@ -116,6 +126,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         metrics = EngineMetrics()
         metrics.observe_memory_plan(plan)
         experts.on_round_trip = metrics.moe_round_trip.observe
+        if streaming is not None:
+            streaming.on_streamed = metrics.prefill_streamed_tokens.inc
         engine = Engine(model, scheduler, eos_token_ids=eos_token_ids, decode=decode,
                         metrics=metrics, experts_stats=experts.stats,
                         graph_config=graphs).start()  # fmt: skip
@@ -125,9 +137,12 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
             refresher = HotExpertRefresher(backend, config.gpu_experts,
                                            config.gpu_experts_refresh_s).start()  # fmt: skip
     except BaseException:
+        if streaming is not None:
+            streaming.close()
         experts.close()
         raise
-    return GPUService(config, engine, experts, metrics, max_model_len, refresher, plan)
+    return GPUService(config, engine, experts, metrics, max_model_len, refresher, plan,
+                      streaming)
 
 
 def resolve_linear_quant(config: GPUServiceConfig, spec: ModelSpec,

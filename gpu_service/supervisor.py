@@ -34,6 +34,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpu_service.moe_client import RECONNECT_OPTIONS
+from ktserve import shared_store
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV
 
@@ -217,6 +218,7 @@ class Supervisor:
                 log.warning("expert worker pid %d ignored SIGTERM; killing it", proc.pid)
                 proc.kill()
                 proc.wait()
+        shared_store.cleanup_stale()  # NOTE: the packed stores of workers that did not exit
         if self.socket_dir is not None:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
 

@@ -25,6 +25,7 @@ from expert_service.kernels.arrays import (
     is_torch_tensor,
     raw,
 )
+from ktserve.packed_layout import INT4_GROUP, padded, tensor_specs  # noqa: F401 - re-exported
 
 
 class WeightFormat(enum.StrEnum):
@@ -35,33 +36,6 @@ class WeightFormat(enum.StrEnum):
 
 # NOTE: codes match KTK_FMT_* in ktk.h.
 FORMAT_CODES = {WeightFormat.BF16: 0, WeightFormat.INT8: 1, WeightFormat.INT4: 2}
-INT4_GROUP = 32
-
-
-def padded(n: int) -> int:
-    return (n + 63) // 64 * 64
-
-
-def tensor_specs(fmt: WeightFormat, H: int, I: int) -> dict[str, tuple[np.dtype, int]]:  # noqa: E741
-    """name -> (dtype, elements per expert) of every packed buffer of one format."""
-    Hp, Ip = padded(H), padded(I)
-    if fmt == WeightFormat.BF16:
-        return {"w13": (np.dtype(np.uint16), 2 * Ip * Hp), "w2": (np.dtype(np.uint16), Hp * Ip)}
-    if fmt == WeightFormat.INT8:
-        return {
-            "w13": (np.dtype(np.int8), 2 * Ip * Hp),
-            "w2": (np.dtype(np.int8), Hp * Ip),
-            "s13": (np.dtype(np.float32), 2 * Ip),
-            "s2": (np.dtype(np.float32), Hp),
-            "r13": (np.dtype(np.int32), 2 * Ip),
-            "r2": (np.dtype(np.int32), Hp),
-        }
-    return {
-        "w13": (np.dtype(np.uint8), Ip * Hp),
-        "w2": (np.dtype(np.uint8), Hp * Ip // 2),
-        "s13": (np.dtype(np.uint16), 2 * Ip * Hp // INT4_GROUP),
-        "s2": (np.dtype(np.uint16), Hp * Ip // INT4_GROUP),
-    }
 
 
 @dataclass(frozen=True)
@@ -137,7 +111,12 @@ def _source(obj: Any, name: str) -> Any:
 
 
 def pack_experts(
-    gate: Any, up: Any, down: Any, fmt: WeightFormat | str, num_threads: int | None = None
+    gate: Any,
+    up: Any,
+    down: Any,
+    fmt: WeightFormat | str,
+    num_threads: int | None = None,
+    out: dict[str, np.ndarray] | None = None,
 ) -> PackedExperts:
     """Quantizes and packs gate, up [E, I, H] and down [E, H, I] (torch tensors or numpy arrays)."""
     fmt = WeightFormat(fmt)
@@ -152,7 +131,7 @@ def pack_experts(
     E, I, H = g.shape  # noqa: E741
     if d.shape != (E, H, I):
         raise ValueError(f"down must be [E, H, I] = {(E, H, I)}, got {d.shape}")
-    return _pack(fmt, E, H, I, g.kind, num_threads, stacked=(g.ptr, u.ptr, d.ptr))
+    return _pack(fmt, E, H, I, g.kind, num_threads, stacked=(g.ptr, u.ptr, d.ptr), out=out)
 
 
 _SOURCE_DTYPES = {"f32": DT_F32, "bf16": DT_BF16, "f16": DT_F16, "f8e4m3": DT_F8E4M3}
@@ -164,10 +143,15 @@ Triple = tuple[int, int, int]
 def _pack(fmt: WeightFormat, E: int, H: int, I: int, kind: str, num_threads: int | None,  # noqa: E741
           *, stacked: Triple = (0, 0, 0), per_expert: Triple = (0, 0, 0),
           scales: Triple = (0, 0, 0), block: tuple[int, int] = (0, 0),
-          ) -> PackedExperts:  # fmt: skip
+          out: dict[str, np.ndarray] | None = None) -> PackedExperts:  # fmt: skip
     """The packed buffers, filled by ktk_pack from stacked sources or per-expert pointer arrays
-    (addresses; see ktk.h)."""
-    tensors = {n: aligned_empty((E, k), dt) for n, (dt, k) in tensor_specs(fmt, H, I).items()}
+    (addresses; see ktk.h); into `out` where given (checked like PackedExperts' tensors)."""
+    if out is not None:
+        tensors = PackedExperts(fmt, E, H, I, dict(out)).tensors  # NOTE: checks shapes, dtypes
+        if any(not t.flags.writeable for t in tensors.values()):
+            raise ValueError("the output buffers must be writable")
+    else:
+        tensors = {n: aligned_empty((E, k), dt) for n, (dt, k) in tensor_specs(fmt, H, I).items()}
     ptr = {n: t.ctypes.data for n, t in tensors.items()}
     _ext.pack(
         FORMAT_CODES[fmt], E, H, I, _SOURCE_DTYPES[kind], *stacked,
@@ -185,11 +169,13 @@ def pack_expert_list(
     scales: Sequence[tuple[Any, Any, Any]] | None = None,
     block: tuple[int, int] | None = None,
     num_threads: int | None = None,
+    out: dict[str, np.ndarray] | None = None,
 ) -> PackedExperts:
     """Packs one (gate [I, H], up [I, H], down [H, I]) per expert, each read where it lies (a
     tensor of a memory-mapped checkpoint: no stacked copy). All of one dtype: f32, bf16, f16, or
     float8_e4m3fn with `scales` (fp32 per `block` of rows x cols, DeepSeek's weight_scale_inv),
-    dequantized while packing. Gives what pack_experts gives for the stacked float32 weights."""
+    dequantized while packing. Gives what pack_experts gives for the stacked float32 weights.
+    out: buffers to pack into (e.g. a writable mapping of a store file), as PackedExperts holds."""
     fmt = WeightFormat(fmt)
     if not experts:
         raise ValueError("no experts to pack")
@@ -225,7 +211,7 @@ def pack_expert_list(
         fmt, E, H, I, kind, num_threads,
         per_expert=tuple(int(pointers[m].ctypes.data) for m in range(3)),
         scales=tuple(int(scale_ptrs[m].ctypes.data) if fp8 else 0 for m in range(3)),
-        block=block if fp8 else (0, 0),
+        block=block if fp8 else (0, 0), out=out,
     )  # fmt: skip
 
 

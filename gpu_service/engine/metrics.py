@@ -75,6 +75,11 @@ class EngineMetrics:
                                    registry=r)  # fmt: skip
         self.steps = Counter("ktserve_steps", "Forward steps by mode: graph (decode replayed as "
                              "CUDA graphs) or eager", ["mode"], registry=r)  # fmt: skip
+        self.prefill_streamed_tokens = Counter(
+            "ktserve_prefill_streamed_tokens",
+            "Prefill tokens whose routed experts ran on the GPU from streamed weights "
+            "(--stream-prefill)", registry=r,
+        )  # fmt: skip
         self.moe_round_trip = Histogram(
             "ktserve_moe_round_trip_seconds",
             "One MoE call: submit to the expert workers until their summed reply",

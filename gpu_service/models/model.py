@@ -93,6 +93,12 @@ class CausalLM(nn.Module):
     def moes(self) -> list[MoE]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
 
+    def _step_aware_experts(self) -> list:
+        """The MoE layers' expert backends that plan each step (begin_step / end_step: the
+        rows a step streams through the GPU, stream_prefill), each once."""
+        found = {id(m.experts): m.experts for m in self.moes if hasattr(m.experts, "begin_step")}
+        return list(found.values())
+
     @property
     def num_deferred_experts(self) -> int:
         """Routed experts per token each MoE layer but the last defers to the next (moe.py)."""
@@ -153,6 +159,9 @@ class CausalLM(nn.Module):
         )
         h = self.embed_tokens(tokens)  # [T, H]
         deferred = None  # the last MoE layer's deferred call, joined at the next one's combine
+        step_aware = self._step_aware_experts()
+        for backend in step_aware:
+            backend.begin_step([len(s.token_ids) for s in batch.seqs])
         try:
             for layer in self.layers:
                 if isinstance(layer.mlp, MoE):
@@ -164,6 +173,9 @@ class CausalLM(nn.Module):
         except BaseException:
             abandon(deferred)
             raise
+        finally:
+            for backend in step_aware:
+                backend.end_step()
         for s in batch.seqs:
             s.cache.num_tokens = s.end_pos
         if not all_positions:

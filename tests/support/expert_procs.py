@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ktshm
-from ktserve import wire
+from ktserve import shared_store, wire
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.protocol import expert_pb2_grpc as pb_grpc
 from tests.support.watched_process import WatchedProcess
@@ -51,6 +51,8 @@ class ExpertProcess(WatchedProcess):
             self.grpc_channel.close()
         self.kill()
         self.close_streams()
+        # NOTE: killed, it could not remove its packed store; the next worker would
+        shared_store.cleanup_stale()
 
 
 def moe_call(channel: ktshm.Channel, layer: int, x: np.ndarray, ids: np.ndarray,

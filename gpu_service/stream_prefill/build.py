@@ -1,0 +1,124 @@
+"""Start-up of prefill streaming (--stream-prefill): map the workers' packed stores, allocate
+the two staging layers, measure the cost model on this machine and print the choice."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gpu_service.engine.errors import ExpertsUnavailable
+from gpu_service.models.experts import RoutedExperts
+from gpu_service.moe_client import ShmExperts
+from gpu_service.stream_prefill.backend import StreamingExperts
+from gpu_service.stream_prefill.compute import streamed_moe
+from gpu_service.stream_prefill.cost_model import StreamCost, linear_fit, timed
+from gpu_service.stream_prefill.staging import LayerStager
+from gpu_service.stream_prefill.store import MappedStore, UntrustedStore
+from ktserve.checkpoint import ModelSpec
+
+log = logging.getLogger("ktserve.gpu")
+
+CALIBRATION_TOKENS = 256
+
+
+class StreamPrefillUnavailable(RuntimeError):
+    """--stream-prefill on, and the workers' experts cannot be streamed (the reason says why)."""
+
+
+def build_streaming(
+    mode: str, spec: ModelSpec, workers: ShmExperts, backend: RoutedExperts,
+    device: torch.device, dtype: torch.dtype,
+) -> StreamingExperts | None:  # fmt: skip
+    """The backend with prefill streaming over `backend` (None: mode off, or auto and
+    streaming is not possible or not worth it here, logged)."""
+    if mode == "off":
+        return None
+    if mode == "auto" and device.type != "cuda":
+        log.info("prefill: experts stay on the CPU workers (--stream-prefill auto streams only "
+                 "to a CUDA device; the model runs on %s)", device)  # fmt: skip
+        return None
+    stores: list[MappedStore] = []
+    try:
+        for w in workers.workers:
+            stores.append(MappedStore(w.info, spec.hidden_size, spec.moe_intermediate_size,
+                                      spec.moe_layers))  # fmt: skip
+        stager = LayerStager(stores, spec.num_experts, device)
+    except (UntrustedStore, ValueError, OSError) as exc:
+        for store in stores:
+            store.close()
+        if mode == "on":
+            raise StreamPrefillUnavailable(f"--stream-prefill on: {exc}") from exc
+        log.warning("prefill: experts stay on the CPU workers: %s", exc)
+        return None
+    streaming = StreamingExperts(backend, stager, spec.hidden_size, spec.moe_intermediate_size,
+                                 spec.moe_layers, dtype, min_tokens=1)  # fmt: skip
+    streaming.follow(workers)
+    try:
+        cost = measure(streaming, workers, spec, max_tokens=workers.max_tokens)
+    except ExpertsUnavailable:  # NOTE: the workers' failure, not streaming's
+        streaming.close()
+        raise
+    except RuntimeError as exc:  # NOTE: torch.OutOfMemoryError is one
+        streaming.close()
+        if mode == "on":
+            raise StreamPrefillUnavailable(f"--stream-prefill on: measuring failed: {exc}") from exc
+        log.warning("prefill: experts stay on the CPU workers (measuring streaming failed: %s)",
+                    exc)  # fmt: skip
+        return None
+    except BaseException:
+        streaming.close()
+        raise
+    streaming.cost = cost
+    if mode == "on":
+        log.info("prefill: --stream-prefill on: every chunk streams experts to the GPU (the cost "
+                 "model: %s)", cost.describe().removeprefix("prefill: "))  # fmt: skip
+    else:
+        streaming.min_tokens = cost.min_tokens
+        log.info("%s", cost.describe())
+    log.info("prefill streaming holds %.2f GiB of %s memory (two MoE layers' packed experts "
+             "%.2f GiB, dequantization scratch %.2f GiB; pinned host mappings: %s)",
+             streaming.memory_bytes / 2**30, device.type, stager.memory_bytes / 2**30,
+             streaming.scratch_bound / 2**30, "yes" if stager.pinned else "no")  # fmt: skip
+    if mode == "auto" and cost.min_tokens is None:
+        streaming.close()
+        return None
+    return streaming
+
+
+def measure(streaming: StreamingExperts, workers: ShmExperts, spec: ModelSpec,
+            max_tokens: int) -> StreamCost:  # fmt: skip
+    """The cost model's rates on this machine: one layer's copy, its compute at two sizes, and
+    a calibration call of the same tokens to the CPU workers."""
+    stager, device = streaming.stager, streaming.stager.device
+    layer = spec.moe_layers[0]
+    small = max(1, min(CALIBRATION_TOKENS, max_tokens) // 4)
+    large = max(small + 1, min(CALIBRATION_TOKENS, max_tokens))
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(large, spec.hidden_size, generator=g) * 0.1).to(device, streaming.dtype)
+    ids = torch.stack([torch.randperm(spec.num_experts, generator=g)[: spec.num_experts_per_tok]
+                       for _ in range(large)]).to(device, torch.int32)  # fmt: skip
+    weights = torch.full(ids.shape, 1.0 / ids.shape[1], device=device)
+
+    def copy() -> None:
+        stager.reset()
+        stager.acquire(layer)
+
+    copy_s = timed(copy, device)
+
+    def compute(n: int):
+        packed = stager.acquire(layer)
+        return lambda: streamed_moe(stager.fmt, packed, spec.hidden_size,
+                                    spec.moe_intermediate_size, x[:n], ids[:n], weights[:n],
+                                    streaming.dtype, streaming.scratch_bytes)  # fmt: skip
+
+    fixed, per_token = linear_fit((small, large), (timed(compute(small), device),
+                                                   timed(compute(large), device)))  # fmt: skip
+
+    def on_cpu(n: int):
+        return lambda: workers.submit(layer, x[:n], ids[:n], weights[:n]).wait()
+
+    cpu_times = (timed(on_cpu(small), device), timed(on_cpu(large), device))
+    cpu_fixed, cpu_per_token = linear_fit((small, large), cpu_times)
+    return StreamCost(stager.layer_nbytes, stager.layer_nbytes / copy_s, fixed, per_token,
+                      cpu_per_token, cpu_fixed)  # fmt: skip

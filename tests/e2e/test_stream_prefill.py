@@ -1,0 +1,218 @@
+"""Prefill through the GPU (--stream-prefill) against the CPU-worker path and transformers: one
+real `ktserve expert` subprocess per test, whose packed experts (in /dev/shm) the GPU service
+maps and streams; the GPU part on KTSERVE_TEST_DEVICE (cpu here: the same code, copies are
+tensor copies)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
+from gpu_service.models import Batch, SeqInput
+from gpu_service.service import build_gpu_service
+from ktserve.protocol import expert_pb2 as pb
+from tests.e2e.test_parity import (
+    DEVICE,
+    greedy_together,
+    last_logits,
+    reference_greedy_check,
+    relative_error,
+)
+from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
+from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401
+
+FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
+# Streamed minus worker path, last-position logits, max|a - b| / max|b|. bf16 experts with
+# float32 everywhere: both are fp32 math on the same weights (summation order apart). int8 and
+# int4: the same weights, but the worker quantizes activations to int8 per token, the streamed
+# path does not: measured 1.6e-3 / 1.7e-3 on deepseek_v3, bounds with margin.
+BOUNDS = {"bf16": 1e-5, "int8": 2e-2, "int4": 2e-2}
+if DEVICE == "cuda":  # the GPU part in float32 still rounds GEMMs to TF32 where torch allows
+    BOUNDS["bf16"] = 1e-3
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, seed):
+    root = tmp_path_factory.mktemp("stream")
+    return {f: make_tiny_checkpoint(f, root / f, seed=seed) for f in FAMILIES}
+
+
+def service(path, worker: ExpertProcess, mode: str, **kw):
+    config = GPUServiceConfig(
+        model_dir=str(path), device=DEVICE, dtype="float32", kv_cache_tokens=2048,
+        stream_prefill=mode, scheduler=SchedulerConfig(max_model_len=128),
+        experts=ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
+        **kw,
+    )  # fmt: skip
+    return build_gpu_service(config)
+
+
+def prompts(seed: int, lengths=(21, 34, 9)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 101, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_prefill_matches_the_worker_path(family, fmt, checkpoints, seed):
+    path = checkpoints[family]
+    worker = ExpertProcess("--model", str(path), "--format", fmt)
+    streamed = on_cpu = None
+    try:
+        streamed, on_cpu = service(path, worker, "on"), service(path, worker, "off")
+        assert on_cpu.streaming is None
+        if DEVICE == "cuda":
+            assert streamed.streaming.stager.pinned  # the mappings registered as pinned memory
+        ps = prompts(seed)
+        got, want = last_logits(streamed, ps).cpu(), last_logits(on_cpu, ps).cpu()
+        assert streamed.streaming.steps_streamed == 1
+        assert streamed.streaming.rows_streamed == sum(map(len, ps))
+        assert streamed.metrics.prefill_streamed_tokens._value.get() == sum(map(len, ps))
+        err = max(relative_error(got[i], want[i]) for i in range(len(ps)))
+        print(f"{family} {fmt}: streamed vs worker logits relative error {err:.2e}")
+        assert err < BOUNDS[fmt]
+        if fmt == "bf16":  # and against transformers itself, as the exact path is
+            reference = load_reference_model(path)
+            for i, prompt in enumerate(ps):
+                with torch.no_grad():
+                    ref = reference(torch.tensor([prompt])).logits[0, -1]
+                assert relative_error(got[i], ref) < 1e-3
+        # greedy: the prefill streamed, decode rows on the worker; each token is the CPU
+        # path's argmax (within the bound) given the same history
+        outputs = greedy_together(streamed, ps, 12)
+        for prompt, tokens in zip(ps, outputs):
+            history = last_logits_all(on_cpu, prompt + tokens)[len(prompt) - 1 : -1]
+            for i, token in enumerate(tokens):
+                row = history[i]
+                tol = BOUNDS[fmt] * 2 * float(row.abs().max())
+                assert row[token] >= row.max() - tol, (i, token, int(row.argmax()))
+            if fmt == "bf16":
+                reference_greedy_check(reference, prompt, tokens)
+    finally:
+        for s in (streamed, on_cpu):
+            if s is not None:
+                s.close()
+        worker.close()
+
+
+def last_logits_all(service, prompt: list[int]) -> torch.Tensor:
+    """Logits [L, V] at every position of one prompt (the CPU path: one prefill)."""
+    model = service.engine.model
+    cache = model.kv_cache.allocate(len(prompt))
+    try:
+        return model.forward(Batch((SeqInput(prompt, cache, 0),)), all_positions=True).cpu()
+    finally:
+        model.kv_cache.free(cache)
+
+
+@pytest.mark.parametrize("deferred", [0, 1])
+def test_a_step_splits_decode_rows_to_the_worker(deferred, checkpoints, seed):
+    """One step holding a decode row, a prefill chunk and another decode row: the chunk's rows
+    stream, the decode rows go to the worker (its stats count them), the logits are the CPU
+    path's. With expert deferral too (two calls per MoE layer, one joined at the next)."""
+    path = checkpoints["deepseek_v3"]
+    worker = ExpertProcess("--model", str(path), "--format", "bf16")
+    services = []
+    try:
+        for mode in ("off", "on"):
+            services.append(service(path, worker, mode, max_deferred_experts_per_token=deferred))
+        a, b, c = prompts(seed + 1, lengths=(7, 30, 5))
+        results = []
+        for s in services:
+            model = s.engine.model
+            caches = [model.kv_cache.allocate(len(p) + 1) for p in (a, c)]
+            try:
+                for cache, p in zip(caches, (a, c)):  # the two decodes' prompts, first
+                    model.forward(Batch((SeqInput(p, cache, 0),)))
+                chunk = model.kv_cache.allocate(len(b))
+                caches.append(chunk)
+                before = worker.stub.GetStats(pb.StatsRequest(), timeout=10).tokens
+                batch = Batch((SeqInput([3], caches[0], len(a)), SeqInput(b, chunk, 0),
+                               SeqInput([5], caches[1], len(c))))  # fmt: skip
+                results.append(model.forward(batch).cpu())
+                sent = worker.stub.GetStats(pb.StatsRequest(), timeout=10).tokens - before
+            finally:
+                for cache in caches:
+                    model.kv_cache.free(cache)
+            num_moe = len(model.moes)
+            calls = num_moe + deferred * (num_moe - 1)  # the last MoE layer defers nothing
+            rows = len(b) + 2 if s.streaming is None else 2
+            assert sent == calls * rows, (s.config.stream_prefill, sent, calls, rows)
+        err = relative_error(results[1], results[0])
+        print(f"deferred {deferred}: streamed vs worker logits relative error {err:.2e}")
+        assert err < BOUNDS["bf16"]
+    finally:
+        for s in services:
+            s.close()
+        worker.close()
+
+
+def test_two_workers_stores_stream_as_one_layer(checkpoints, seed):
+    """Experts 0-4 on one worker and 5-11 on another: the staged layer holds both stores."""
+    path = checkpoints["deepseek_v3"]
+    low = ExpertProcess("--model", str(path), "--format", "int8", "--experts", "0-4")
+    high = None
+    services = []
+    try:
+        high = ExpertProcess("--model", str(path), "--format", "int8", "--experts", "5-11")
+        for mode in ("off", "on"):
+            config = GPUServiceConfig(
+                model_dir=str(path), device=DEVICE, dtype="float32", kv_cache_tokens=1024,
+                stream_prefill=mode, scheduler=SchedulerConfig(max_model_len=128),
+                experts=ExpertClientConfig((low.address, high.address), wire_dtype="float32",
+                                           worker_timeout_s=20),
+            )  # fmt: skip
+            services.append(build_gpu_service(config))
+        ps = prompts(seed + 2)
+        want, got = (last_logits(s, ps).cpu() for s in services)
+        assert services[1].streaming.steps_streamed == 1
+        err = max(relative_error(got[i], want[i]) for i in range(len(ps)))
+        print(f"two workers, int8: streamed vs worker logits relative error {err:.2e}")
+        assert err < BOUNDS["int8"]
+    finally:
+        for s in services:
+            s.close()
+        low.close()
+        if high is not None:
+            high.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_restarted_worker_s_store_is_mapped_instead(checkpoints, seed):
+    """The worker is killed (its store stays, mapped by the GPU service) and another starts at
+    its address with a store of its own: the call in flight is replayed on it, the next step maps
+    the new store and lets go of the old one, and the logits stay the CPU path's."""
+    path = checkpoints["qwen3_moe"]
+    port = free_port()
+    worker = ExpertProcess("--model", str(path), "--format", "int4", "--listen",
+                           f"127.0.0.1:{port}")  # fmt: skip
+    services = []
+    try:
+        services = [service(path, worker, mode) for mode in ("off", "on")]
+        streamed = services[1].streaming
+        old = Path(streamed.stager.stores[0].dir)
+        ps = prompts(seed + 3)
+        want = last_logits(services[0], ps).cpu()
+        worker.close()  # killed: the old store is removed from /dev/shm, its pages still mapped
+        worker = ExpertProcess("--model", str(path), "--format", "int4", "--listen",
+                               f"127.0.0.1:{port}")  # fmt: skip
+        for s in services:  # a decode-like step: the re-attach brings the new WorkerInfo
+            last_logits(s, [ps[0][:1]])
+        got = last_logits(services[1], ps).cpu()
+        new = Path(streamed.stager.stores[0].dir)
+        assert new != old and new.is_dir() and not old.exists()
+        assert relative_error(got[0], want[0]) < BOUNDS["int4"]
+        assert max(relative_error(got[i], want[i]) for i in range(len(ps))) < BOUNDS["int4"]
+    finally:
+        for s in services:
+            s.close()
+        worker.close()
