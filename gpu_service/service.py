@@ -141,8 +141,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
             streaming.close()
         experts.close()
         raise
-    return GPUService(config, engine, experts, metrics, max_model_len, refresher, plan,
-                      streaming)
+    return GPUService(config, engine, experts, metrics, max_model_len, refresher, plan, streaming)
 
 
 def resolve_linear_quant(config: GPUServiceConfig, spec: ModelSpec,
