@@ -89,7 +89,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
             max_batch = min(config.cuda_graph_max_batch, scheduler.max_num_seqs)
             graphs = DecodeGraphConfig(max_batch=max_batch,
                                        experts_in_graph=config.graph_expert_calls)  # fmt: skip
-        metrics = EngineMetrics()
+        metrics = EngineMetrics(max_model_len=max_model_len)
         experts.on_round_trip = metrics.moe_round_trip.observe
         engine = Engine(model, scheduler, eos_token_ids=eos_token_ids, decode=decode,
                         metrics=metrics, experts_stats=experts.stats,
