@@ -68,6 +68,12 @@ class WorkerConfig:
         help="force the kernel's instruction set (default: the best this CPU has)",
     )
     metrics_port: int = flag(0, help="serve Prometheus metrics on this port (default: off)")
+    served_model_name: str | None = flag(
+        None,
+        help="the model_name label on every metric, as the GPU service labels its own (give "
+        "both the same --served-model-name; default: the loaded model directory's name, as "
+        "`ktserve serve` names the model it serves)",
+    )
     metrics_host: str = flag(
         "127.0.0.1", help="address of the metrics endpoint (default %(default)s)"
     )

@@ -2,7 +2,7 @@
 
 Where vLLM has the same concept the name after the prefix is vLLM's (vllm:num_requests_running
 is ktserve_num_requests_running, ...); /metrics adds a model_name label to every sample
-(api/model_label.py). Requests: ktserve_num_requests_running / _waiting,
+(ktserve/model_label.py). Requests: ktserve_num_requests_running / _waiting,
 ktserve_request_success{finished_reason} (stop, length, abort, error),
 ktserve_num_preemptions, ktserve_request_queue_time_seconds (arrival to first scheduled),
 ktserve_time_to_first_token_seconds, ktserve_inter_token_latency_seconds,
