@@ -32,34 +32,21 @@ from gpu_service.engine.errors import (
     RequestAborted,
     step_error,
 )
-from tests.support.api_server import ServerProcess, make_served_checkpoint, pid_alive
-from tests.support.expert_procs import shm_entries
+from tests.support.api_server import (
+    EXACT_FLAGS,
+    HELLO,
+    NO_EOS,
+    TINY_MODEL_LEN,
+    make_served_checkpoint,
+    openai_client,
+    pid_alive,
+    running_server,
+    tiny_server,
+)
 
 API_KEY = "test-key-123"
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = TINY_MODEL_LEN
 MAX_NUM_SEQS = 4
-FLAGS = (
-    "--expert-workers",
-    "1",
-    "--threads",
-    "1",
-    "--device",
-    "cpu",
-    "--dtype",
-    "float32",
-    "--wire-dtype",
-    "float32",
-    "--format",
-    "bf16",
-    "--max-model-len",
-    str(MAX_MODEL_LEN),
-    "--kv-cache-tokens",
-    "4096",
-)
-HELLO = [{"role": "user", "content": "Hello! How are you today?"}]
-# NOTE: the tiny model is random: EOS may come at any step, so tests that need a given length
-# pass the ignore_eos extension.
-NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -69,25 +56,13 @@ def checkpoint(tmp_path_factory, seed):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    before = shm_entries()
-    proc = ServerProcess(
-        checkpoint,
-        *FLAGS,
-        "--max-num-seqs",
-        str(MAX_NUM_SEQS),
-        "--served-model-name",
-        "tiny",
-        env={"KTSERVE_API_KEY": API_KEY},
-    )
-    yield proc
-    assert proc.terminate() == 0, proc.stderr()[-3000:]
-    proc.close()
-    assert not shm_entries() - before
+    with tiny_server(checkpoint, API_KEY, MAX_NUM_SEQS) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(server, API_KEY)
 
 
 def auth() -> dict:
@@ -554,12 +529,9 @@ def test_killed_worker_is_restarted_and_requests_wait(server, client):
 @pytest.fixture(scope="module")
 def fragile_server(checkpoint):
     """No worker restarts, a short worker deadline: a dead worker means 503."""
-    before = shm_entries()
-    proc = ServerProcess(checkpoint, *FLAGS, "--no-restart-workers", "--worker-timeout", "2")
-    yield proc
-    assert proc.terminate() == 0, proc.stderr()[-3000:]
-    proc.close()
-    assert not shm_entries() - before
+    flags = (*EXACT_FLAGS, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "4096")
+    with running_server(checkpoint, *flags, "--no-restart-workers", "--worker-timeout", "2") as p:
+        yield p
 
 
 def test_dead_worker_without_restart_is_503(fragile_server):
