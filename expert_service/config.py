@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ktserve.config_flags import flag
 from ktserve.names import WEIGHT_FORMATS, check_weight_format
-from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV
+from ktserve.worker_token import token_file_flag
 
 # NOTE: kernels.isa.ISA_CODES' names; importing that module loads the kernel, which --help must not
 ISAS = ("avx2", "avx512", "amx")
@@ -40,14 +40,9 @@ class WorkerConfig:
         help="gRPC address: HOST:PORT (port 0 picks a free one) or unix:/path.sock (default "
         "%(default)s). Any address but a Unix socket or loopback needs a token (--token-file)",
     )
-    token_file: str | None = flag(
-        None,
-        env=TOKEN_FILE_ENV,
-        metavar="PATH",
-        help="take calls (all but health) only with the token in this file's first line "
-        f"(default: the {TOKEN_FILE_ENV} environment variable; without either, the token in "
-        f"{TOKEN_ENV}; without that, none). The token is never a flag: a command line is "
-        "visible to every local user",
+    token_file: str | None = token_file_flag(
+        "With one, the worker takes calls (all but health) only with it; without, from anyone "
+        "who reaches it."
     )
     experts: str | None = flag(
         None, help="expert ids this worker holds, inclusive, e.g. 0-63 (default: all)"

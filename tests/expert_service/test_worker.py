@@ -472,3 +472,27 @@ def test_a_worker_reachable_from_other_machines_needs_a_token():
                           env=CHILD_ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2
     assert "token" in done.stderr and TOKEN_FILE_ENV in done.stderr
+
+
+def test_both_token_file_flags_share_their_lookup_and_help(monkeypatch, tmp_path):
+    """`ktserve expert --token-file` and `ktserve serve --worker-token-file` are one builder's
+    (ktserve/worker_token.py): the same variable fills both, and both explain it alike."""
+    from expert_service.config import WorkerConfig
+    from gpu_service.cli import serve_config
+    from gpu_service.config import DEMO_MODEL_DIR
+    from ktserve.cli import build_parser
+    from ktserve.config_flags import from_args
+
+    monkeypatch.setenv(TOKEN_FILE_ENV, str(tmp_path / "token"))
+    parser = build_parser()
+    worker = from_args(WorkerConfig, parser.parse_args(["expert"]))
+    serve = serve_config(parser.parse_args(["serve", str(DEMO_MODEL_DIR)]))
+    assert worker.token_file == serve.workers.worker_token_file == str(tmp_path / "token")
+    shared = f"without either, the token in {TOKEN_ENV}). "
+    helps = [
+        " ".join(sub.format_help().split())
+        for name, sub in parser._subparsers._group_actions[0].choices.items()
+        if name in ("expert", "serve")
+    ]
+    assert len(helps) == 2 and all(shared in h for h in helps)
+    assert all("The token is never a flag" in h for h in helps)
