@@ -15,7 +15,6 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.checkpoints import make_tiny_checkpoint
@@ -200,7 +199,10 @@ def tiny_server(checkpoint: Path, api_key: str, max_num_seqs: int):
                           env={"KTSERVE_API_KEY": api_key})  # fmt: skip
 
 
-def openai_client(server: ServerProcess, api_key: str = "unused") -> openai.OpenAI:
+def openai_client(server: ServerProcess, api_key: str = "unused"):
+    """The real openai SDK's client of `server` (no retries: a test sees each answer)."""
+    import openai  # NOTE: here, so tests that only make checkpoints need no openai (GPU host)
+
     return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=120)
 
 
