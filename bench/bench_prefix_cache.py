@@ -3,12 +3,13 @@ caching, in one run.
 
 An agent harness resends the whole conversation every turn: a long system prompt (tool
 descriptions), then per turn a user or tool message and the model's reply, rendered with the
-checkpoint's chat template. GPU services on one `ktserve expert` worker (a subprocess), --repeats
-with prefix caching (each replays the whole conversation, so each meets a turn as a harness's
-server would: once) and one with --no-prefix-caching, get each turn's prompt alternately (so the
-machine's drift hits both alike); the replies (greedy) come from the first cached service and go
-into the history as text, as a harness would send them. Prints per turn the prompt length, the
-tokens served from the prefix cache, both TTFTs (median of the repeats) and their ratio.
+checkpoint's chat template. Two GPU services on one `ktserve expert` worker (a subprocess), one
+with prefix caching and one with --no-prefix-caching, get each turn's prompt alternately (so the
+machine's drift hits both alike); the replies (greedy) come from the cached service and go into
+the history as text, as a harness would send them. --repeats N replays the conversation N times,
+each time on a fresh cached service (so each meets every turn once, as a harness's server would).
+Prints per turn the prompt length, the tokens served from the prefix cache, both TTFTs (the
+median of the N) and their ratio.
 
     python bench/bench_prefix_cache.py [--model demo_model] [--turns 8] [--repeats 3]
 """
@@ -99,9 +100,8 @@ def main() -> None:
         "--repeats",
         type=int,
         default=3,
-        help="TTFTs per turn and side, their median reported: one cached service "
-        "per repeat replays the conversation, the uncached one runs the turn "
-        "that many times (so one outlier on a busy machine decides nothing)",
+        help="replays of the conversation, each on a fresh cached service; per turn and side "
+        "the median TTFT is reported (so one outlier on a busy machine decides nothing)",
     )
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="threads of this process's torch (the GPU part on the CPU); 0: "
@@ -116,47 +116,58 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    rng = random.Random(args.seed)
+    rng, warm_rng = random.Random(args.seed), random.Random(args.seed + 1)
     messages = [{"role": "system", "content": text_of(tokenizer, rng, args.system_tokens, "tools")}]
-    rows = []
+    prompts: list[list[int]] = []  # per turn, made by the first replay
+    replies: list[list[int]] = []
+    cached_s = [[] for _ in range(args.turns)]
+    plain_s = [[] for _ in range(args.turns)]
+    hits: list[int] = []
     with expert_worker(args.model, args.format, args.threads) as address:
-        cached: list = []  # one service per repeat, each with the conversation's cache
-        plain = None
+
+        def service(caching: bool):
+            built = build_gpu_service(GPUServiceConfig(
+                model_dir=args.model, device=args.device, dtype=args.dtype,
+                prefix_caching=caching, scheduler=SchedulerConfig(max_model_len=8192),
+                experts=ExpertClientConfig((address,))))  # fmt: skip
+            first_token_seconds(built, [warm_rng.randrange(3, 4000) for _ in range(64)],
+                                2)  # fmt: skip # warm-up, shares no prefix
+            return built
+
+        plain = service(False)
         try:
-            for caching in [True] * args.repeats + [False]:
-                service = build_gpu_service(GPUServiceConfig(
-                    model_dir=args.model, device=args.device, dtype=args.dtype,
-                    prefix_caching=caching, scheduler=SchedulerConfig(max_model_len=8192),
-                    experts=ExpertClientConfig((address,))))  # fmt: skip
-                if caching:
-                    cached.append(service)
-                else:
-                    plain = service
-                first_token_seconds(service, [rng.randrange(3, 4000) for _ in range(64)],
-                                    2)  # fmt: skip # warm-up, shares no prefix
-            for turn in range(1, args.turns + 1):
-                content = text_of(tokenizer, rng, args.turn_tokens, "output")
-                messages.append({"role": "user" if turn == 1 else "tool", "content": content})
-                prompt = render(tokenizer, messages)
-                cached_s, plain_s, replies, hits = [], [], [], []
-                for service in cached:  # NOTE: alternated, so the machine's drift hits both
-                    seconds, reply, hit = first_token_seconds(service, prompt, args.reply_tokens)
-                    cached_s.append(seconds)
-                    replies.append(reply)
-                    hits.append(hit)
-                    plain_s.append(first_token_seconds(plain, prompt, 1)[0])
-                if len(set(hits)) > 1 or any(r != replies[0] for r in replies):
-                    print(f"turn {turn}: the cached services differ (hits {hits})", flush=True)
-                rows.append((turn, len(prompt), hits[0], cached_s, plain_s))
-                print(f"turn {turn}: {len(prompt)} tokens, {hits[0]} cached, TTFT "
-                      f"{median(cached_s):.2f} s vs {median(plain_s):.2f} s (median of "
-                      f"{args.repeats})", flush=True)  # fmt: skip
-                reply_text = tokenizer.decode(replies[0], skip_special_tokens=True)
-                messages.append({"role": "assistant", "content": reply_text})
+            # NOTE: one fresh cached service per replay, so each meets every turn once, as a
+            # harness's server would; two services at a time, as without --repeats
+            for replay in range(args.repeats):
+                cached = service(True)
+                try:
+                    for turn in range(args.turns):
+                        if replay == 0:
+                            content = text_of(tokenizer, rng, args.turn_tokens, "output")
+                            role = "user" if turn == 0 else "tool"
+                            messages.append({"role": role, "content": content})
+                            prompts.append(render(tokenizer, messages))
+                        prompt = prompts[turn]
+                        seconds, reply, hit = first_token_seconds(cached, prompt,
+                                                                  args.reply_tokens)  # fmt: skip
+                        cached_s[turn].append(seconds)
+                        plain_s[turn].append(first_token_seconds(plain, prompt, 1)[0])
+                        if replay == 0:
+                            replies.append(reply)
+                            hits.append(hit)
+                            text = tokenizer.decode(reply, skip_special_tokens=True)
+                            messages.append({"role": "assistant", "content": text})
+                        elif (reply, hit) != (replies[turn], hits[turn]):
+                            print(f"turn {turn + 1}: replay {replay + 1} differs ({hit} cached, "
+                                  f"not {hits[turn]})", flush=True)  # fmt: skip
+                        print(f"replay {replay + 1} turn {turn + 1}: {len(prompt)} tokens, {hit} "
+                              f"cached, TTFT {seconds:.2f} s vs {plain_s[turn][-1]:.2f} s",
+                              flush=True)  # fmt: skip
+                finally:
+                    cached.close()
         finally:
-            for service in [*cached, plain]:
-                if service is not None:
-                    service.close()
+            plain.close()
+    rows = [(t + 1, len(prompts[t]), hits[t], cached_s[t], plain_s[t]) for t in range(args.turns)]
     print(f"\nagent conversation replay: {Path(args.model).name}, GPU part on {args.device}, "
           f"{torch_threads()} torch threads, 1 expert worker ({args.format}, {args.threads} "
           f"threads), {args.system_tokens}-token "
