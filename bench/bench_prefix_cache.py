@@ -6,10 +6,12 @@ descriptions), then per turn a user or tool message and the model's reply, rende
 checkpoint's chat template. Two GPU services on one `ktserve expert` worker (a subprocess), one
 with prefix caching and one with --no-prefix-caching, get each turn's prompt alternately (so the
 machine's drift hits both alike); the replies (greedy) come from the cached service and go into
-the history as text, as a harness would send them. Prints per turn the prompt length, the tokens
-served from the prefix cache, both TTFTs and their ratio.
+the history as text, as a harness would send them. --repeats N replays the conversation N times,
+each time on a fresh cached service (so each meets every turn once, as a harness's server would).
+Prints per turn the prompt length, the tokens served from the prefix cache, both TTFTs (the
+median of the N) and their ratio.
 
-    python bench/bench_prefix_cache.py [--model demo_model] [--turns 8] [--system-tokens 1900]
+    python bench/bench_prefix_cache.py [--model demo_model] [--turns 8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
 
@@ -93,10 +96,19 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=250, help="user/tool text per turn")
     parser.add_argument("--reply-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="replays of the conversation, each on a fresh cached service; per turn and side "
+        "the median TTFT is reported (so one outlier on a busy machine decides nothing)",
+    )
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="threads of this process's torch (the GPU part on the CPU); 0: "
                         "torch's default")  # fmt: skip
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     if args.torch_threads:
         import torch
 
@@ -104,46 +116,76 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    rng = random.Random(args.seed)
+    rng, warm_rng = random.Random(args.seed), random.Random(args.seed + 1)
     messages = [{"role": "system", "content": text_of(tokenizer, rng, args.system_tokens, "tools")}]
-    rows = []
+    prompts: list[list[int]] = []  # per turn, made by the first replay
+    replies: list[list[int]] = []
+    cached_s = [[] for _ in range(args.turns)]
+    plain_s = [[] for _ in range(args.turns)]
+    hits: list[int] = []
     with expert_worker(args.model, args.format, args.threads) as address:
-        services = {}
+
+        def service(caching: bool):
+            built = build_gpu_service(GPUServiceConfig(
+                model_dir=args.model, device=args.device, dtype=args.dtype,
+                prefix_caching=caching, scheduler=SchedulerConfig(max_model_len=8192),
+                experts=ExpertClientConfig((address,))))  # fmt: skip
+            first_token_seconds(built, [warm_rng.randrange(3, 4000) for _ in range(64)],
+                                2)  # fmt: skip # warm-up, shares no prefix
+            return built
+
+        plain = service(False)
         try:
-            for caching in (True, False):
-                services[caching] = build_gpu_service(GPUServiceConfig(
-                    model_dir=args.model, device=args.device, dtype=args.dtype,
-                    prefix_caching=caching, scheduler=SchedulerConfig(max_model_len=8192),
-                    experts=ExpertClientConfig((address,))))  # fmt: skip
-                first_token_seconds(services[caching], [rng.randrange(3, 4000) for _ in range(64)],
-                                    2)  # fmt: skip # warm-up, shares no prefix
-            for turn in range(1, args.turns + 1):
-                content = text_of(tokenizer, rng, args.turn_tokens, "output")
-                messages.append({"role": "user" if turn == 1 else "tool", "content": content})
-                prompt = render(tokenizer, messages)
-                cached_s, reply, hit = first_token_seconds(services[True], prompt,
-                                                           args.reply_tokens)  # fmt: skip
-                plain_s, _, _ = first_token_seconds(services[False], prompt, 1)
-                rows.append((turn, len(prompt), hit, cached_s, plain_s))
-                print(f"turn {turn}: {len(prompt)} tokens, {hit} cached, TTFT {cached_s:.2f} s "
-                      f"vs {plain_s:.2f} s", flush=True)  # fmt: skip
-                reply_text = tokenizer.decode(reply, skip_special_tokens=True)
-                messages.append({"role": "assistant", "content": reply_text})
+            # NOTE: one fresh cached service per replay, so each meets every turn once, as a
+            # harness's server would; two services at a time, as without --repeats
+            for replay in range(args.repeats):
+                cached = service(True)
+                try:
+                    for turn in range(args.turns):
+                        if replay == 0:
+                            content = text_of(tokenizer, rng, args.turn_tokens, "output")
+                            role = "user" if turn == 0 else "tool"
+                            messages.append({"role": role, "content": content})
+                            prompts.append(render(tokenizer, messages))
+                        prompt = prompts[turn]
+                        seconds, reply, hit = first_token_seconds(cached, prompt,
+                                                                  args.reply_tokens)  # fmt: skip
+                        cached_s[turn].append(seconds)
+                        plain_s[turn].append(first_token_seconds(plain, prompt, 1)[0])
+                        if replay == 0:
+                            replies.append(reply)
+                            hits.append(hit)
+                            text = tokenizer.decode(reply, skip_special_tokens=True)
+                            messages.append({"role": "assistant", "content": text})
+                        elif (reply, hit) != (replies[turn], hits[turn]):
+                            print(f"turn {turn + 1}: replay {replay + 1} differs ({hit} cached, "
+                                  f"not {hits[turn]})", flush=True)  # fmt: skip
+                        print(f"replay {replay + 1} turn {turn + 1}: {len(prompt)} tokens, {hit} "
+                              f"cached, TTFT {seconds:.2f} s vs {plain_s[turn][-1]:.2f} s",
+                              flush=True)  # fmt: skip
+                finally:
+                    cached.close()
         finally:
-            for service in services.values():
-                service.close()
+            plain.close()
+    rows = [(t + 1, len(prompts[t]), hits[t], cached_s[t], plain_s[t]) for t in range(args.turns)]
     print(f"\nagent conversation replay: {Path(args.model).name}, GPU part on {args.device}, "
           f"{torch_threads()} torch threads, 1 expert worker ({args.format}, {args.threads} "
           f"threads), {args.system_tokens}-token "
           f"system prompt, ~{args.turn_tokens} tokens of tool output and a {args.reply_tokens}-"
-          "token reply per turn; TTFT with prefix caching and without, alternated")  # fmt: skip
+          "token reply per turn; TTFT with prefix caching and without, alternated, the median "
+          f"of {args.repeats} (min-max beside it)")  # fmt: skip
     columns = [Column("turn", 4), Column("prompt", 6), Column("cached", 6), Column("cached %", 8),
-               Column("TTFT cached s", 13), Column("TTFT uncached s", 15),
-               Column("cached/uncached", 15)]  # fmt: skip
+               Column("TTFT cached s", 13), Column("min-max", 11), Column("TTFT uncached s", 15),
+               Column("min-max", 13), Column("cached/uncached", 15)]  # fmt: skip
     print_table(columns, [
-        [str(t), str(n), str(hit), f"{100 * hit / n:.1f}", f"{c:.3f}", f"{p:.3f}",
-         f"{100 * c / p:.1f}%"] for t, n, hit, c, p in rows
+        [str(t), str(n), str(hit), f"{100 * hit / n:.1f}", f"{median(c):.3f}", spread(c),
+         f"{median(p):.3f}", spread(p), f"{100 * median(c) / median(p):.1f}%"]
+        for t, n, hit, c, p in rows
     ], rule=False)  # fmt: skip
+
+
+def spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
 
 
 if __name__ == "__main__":

@@ -23,8 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
 
 from bench.common import DEMO_MODEL, REPO, Column, default_device, print_table
@@ -33,7 +31,7 @@ from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerCo
 from gpu_service.models import Batch, SeqInput
 from gpu_service.models.linear import FP8Linear
 from gpu_service.service import build_gpu_service
-from training.perplexity import tokenize_file, transformers_perplexity, windows
+from training.perplexity import tokenize_file, transformers_perplexity, window_nll, windows
 
 TARGETS = {"bf16": 0.001, "fp8": 0.005, "int8": 0.005, "int4": 0.03}
 AXES = ("experts", "gpu-weights", "kv-cache")
@@ -73,10 +71,8 @@ def served_perplexity(model: Path, address: str, ids: list[int], seq_len: int, d
                 logits = net.forward(Batch((SeqInput(window, cache, 0),)), all_positions=True)
             finally:
                 net.kv_cache.free(cache)
-            logp = torch.log_softmax(logits[:-1].float().cpu(), dim=-1)  # [n-1, V]
-            target = torch.tensor(window[1:])
-            total -= logp.gather(1, target[:, None]).sum().item()
-            count += target.numel()
+            total += window_nll(logits, window)  # [n, V]: the same definition as transformers'
+            count += len(window) - 1
         return math.exp(total / count)
     finally:
         service.close()

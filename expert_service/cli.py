@@ -39,6 +39,7 @@ def run_expert(args: argparse.Namespace) -> int:
 
     from prometheus_client import start_http_server
 
+    from ktserve.model_label import labeled_registry
     from ktserve.worker_token import (
         TOKEN_ENV,
         TOKEN_FILE_ENV,
@@ -81,9 +82,9 @@ def run_expert(args: argparse.Namespace) -> int:
         else (f"{config.listen.rsplit(':', 1)[0]}:{port}")
     )
     if config.metrics_port:
-        start_http_server(
-            config.metrics_port, config.metrics_host, registry=worker.metrics.registry
-        )
+        start_http_server(config.metrics_port, config.metrics_host,
+                          registry=labeled_registry((worker.metrics.registry,),
+                                                    worker.model_name))  # fmt: skip
     print(f"ktserve expert: listening on {address} (isa {worker.kernel.isa}, "
           f"{worker.kernel.num_threads} threads, pid {worker.pid})", flush=True)  # fmt: skip
     try:

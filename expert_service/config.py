@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ktserve.config_flags import flag
 from ktserve.names import WEIGHT_FORMATS, check_weight_format
-from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV
+from ktserve.worker_token import token_file_flag
 
 # NOTE: kernels.isa.ISA_CODES' names; importing that module loads the kernel, which --help must not
 ISAS = ("avx2", "avx512", "amx")
@@ -40,14 +40,9 @@ class WorkerConfig:
         help="gRPC address: HOST:PORT (port 0 picks a free one) or unix:/path.sock (default "
         "%(default)s). Any address but a Unix socket or loopback needs a token (--token-file)",
     )
-    token_file: str | None = flag(
-        None,
-        env=TOKEN_FILE_ENV,
-        metavar="PATH",
-        help="take calls (all but health) only with the token in this file's first line "
-        f"(default: the {TOKEN_FILE_ENV} environment variable; without either, the token in "
-        f"{TOKEN_ENV}; without that, none). The token is never a flag: a command line is "
-        "visible to every local user",
+    token_file: str | None = token_file_flag(
+        "With one, the worker takes calls (all but health) only with it; without, from anyone "
+        "who reaches it."
     )
     experts: str | None = flag(
         None, help="expert ids this worker holds, inclusive, e.g. 0-63 (default: all)"
@@ -68,6 +63,12 @@ class WorkerConfig:
         help="force the kernel's instruction set (default: the best this CPU has)",
     )
     metrics_port: int = flag(0, help="serve Prometheus metrics on this port (default: off)")
+    served_model_name: str | None = flag(
+        None,
+        help="the model_name label on every metric, as the GPU service labels its own (give "
+        "both the same --served-model-name; default: the loaded model directory's name, as "
+        "`ktserve serve` names the model it serves)",
+    )
     metrics_host: str = flag(
         "127.0.0.1", help="address of the metrics endpoint (default %(default)s)"
     )

@@ -117,6 +117,14 @@ class ExpertWorker:
         log.info("loaded %s", self._describe())
         return shard
 
+    def model_name(self) -> str:
+        """Its metrics' model_name label: --served-model-name, else the loaded model directory's
+        name ("" before one is loaded)."""
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        shard = self.shard
+        return Path(shard.source_dir).resolve().name if shard is not None else ""
+
     def _describe(self) -> str:
         s = self.shard
         if s is None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from gpu_service.config import GPUServiceConfig
 from ktserve.config_flags import comma_list, flag
 from ktserve.names import WEIGHT_FORMATS
-from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV
+from ktserve.worker_token import token_file_flag
 
 log = logging.getLogger("ktserve.serve")
 
@@ -148,14 +148,9 @@ class WorkersConfig:
         "the same address again; restarting it is up to whoever started it. Not combinable "
         "with --expert-workers, --experts-per-worker, --format, --threads",
     )
-    worker_token_file: str | None = flag(
-        None,
-        env=TOKEN_FILE_ENV,
-        metavar="PATH",
-        help="with --expert-address: the workers' control-plane token, this file's first line "
-        f"(default: the {TOKEN_FILE_ENV} environment variable; without either, the token in "
-        f"{TOKEN_ENV}). Workers started here get a fresh token and Unix sockets in a 0700 "
-        "directory instead",
+    worker_token_file: str | None = token_file_flag(
+        "Sent to the workers of --expert-address; workers started here get a fresh one and "
+        "Unix sockets in a 0700 directory instead."
     )
     expert_workers: int = flag(
         1,

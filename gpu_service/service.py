@@ -123,7 +123,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         if device.type == "cuda" and config.cuda_graphs:
             graphs = DecodeGraphConfig(max_batch=max_graph_batch,
                                        experts_in_graph=config.graph_expert_calls)  # fmt: skip
-        metrics = EngineMetrics()
+        metrics = EngineMetrics(max_model_len=max_model_len)
         metrics.observe_memory_plan(plan)
         experts.on_round_trip = metrics.moe_round_trip.observe
         if streaming is not None:

@@ -20,12 +20,28 @@ import os
 import secrets
 import stat
 from pathlib import Path
+from typing import Any
+
+from ktserve.config_flags import flag
 
 TOKEN_ENV = "KTSERVE_WORKER_TOKEN"
 TOKEN_FILE_ENV = "KTSERVE_WORKER_TOKEN_FILE"
 TOKEN_CREATE_ENV = "KTSERVE_WORKER_TOKEN_CREATE"
 METADATA_KEY = "x-ktserve-worker-token"
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # liveness for Docker, Kubernetes, the supervisor
+
+
+def token_file_flag(role: str) -> Any:
+    """The config field (ktserve.config_flags.flag) of a token-file flag: where the token is
+    looked for, then `role` (what this side does with it), then why it is never a flag."""
+    return flag(
+        None,
+        env=TOKEN_FILE_ENV,
+        metavar="PATH",
+        help=f"the workers' control-plane token: this file's first line (default: the "
+        f"{TOKEN_FILE_ENV} environment variable; without either, the token in {TOKEN_ENV}). "
+        f"{role} The token is never a flag: a command line is visible to every local user",
+    )
 
 
 class TokenError(ValueError):

@@ -1,6 +1,6 @@
-"""Shared pytest setup: the run's random seed and the tag of its ktshm names. The repo root is on
-sys.path (pyproject.toml's pytest `pythonpath`), so the packages and the helpers (tests.support)
-import as packages."""
+"""Shared pytest setup: the run's random seed, the tag of its ktshm names and the device of the
+tests that take one. The repo root is on sys.path (pyproject.toml's pytest `pythonpath`), so the
+packages and the helpers (tests.support) import as packages."""
 
 import os
 import random
@@ -30,6 +30,17 @@ def seed() -> int:
     """The run's random seed (every module that randomizes starts from it), printed."""
     print(f"seed={RUN_SEED} (KTSERVE_TEST_SEED={RUN_SEED} reproduces it)")
     return RUN_SEED
+
+
+@pytest.fixture(scope="module")
+def device():
+    """The torch device of the tests that take it: $KTSERVE_TEST_DEVICE (default cpu; cuda where
+    CUDA is absent skips them: tests/support/devices.py), printed."""
+    from tests.support.devices import selected_device  # NOTE: imports torch; most tests need not
+
+    chosen = selected_device()
+    print(f"device={chosen}")
+    return chosen
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

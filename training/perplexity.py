@@ -36,18 +36,23 @@ def windows(ids: list[int], seq_len: int) -> list[list[int]]:
     return [w for w in out if len(w) >= 2]
 
 
+def window_nll(logits: torch.Tensor, window: list[int]) -> float:
+    """Sum of NLL in nats of window[1:], each predicted from the logits [n, V] of the position
+    before it (the window scored on its own)."""
+    logp = torch.log_softmax(logits[:-1].float(), dim=-1)  # [n-1, V]
+    target = torch.tensor(window[1:], device=logits.device)
+    return -logp.gather(1, target[:, None]).sum().item()
+
+
 @torch.no_grad()
 def nll_sum(model: PreTrainedModel, ids: list[int], seq_len: int) -> tuple[float, int]:
     """(sum of NLL in nats, number of predicted tokens) over the windows of ids."""
     device = next(model.parameters()).device
     total, count = 0.0, 0
     for window in windows(ids, seq_len):
-        x = torch.tensor([window], device=device)
-        logits = model(input_ids=x, use_cache=False).logits.float()  # [1, n, V]
-        logp = torch.log_softmax(logits[0, :-1], dim=-1)
-        target = x[0, 1:]
-        total -= logp.gather(1, target[:, None]).sum().item()
-        count += target.numel()
+        logits = model(input_ids=torch.tensor([window], device=device), use_cache=False).logits
+        total += window_nll(logits[0], window)  # [n, V]
+        count += len(window) - 1
     return total, count
 
 

@@ -20,8 +20,8 @@ from gpu_service.api.completions import create_completion
 from gpu_service.api.context import ApiContext
 from gpu_service.api.generation import ClientGone
 from gpu_service.api.limits import BodyLimit
-from gpu_service.api.model_label import labeled_registry
 from gpu_service.api.tokenize import detokenize, tokenize
+from ktserve.model_label import labeled_registry
 from ktserve.version import ktserve_version
 
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",

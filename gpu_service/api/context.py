@@ -101,7 +101,8 @@ class ApiContext:
         than one). With prefix caching, choices after the first are added once the first has
         its prompt in the KV cache (its first event), so they find the prompt's full blocks
         there instead of each computing them (the expert calls included). If the engine
-        refuses one, or the client leaves meanwhile, those already added are closed."""
+        refuses one, or the client leaves meanwhile, those already added are closed. Observes
+        ktserve_request_params_n once all are in."""
         out: list[Generation] = []
         try:
             for i, p in enumerate(params):
@@ -113,6 +114,7 @@ class ApiContext:
             for generation in out:
                 generation.close()
             raise
+        self.engine.metrics.request_n.observe(len(params))
         return out
 
     def _shares_prompt(self, prompt_ids: Sequence[int]) -> bool:

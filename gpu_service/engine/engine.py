@@ -69,7 +69,7 @@ class Engine:
             decodes_text=decode is not None,
         )
         self.decode = decode
-        self.metrics = metrics or EngineMetrics()
+        self.metrics = metrics or EngineMetrics(max_model_len=scheduler_config.max_model_len)
         self.experts_stats = experts_stats
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -246,6 +246,7 @@ class Engine:
         self.scheduler.finish(request, reason, error)
         self._tracked.pop(request.request_id, None)
         self.metrics.e2e.observe(time.monotonic() - request.arrival)
+        self.metrics.observe_finished(request, tracked.last_token_time)
         self.metrics.finished.labels(finished_reason=reason.value).inc()
         self._update_gauges()
         tracked.on_event(_event(request, (), finish_reason=reason, error=error))

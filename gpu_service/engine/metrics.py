@@ -2,11 +2,17 @@
 
 Where vLLM has the same concept the name after the prefix is vLLM's (vllm:num_requests_running
 is ktserve_num_requests_running, ...); /metrics adds a model_name label to every sample
-(api/model_label.py). Requests: ktserve_num_requests_running / _waiting,
+(ktserve/model_label.py). Requests: ktserve_num_requests_running / _waiting,
 ktserve_request_success{finished_reason} (stop, length, abort, error),
 ktserve_num_preemptions, ktserve_request_queue_time_seconds (arrival to first scheduled),
 ktserve_time_to_first_token_seconds, ktserve_inter_token_latency_seconds,
 ktserve_e2e_request_latency_seconds; ktserve_kv_cache_usage_perc (a fraction, as vLLM's).
+Per finished request, as vLLM's: ktserve_request_prompt_tokens, ktserve_request_generation_tokens,
+ktserve_request_params_max_tokens, and the phases of those that generated a token:
+ktserve_request_prefill_time_seconds (first scheduled to first token),
+ktserve_request_decode_time_seconds (first token to last) and
+ktserve_request_inference_time_seconds (first scheduled to last token: the two together);
+ktserve_request_params_n per HTTP request (its choices, each one engine request).
 Prefix cache, named as vLLM names them: ktserve_prefix_cache_queries (prompt tokens looked up at
 admission) and ktserve_prefix_cache_hits (tokens found; label tier: gpu for the device KV cache,
 cpu for the host-RAM tier), and ktserve_{gpu,cpu}_prefix_cache_hit_rate, each tier's hits over
@@ -25,15 +31,31 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from gpu_service.models.kv_cache import PrefixCacheStats
 
 if TYPE_CHECKING:
+    from gpu_service.engine.request import Request
     from gpu_service.memory_plan import MemoryPlan
 
 LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 FAST = (25e-6, 50e-6, 100e-6, 200e-6, 400e-6, 800e-6, 1.6e-3, 3.2e-3, 6.4e-3, 12.8e-3, 25.6e-3,
         51.2e-3, 0.1, 0.2, 0.4, 0.8, 1.6)  # fmt: skip
+DEFAULT_MAX_MODEL_LEN = 8192
+PARAMS_N = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to limit (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > limit:
+                return tuple(out)
+            out.append(step * scale)
+        scale *= 10
 
 
 class EngineMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:  # fmt: skip
+        """max_model_len: the token-count histograms' largest bucket is below it (then +Inf)."""
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -65,6 +87,28 @@ class EngineMetrics:
         self.queue_time = Histogram("ktserve_request_queue_time_seconds",
                                     "Arrival to first scheduled (time in the waiting queue)",
                                     buckets=LATENCY, registry=r)  # fmt: skip
+        self.prefill_time = Histogram("ktserve_request_prefill_time_seconds",
+                                      "First scheduled to first token (the prefill phase)",
+                                      buckets=LATENCY, registry=r)  # fmt: skip
+        self.decode_time = Histogram("ktserve_request_decode_time_seconds",
+                                     "First token to last token (the decode phase)",
+                                     buckets=LATENCY, registry=r)  # fmt: skip
+        self.inference_time = Histogram("ktserve_request_inference_time_seconds",
+                                        "First scheduled to last token (prefill and decode)",
+                                        buckets=LATENCY, registry=r)  # fmt: skip
+        tokens = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = Histogram("ktserve_request_prompt_tokens",
+                                               "Prompt tokens per finished request",
+                                               buckets=tokens, registry=r)  # fmt: skip
+        self.request_generation_tokens = Histogram("ktserve_request_generation_tokens",
+                                                   "Tokens generated per finished request",
+                                                   buckets=tokens, registry=r)  # fmt: skip
+        self.request_max_tokens = Histogram("ktserve_request_params_max_tokens",
+                                            "The max_tokens of each finished request",
+                                            buckets=tokens, registry=r)  # fmt: skip
+        self.request_n = Histogram("ktserve_request_params_n",
+                                   "The n (choices) of each HTTP request", buckets=PARAMS_N,
+                                   registry=r)  # fmt: skip
         self.step_seconds = Histogram(
             "ktserve_step_seconds",
             "Per-step time by phase: gpu (compute on the GPU), transfer (hidden states to and "
@@ -127,6 +171,19 @@ class EngineMetrics:
             self.prefix_cache_hit_rate["gpu"].set(stats.device_hits / stats.queries)
             self.prefix_cache_hit_rate["cpu"].set(stats.host_hits / stats.queries)
         self._prefix_seen = PrefixCacheStats(stats.queries, stats.device_hits, stats.host_hits)
+
+    def observe_finished(self, request: Request, last_token_time: float) -> None:
+        """The per-request histograms of a request that just finished (any reason); the phases
+        only if it was scheduled and generated a token (last_token_time: its last one's)."""
+        self.request_prompt_tokens.observe(len(request.prompt_ids))
+        self.request_generation_tokens.observe(len(request.output))
+        self.request_max_tokens.observe(request.params.max_tokens)
+        scheduled, first = request.first_scheduled_time, request.first_token_time
+        if scheduled is None or first is None:
+            return
+        self.prefill_time.observe(first - scheduled)
+        self.decode_time.observe(last_token_time - first)
+        self.inference_time.observe(last_token_time - scheduled)
 
     def observe_step(self, total: float, transfer: float, wait: float, num_tokens: int,
                      graphed: bool = False) -> None:  # fmt: skip

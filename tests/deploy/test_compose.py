@@ -1,6 +1,7 @@
 """compose.yaml, Prometheus' and Grafana's configs checked against the real code, so that they
 cannot drift: commands parse with ktserve's own parser, addresses and ports agree, and every
-metric a dashboard panel queries is exported by a real `ktserve serve` and `ktserve expert`."""
+metric a dashboard panel queries is exported by a real `ktserve serve` and `ktserve expert`, with
+the model_name label the dashboard's variable selects."""
 
 from __future__ import annotations
 
@@ -168,11 +169,36 @@ def test_grafana_provisions_the_datasource_and_the_dashboard(compose):
 
 
 def dashboard_metrics() -> dict[str, set[str]]:
-    """Each panel's title -> the ktserve metric names its queries use."""
-    panels = json.loads(DASHBOARD.read_text())["panels"]
-    return {
-        p["title"]: {m for t in p["targets"] for m in METRIC.findall(t["expr"])} for p in panels
+    """Each panel's title -> the ktserve metric names its queries use; the model_name variable's
+    query as one more "panel"."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    out = {
+        p["title"]: {m for t in p["targets"] for m in METRIC.findall(t["expr"])}
+        for p in dashboard["panels"]
     }
+    for variable in dashboard["templating"]["list"]:
+        out[f"${variable['name']}"] = set(METRIC.findall(variable["query"]["query"]))
+    return out
+
+
+def test_every_panel_filters_on_the_model_name_variable():
+    """One variable picks the served model (label_values of a metric the GPU service exports),
+    and every metric of every panel's queries is selected by it, so a Prometheus that scrapes
+    two deployments shows one at a time."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    [variable] = dashboard["templating"]["list"]
+    assert variable["name"] == "model_name" and variable["type"] == "query"
+    query = "label_values(ktserve_num_requests_running, model_name)"
+    assert variable["query"]["query"] == variable["definition"] == query
+    assert variable["datasource"]["uid"] == dashboard["panels"][0]["datasource"]["uid"]
+    selector = '{model_name="$model_name"}'
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expr = target["expr"]
+            uses = [m.end() for m in METRIC.finditer(expr)]
+            assert uses, f"{panel['title']}: {expr}"
+            unfiltered = [expr[:end] for end in uses if not expr.startswith(selector, end)]
+            assert not unfiltered, f"{panel['title']}: not filtered on $model_name: {expr}"
 
 
 def free_port() -> int:
@@ -181,10 +207,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape(url: str) -> set[str]:
+def scrape(url: str, model_name: str) -> set[str]:
+    """The names of the samples labeled model_name (as the dashboard's variable selects them)."""
     with urllib.request.urlopen(url, timeout=30) as response:
         text = response.read().decode()
-    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        s.name
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.labels.get("model_name") == model_name
+    }
 
 
 def run_healthcheck(service: dict, address: str) -> subprocess.CompletedProcess:
@@ -251,11 +283,11 @@ def test_every_dashboard_metric_is_exported(compose, tmp_path):
             model=name, max_tokens=4, messages=[{"role": "user", "content": "Hello"}]
         )
         assert r.usage.completion_tokens >= 1
-        exported = scrape(f"{server.url}/metrics")
+        exported = scrape(f"{server.url}/metrics", name)
         for _, metrics in local.values():
-            exported |= scrape(f"http://127.0.0.1:{metrics}/metrics")
+            exported |= scrape(f"http://127.0.0.1:{metrics}/metrics", name)
         missing = {t: sorted(m - exported) for t, m in wanted.items() if m - exported}
-        assert not missing, f"panels query metrics nobody exports: {missing}"
+        assert not missing, f"panels query metrics nobody exports as model_name={name}: {missing}"
         assert server.terminate() == 0, server.stderr()[-3000:]
     finally:
         if server is not None:

@@ -32,34 +32,21 @@ from gpu_service.engine.errors import (
     RequestAborted,
     step_error,
 )
-from tests.support.api_server import ServerProcess, make_served_checkpoint, pid_alive
-from tests.support.expert_procs import shm_entries
+from tests.support.api_server import (
+    EXACT_FLAGS,
+    HELLO,
+    NO_EOS,
+    TINY_MODEL_LEN,
+    make_served_checkpoint,
+    openai_client,
+    pid_alive,
+    running_server,
+    tiny_server,
+)
 
 API_KEY = "test-key-123"
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = TINY_MODEL_LEN
 MAX_NUM_SEQS = 4
-FLAGS = (
-    "--expert-workers",
-    "1",
-    "--threads",
-    "1",
-    "--device",
-    "cpu",
-    "--dtype",
-    "float32",
-    "--wire-dtype",
-    "float32",
-    "--format",
-    "bf16",
-    "--max-model-len",
-    str(MAX_MODEL_LEN),
-    "--kv-cache-tokens",
-    "4096",
-)
-HELLO = [{"role": "user", "content": "Hello! How are you today?"}]
-# NOTE: the tiny model is random: EOS may come at any step, so tests that need a given length
-# pass the ignore_eos extension.
-NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -69,25 +56,13 @@ def checkpoint(tmp_path_factory, seed):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    before = shm_entries()
-    proc = ServerProcess(
-        checkpoint,
-        *FLAGS,
-        "--max-num-seqs",
-        str(MAX_NUM_SEQS),
-        "--served-model-name",
-        "tiny",
-        env={"KTSERVE_API_KEY": API_KEY},
-    )
-    yield proc
-    assert proc.terminate() == 0, proc.stderr()[-3000:]
-    proc.close()
-    assert not shm_entries() - before
+    with tiny_server(checkpoint, API_KEY, MAX_NUM_SEQS) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=120)
+    return openai_client(server, API_KEY)
 
 
 def auth() -> dict:
@@ -467,23 +442,52 @@ def test_prompt_longer_than_the_context_is_400(client):
 def test_metrics_count_what_was_served(server, client):
     server.wait_until(lambda: server.health()[1]["engine"]["running"] == 0, timeout=10)
     before = server.metrics()
-    usages = [chat(client, max_tokens=5 + i, extra_body=NO_EOS).usage for i in range(3)]
-    usages.append(
-        client.completions.create(
-            model="tiny", prompt="Hello world", max_tokens=7, extra_body=NO_EOS
-        ).usage
-    )
+    sent = []  # (usage, n, max_tokens, seconds as the client saw them)
+    for i in range(3):
+        start = time.monotonic()
+        usage = chat(client, max_tokens=5 + i, extra_body=NO_EOS).usage
+        sent.append((usage, 1, 5 + i, time.monotonic() - start))
+    start = time.monotonic()
+    usage = client.completions.create(
+        model="tiny", prompt="Hello world", max_tokens=7, n=2, extra_body=NO_EOS
+    ).usage
+    sent.append((usage, 2, 7, time.monotonic() - start))
     after = server.metrics()
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    assert delta("ktserve_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
-    assert delta("ktserve_generation_tokens_total") == sum(u.completion_tokens for u in usages)
-    assert delta("ktserve_request_success_total{finished_reason=length}") == 4
-    assert delta("ktserve_e2e_request_latency_seconds_count") == 4
-    assert delta("ktserve_time_to_first_token_seconds_count") == 4
-    assert delta("ktserve_request_queue_time_seconds_count") == 4
+    # one engine request per choice; usage counts a prompt once, the engine once per choice
+    prompts = [u.prompt_tokens for u, n, _, _ in sent for _ in range(n)]
+    outputs = [u.completion_tokens // n for u, n, _, _ in sent for _ in range(n)]
+    assert delta("ktserve_prompt_tokens_total") == sum(prompts)
+    assert delta("ktserve_generation_tokens_total") == sum(outputs)
+    assert delta("ktserve_request_success_total{finished_reason=length}") == 5
+    for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds"):  # fmt: skip
+        assert delta(f"ktserve_{name}_count") == 5, name
+    assert delta("ktserve_request_prompt_tokens_sum") == sum(prompts)
+    assert delta("ktserve_request_generation_tokens_sum") == sum(outputs) == 5 + 6 + 7 + 2 * 7
+    assert delta("ktserve_request_params_max_tokens_sum") == 5 + 6 + 7 + 2 * 7
+    assert delta("ktserve_request_params_n_count") == 4
+    assert delta("ktserve_request_params_n_sum") == 5
+    for histogram, values in (("request_prompt_tokens", prompts),
+                              ("request_generation_tokens", outputs)):  # fmt: skip
+        buckets = {k: v for k, v in after.items()
+                   if k.startswith(f"ktserve_{histogram}_bucket{{")}  # fmt: skip
+        assert len(buckets) > 3, histogram
+        for key in buckets:
+            le = float(key.split("le=")[1].rstrip("}"))
+            assert delta(key) == sum(v <= le for v in values), key
+    prefill = delta("ktserve_request_prefill_time_seconds_sum")
+    decode = delta("ktserve_request_decode_time_seconds_sum")
+    inference = delta("ktserve_request_inference_time_seconds_sum")
+    assert prefill > 0 and decode > 0
+    assert inference == pytest.approx(prefill + decode, rel=1e-6)
+    # each phase lies inside the request's life as the server and as the client saw it
+    assert inference <= delta("ktserve_e2e_request_latency_seconds_sum")
+    assert inference <= sum(seconds * n for _, n, _, seconds in sent)
     assert server.model_names == {"tiny"}
     assert delta("ktserve_moe_round_trip_seconds_count") > 0
     assert delta("ktserve_http_requests_total{route=/v1/chat/completions,status=200}") == 3
@@ -528,12 +532,9 @@ def test_killed_worker_is_restarted_and_requests_wait(server, client):
 @pytest.fixture(scope="module")
 def fragile_server(checkpoint):
     """No worker restarts, a short worker deadline: a dead worker means 503."""
-    before = shm_entries()
-    proc = ServerProcess(checkpoint, *FLAGS, "--no-restart-workers", "--worker-timeout", "2")
-    yield proc
-    assert proc.terminate() == 0, proc.stderr()[-3000:]
-    proc.close()
-    assert not shm_entries() - before
+    flags = (*EXACT_FLAGS, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "4096")
+    with running_server(checkpoint, *flags, "--no-restart-workers", "--worker-timeout", "2") as p:
+        yield p
 
 
 def test_dead_worker_without_restart_is_503(fragile_server):

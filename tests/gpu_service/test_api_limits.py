@@ -19,14 +19,19 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.support.api_server import ServerProcess, make_served_checkpoint, pid_alive
+from tests.support.api_server import (
+    EXACT_FLAGS,
+    ServerProcess,
+    make_served_checkpoint,
+    pid_alive,
+    running_server,
+)
 from tests.support.expert_procs import shm_entries
 from tests.support.watched_process import CHILD_ENV, REPO
 
 MAX_NUM_SEQS = 2
 MAX_WAITING = 1
-FLAGS = ("--expert-workers", "1", "--threads", "1", "--device", "cpu", "--dtype", "float32",
-         "--wire-dtype", "float32", "--format", "bf16", "--served-model-name", "tiny")  # fmt: skip
+FLAGS = (*EXACT_FLAGS, "--served-model-name", "tiny")
 NO_EOS = {"ignore_eos": True}
 MB = 1 << 20
 
@@ -47,15 +52,11 @@ def server(checkpoint, api_key, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("secret") / "api_key"
     key_file.write_text(api_key + "\n")
     key_file.chmod(0o600)
-    before = shm_entries()
-    proc = ServerProcess(checkpoint, *FLAGS, "--max-model-len", "1024", "--kv-cache-tokens",
-                         "8192", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests",
-                         str(MAX_WAITING), "--api-key-file", str(key_file))  # fmt: skip
-    proc.auth = {"Authorization": f"Bearer {api_key}"}
-    yield proc
-    assert proc.terminate() == 0, proc.stderr()[-3000:]
-    proc.close()
-    assert not shm_entries() - before
+    with running_server(checkpoint, *FLAGS, "--max-model-len", "1024", "--kv-cache-tokens",
+                        "8192", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests",
+                        str(MAX_WAITING), "--api-key-file", str(key_file)) as proc:  # fmt: skip
+        proc.auth = {"Authorization": f"Bearer {api_key}"}
+        yield proc
 
 
 @pytest.fixture(scope="module")

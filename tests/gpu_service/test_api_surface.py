@@ -17,13 +17,16 @@ import pytest
 from transformers import AutoTokenizer
 
 from ktserve.version import ktserve_version
-from tests.gpu_service.test_api import FLAGS, HELLO
-from tests.support.api_server import ServerProcess, make_served_checkpoint
-from tests.support.expert_procs import shm_entries
+from tests.support.api_server import (
+    HELLO,
+    NO_EOS,
+    make_served_checkpoint,
+    openai_client,
+    tiny_server,
+)
 from tests.support.watched_process import CHILD_ENV
 
 KEY = "surface-key"
-NO_EOS = {"ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -33,18 +36,13 @@ def checkpoint(tmp_path_factory, seed):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    before = shm_entries()
-    proc = ServerProcess(checkpoint, *FLAGS, "--max-num-seqs", "8", "--served-model-name",
-                         "tiny", env={"KTSERVE_API_KEY": KEY})  # fmt: skip
-    yield proc
-    assert proc.terminate() == 0, proc.stderr()[-3000:]
-    proc.close()
-    assert not shm_entries() - before
+    with tiny_server(checkpoint, KEY, max_num_seqs=8) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+    return openai_client(server, KEY)
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,9 @@ from transformers import AutoTokenizer
 
 from gpu_service.config import DEMO_MODEL_DIR
 from tests.support import chat_templates
-from tests.support.api_server import ServerProcess
-from tests.support.expert_procs import shm_entries
+from tests.support.api_server import CPU_FLAGS, openai_client, running_server
 
-FLAGS = ("--expert-workers", "1", "--threads", "1", "--device", "cpu", "--dtype", "float32",
-         "--max-model-len", "2048", "--kv-cache-tokens", "16384")  # fmt: skip
+FLAGS = (*CPU_FLAGS, "--max-model-len", "2048", "--kv-cache-tokens", "16384")
 MODEL = "demo"
 WEATHER = {
     "type": "object",
@@ -50,27 +48,18 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
 
 
 def serve(model_dir, *flags):
-    before = shm_entries()
-    proc = ServerProcess(model_dir, *FLAGS, "--served-model-name", MODEL, *flags)
-    return proc, before
-
-
-def stop(proc, before):
-    assert proc.terminate() == 0, proc.stderr()[-3000:]
-    proc.close()
-    assert not shm_entries() - before
+    return running_server(model_dir, *FLAGS, "--served-model-name", MODEL, *flags)
 
 
 @pytest.fixture(scope="module")
 def server():
-    proc, before = serve(DEMO_MODEL_DIR)
-    yield proc
-    stop(proc, before)
+    with serve(DEMO_MODEL_DIR) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+    return openai_client(server)
 
 
 def chat(client, **kwargs):
@@ -363,9 +352,8 @@ def thinking_server(tmp_path_factory):
     cfg = json.loads((model_dir / "tokenizer_config.json").read_text())
     cfg.pop("chat_template", None)
     (model_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
-    proc, before = serve(model_dir, "--reasoning-parser", "deepseek_r1")
-    yield proc
-    stop(proc, before)
+    with serve(model_dir, "--reasoning-parser", "deepseek_r1") as proc:
+        yield proc
 
 
 def test_reasoning_content_in_message_and_stream(thinking_server):

@@ -9,6 +9,7 @@ its decode steps."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import socket
 
 import pytest
@@ -238,21 +239,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def worker_experts(path, device: str):
+    """(the checkpoint's spec, ShmExperts on `device`) on a real `ktserve expert` worker holding
+    all its experts in bf16, float32 on the wire; both stopped when the block ends."""
+    spec = CheckpointReader(path).spec
+    worker = ExpertProcess("--model", str(path), "--format", "bf16", "--listen",
+                           f"127.0.0.1:{_free_port()}")  # fmt: skip
+    try:
+        experts = ShmExperts(
+            ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
+            hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
+            device=device,
+        )  # fmt: skip
+        try:
+            yield spec, experts
+        finally:
+            experts.close()
+    finally:
+        worker.close()
+
+
 @pytest.mark.parametrize("family", [f for f in ("deepseek_v3", "qwen3_moe") if f in FAMILIES])
 def test_a_real_worker_gives_the_tokens_of_torch_experts(checkpoints, seed, family) -> None:
     """Two calls per MoE layer in flight on the worker's channel (the deferred one waited for a
     layer later): greedy tokens of eager and segmented decode as with TorchExperts, logits
     within bf16 tolerance."""
     path = checkpoints[family]
-    spec = CheckpointReader(path).spec
-    deferred = spec.num_experts_per_tok - 1
-    worker = ExpertProcess("--model", str(path), "--format", "bf16", "--listen",
-                           f"127.0.0.1:{_free_port()}")  # fmt: skip
-    experts = ShmExperts(
-        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
-        hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
-    )  # fmt: skip
-    try:
+    with worker_experts(path, "cpu") as (spec, experts):
+        deferred = spec.num_experts_per_tok - 1
         shm, oracle = _load(path, deferred, experts), _load(path, deferred)
         graphs = DecodeGraphs(shm, DecodeGraphConfig(4, 8, False, experts_in_graph=False))
         reference = DecodeGraphs(oracle, DecodeGraphConfig(4, 8, capture=False))
@@ -298,9 +313,6 @@ def test_a_real_worker_gives_the_tokens_of_torch_experts(checkpoints, seed, fami
             for pending in [experts.submit(layer, x, ids, weights) for _ in range(3)]:
                 pending.abandon()
         assert experts.submit(layer, x, ids, weights).wait().shape == (2, spec.hidden_size)
-    finally:
-        experts.close()
-        worker.close()
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
@@ -312,22 +324,14 @@ def test_device_calls_with_deferral_give_the_calls_between_segments(
     calls in the same order) with two slots per deferring layer give exactly the logits of the
     calls between segments on the same worker, and torch experts' within bf16 tolerance."""
     path = checkpoints[family]
-    spec = CheckpointReader(path).spec
-    deferred = spec.num_experts_per_tok - 1
-    worker = ExpertProcess("--model", str(path), "--format", "bf16", "--listen",
-                           f"127.0.0.1:{_free_port()}")  # fmt: skip
-    experts = ShmExperts(
-        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
-        hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
-        device=device,
-    )  # fmt: skip
+    deferred = CheckpointReader(path).spec.num_experts_per_tok - 1
 
     def load(backend):
         return load_model(path, device, torch.float32, experts=backend,
                           max_num_tokens_in_cache=512, block_size=BLOCK,
                           max_deferred_experts_per_token=deferred)  # fmt: skip
 
-    try:
+    with worker_experts(path, device) as (_, experts):
         capture = device == "cuda"
         in_graph, between = load(experts), load(experts)
         eager = load(TorchExperts(CheckpointReader(path), device, torch.float32))
@@ -360,9 +364,6 @@ def test_device_calls_with_deferral_give_the_calls_between_segments(
         assert worst < 2e-2
         bells = [graphs.calls.channels[0].bells(j) for j in range(len(graphs.calls.layers))]
         assert bells == [(0, 0)] * len(bells), "every slot is idle between steps"
-    finally:
-        experts.close()
-        worker.close()
 
 
 class _Failing:

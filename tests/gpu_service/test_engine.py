@@ -37,9 +37,9 @@ def reference(checkpoint):
 
 
 def make_engine(checkpoint, cache_tokens=4096, graphs: DecodeGraphConfig | None = None,
-                **scheduler) -> Engine:  # fmt: skip
-    experts = TorchExperts(CheckpointReader(checkpoint), "cpu", torch.float32)
-    model = load_model(checkpoint, "cpu", torch.float32, experts=experts,
+                device: torch.device | str = "cpu", **scheduler) -> Engine:  # fmt: skip
+    experts = TorchExperts(CheckpointReader(checkpoint), device, torch.float32)
+    model = load_model(checkpoint, device, torch.float32, experts=experts,
                        max_num_tokens_in_cache=cache_tokens, block_size=4)  # fmt: skip
     config = SchedulerConfig(**{"max_model_len": 128, **scheduler})
     return Engine(model, config, graph_config=graphs).start()

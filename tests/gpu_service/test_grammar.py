@@ -1,6 +1,8 @@
 """Constrained decoding in the engine (engine/grammar.py) against an oracle: each token of a
 greedy constrained request is transformers' argmax among the tokens the grammar allows, in
-batches with free requests (whose outputs stay as they are alone) and through preemption."""
+batches with free requests (whose outputs stay as they are alone) and through preemption. The
+engine and the masks run on the `device` fixture's device (KTSERVE_TEST_DEVICE=cuda on the GPU
+host), transformers on the CPU."""
 
 from __future__ import annotations
 
@@ -59,14 +61,14 @@ def assert_masked_greedy(reference, compiler, grammar, prompt, tokens) -> None:
 
 
 def test_constrained_greedy_is_the_masked_argmax_beside_free_requests(
-    checkpoint, tokenizer, compiler, seed
+    checkpoint, tokenizer, compiler, seed, device
 ):
     reference = load_reference_model(checkpoint)
     grammar = compiler.compile_lark(f"start: {lark_json(SCHEMA)}\n")
     ps = prompts(seed, lengths=(9, 7, 12, 6))
     constrained = SamplingParams(max_tokens=60, temperature=0, grammar=grammar)
     free = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    eng = make_engine(checkpoint, cache_tokens=64)  # 16 blocks of 4: not all fit at once
+    eng = make_engine(checkpoint, cache_tokens=64, device=device)  # 16 blocks of 4: not all fit
     preempted = []
     schedule = eng.scheduler.schedule
 
@@ -102,9 +104,13 @@ def test_bad_grammars_raise_and_good_ones_are_cached(compiler):
     assert compiler.compile_lark(text) is compiler.compile_lark(text)
 
 
-def test_masks_only_touch_rows_with_a_grammar(compiler):
+def test_masks_only_touch_rows_with_a_grammar(compiler, device):
     grammar = compiler.compile_lark('start: "fox"\n')
-    logits = torch.zeros(3, compiler.vocab_size)
+    logits = torch.zeros(3, compiler.vocab_size, device=device)
     TokenMasker()(logits, [None, grammar.matcher(), None])
+    allowed = grammar.matcher()
+    row = torch.zeros(1, compiler.vocab_size)
+    TokenMasker()(row, [allowed])  # the same mask on the CPU
+    assert torch.equal(torch.isfinite(logits[1]).cpu(), torch.isfinite(row[0]))
     assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
     assert 0 < int(torch.isfinite(logits[1]).sum()) < compiler.vocab_size

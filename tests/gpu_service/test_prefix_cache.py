@@ -1,5 +1,7 @@
 """Prefix caching: the block pool's reference counts and LRU, the KV cache's prefix matching and
-its host tier, and the engine's greedy outputs with cache hits against an engine without them."""
+its host tier, and the engine's greedy outputs with cache hits against an engine without them.
+The caches and the engines live on the `device` fixture's device (KTSERVE_TEST_DEVICE=cuda on
+the GPU host: the host tier's copies between GPU and pinned host memory, CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -34,15 +36,15 @@ def checkpoints(tmp_path_factory, seed):
     return {f: make_tiny_checkpoint(f, root / f, seed=seed + i) for i, f in enumerate(FAMILIES)}
 
 
-def make_engine(checkpoint, *, prefix_caching: bool = True, cache_tokens: int = 1024,
-                host_tokens: int = 0, graphs: DecodeGraphConfig | None = None,
-                **scheduler) -> Engine:  # fmt: skip
-    experts = TorchExperts(CheckpointReader(checkpoint), "cpu", torch.float32)
-    model = load_model(checkpoint, "cpu", torch.float32, experts=experts,
+def make_engine(checkpoint, device: torch.device, *, prefix_caching: bool = True,
+                cache_tokens: int = 1024, host_tokens: int = 0,
+                graphs: DecodeGraphConfig | None = None, **scheduler) -> Engine:  # fmt: skip
+    experts = TorchExperts(CheckpointReader(checkpoint), device, torch.float32)
+    model = load_model(checkpoint, device, torch.float32, experts=experts,
                        max_num_tokens_in_cache=cache_tokens, block_size=BLOCK)  # fmt: skip
     config = replace(model.kv_cache.config, enable_prefix_caching=prefix_caching,
                      max_num_host_tokens=host_tokens)  # fmt: skip
-    model.kv_cache = KVCache(config, torch.float32, "cpu")
+    model.kv_cache = KVCache(config, torch.float32, device)
     scheduler_config = SchedulerConfig(**{"max_model_len": 128, **scheduler})
     return Engine(model, scheduler_config, graph_config=graphs).start()
 
@@ -107,11 +109,11 @@ def test_block_hashes_chain_over_the_whole_prefix():
     assert partial == one
 
 
-def cache_with_data(num_tokens: int, host_tokens: int = 0,
+def cache_with_data(num_tokens: int, device: torch.device, host_tokens: int = 0,
                     dtype: torch.dtype = torch.float32) -> KVCache:  # fmt: skip
     config = KVCacheConfig(num_layers=2, entry_shapes=((2, 3), (5,)), max_num_tokens=num_tokens,
                            block_size=BLOCK, max_num_host_tokens=host_tokens)  # fmt: skip
-    return KVCache(config, dtype, "cpu")
+    return KVCache(config, dtype, device)
 
 
 def write(cache: KVCache, seq, tokens: int, value: float) -> None:
@@ -124,8 +126,8 @@ def write(cache: KVCache, seq, tokens: int, value: float) -> None:
     seq.num_tokens = tokens
 
 
-def test_allocation_reuses_the_longest_cached_prefix():
-    cache = cache_with_data(40)
+def test_allocation_reuses_the_longest_cached_prefix(device):
+    cache = cache_with_data(40, device)
     ids = list(range(10))
     hashes: list[bytes] = []
     extend_block_hashes(hashes, ids, BLOCK)
@@ -153,7 +155,7 @@ def test_allocation_reuses_the_longest_cached_prefix():
     assert d.num_tokens == 8 and cache.num_free_blocks == 0
     cache.free(held)
     cache.free(d)
-    off = KVCache(replace(cache.config, enable_prefix_caching=False), torch.float32, "cpu")
+    off = KVCache(replace(cache.config, enable_prefix_caching=False), torch.float32, device)
     e = off.allocate(10, hashes)
     write(off, e, 10, 0.0)
     off.cache_blocks(e, hashes)
@@ -161,8 +163,8 @@ def test_allocation_reuses_the_longest_cached_prefix():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-def test_evicted_blocks_go_to_host_ram_and_come_back_with_their_contents(dtype):
-    cache = cache_with_data(12, host_tokens=16, dtype=dtype)  # 3 device blocks, 4 host blocks
+def test_evicted_blocks_go_to_host_ram_and_come_back_with_their_contents(device, dtype):
+    cache = cache_with_data(12, device, host_tokens=16, dtype=dtype)  # 3 device, 4 host blocks
     ids = list(range(9))
     hashes: list[bytes] = []
     extend_block_hashes(hashes, ids, BLOCK)
@@ -194,15 +196,15 @@ def test_evicted_blocks_go_to_host_ram_and_come_back_with_their_contents(dtype):
 
 # ------------------------------------------------------------------------- the engine
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_outputs_with_cache_hits_equal_those_without(family, checkpoints, seed):
+def test_greedy_outputs_with_cache_hits_equal_those_without(family, checkpoints, seed, device):
     """The same requests one after another, with prefix caching (prefills chunked at 5 tokens,
     so hits and chunks mix) and without: identical tokens, and the hits counted where expected:
     the same prompt again (all but its last token), a prompt sharing 10 tokens (the hit ends
     mid-block: 8), an agent turn (prompt + output + more: the decoded blocks too)."""
     g = random.Random(seed)
     a = rand_ids(g, 13)
-    cached = make_engine(checkpoints[family], max_num_batched_tokens=5)
-    plain = make_engine(checkpoints[family], prefix_caching=False)
+    cached = make_engine(checkpoints[family], device, max_num_batched_tokens=5)
+    plain = make_engine(checkpoints[family], device, prefix_caching=False)
     try:
         first, hit = generate(cached, a, 12)
         assert generate(plain, a, 12)[0] == first and hit == 0
@@ -234,14 +236,14 @@ def test_greedy_outputs_with_cache_hits_equal_those_without(family, checkpoints,
 
 
 @pytest.mark.parametrize("family", [f for f in ("deepseek_v3", "qwen3_moe") if f in FAMILIES])
-def test_a_prefix_evicted_to_host_ram_is_restored_exactly(family, checkpoints, seed):
+def test_a_prefix_evicted_to_host_ram_is_restored_exactly(family, checkpoints, seed, device):
     """A 10-block device cache: later requests evict the first prompt's blocks (copied to the
     host tier); asked again, its prefix comes back from host RAM, and the tokens equal those of
     an engine without prefix caching."""
     g = random.Random(seed + 1)
     prompts = [rand_ids(g, 14) for _ in range(4)]
-    cached = make_engine(checkpoints[family], cache_tokens=40, host_tokens=256)
-    plain = make_engine(checkpoints[family], prefix_caching=False, cache_tokens=40)
+    cached = make_engine(checkpoints[family], device, cache_tokens=40, host_tokens=256)
+    plain = make_engine(checkpoints[family], device, prefix_caching=False, cache_tokens=40)
     try:
         want = [generate(plain, p, 4)[0] for p in prompts]
         assert [generate(cached, p, 4) for p in prompts] == [(w, 0) for w in want]
@@ -257,9 +259,12 @@ def test_a_prefix_evicted_to_host_ram_is_restored_exactly(family, checkpoints, s
     assert host_rate == stats.host_hits / stats.queries > 0
 
 
-def test_stress_shared_prefixes_aborts_and_preemption_never_free_a_used_block(checkpoints, seed):
+def test_stress_shared_prefixes_aborts_and_preemption_never_free_a_used_block(
+    checkpoints, seed, device
+):
     """Random requests on three shared prefixes, some aborted mid-way, in a cache too small for
-    them all (preemption), decode steps through the segmented path: before every step each block
+    them all (preemption), decode steps through the segmented path (on CUDA captured as CUDA
+    graphs): before every step each block
     is held exactly by the live sequences that list it, none of them free or cached; finished
     requests give the tokens an engine without prefix caching gives."""
     g = random.Random(seed + 2)
@@ -268,8 +273,8 @@ def test_stress_shared_prefixes_aborts_and_preemption_never_free_a_used_block(ch
     requests = [(g.choice(bases) + rand_ids(g, g.randrange(0, 7)), g.randrange(3, 12))
                 for _ in range(24)]  # fmt: skip
     aborts = {i: g.randrange(1, 4) for i in g.sample(range(len(requests)), 6)}
-    graphs = DecodeGraphConfig(max_batch=4, min_kv_bucket=8, capture=False)
-    eng = make_engine(checkpoints["deepseek_v3"], cache_tokens=64, host_tokens=32,
+    graphs = DecodeGraphConfig(max_batch=4, min_kv_bucket=8, capture=device.type == "cuda")
+    eng = make_engine(checkpoints["deepseek_v3"], device, cache_tokens=64, host_tokens=32,
                       max_num_seqs=5, max_num_batched_tokens=9, graphs=graphs)  # fmt: skip
     cache, violations, preempted = eng.model.kv_cache, [], []
     run = eng.runner.run
@@ -311,7 +316,7 @@ def test_stress_shared_prefixes_aborts_and_preemption_never_free_a_used_block(ch
     assert preempted, "the cache was meant to be too small for every request at once"
     assert cache.num_free_blocks == cache.config.num_blocks
     assert cache.stats.device_hits > 0
-    plain = make_engine(checkpoints["deepseek_v3"], prefix_caching=False)
+    plain = make_engine(checkpoints["deepseek_v3"], device, prefix_caching=False)
     try:
         for i, (prompt, n) in enumerate(requests):
             reason = results[i][-1].finish_reason
@@ -325,13 +330,13 @@ def test_stress_shared_prefixes_aborts_and_preemption_never_free_a_used_block(ch
         plain.stop()
 
 
-def test_a_failed_step_with_tier_copies_forgets_the_cached_prefixes(checkpoints, seed):
+def test_a_failed_step_with_tier_copies_forgets_the_cached_prefixes(checkpoints, seed, device):
     """A step whose copies between tiers may not have run fails its requests and empties the
     prefix cache: nothing later reads a block a failed copy left."""
     g = random.Random(seed + 3)
     prompts = [rand_ids(g, 14) for _ in range(4)]
-    eng = make_engine(checkpoints["deepseek_v3"], cache_tokens=40, host_tokens=256)
-    plain = make_engine(checkpoints["deepseek_v3"], prefix_caching=False, cache_tokens=40)
+    eng = make_engine(checkpoints["deepseek_v3"], device, cache_tokens=40, host_tokens=256)
+    plain = make_engine(checkpoints["deepseek_v3"], device, prefix_caching=False, cache_tokens=40)
     run = eng.runner.run
 
     def failing_run(step):

@@ -6,6 +6,7 @@ validate against the functions' schemas (jsonschema)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
 
@@ -21,6 +22,7 @@ from gpu_service.api.tool_parsers import (
     PARSERS,
     FunctionSpec,
     ToolCallStream,
+    ToolParser,
     choose_tool_parser,
     tool_parser,
 )
@@ -352,3 +354,21 @@ def test_auto_grammar_allows_text_or_valid_calls(hf_tokenizer, compiler, family,
         assert found.content == "Let me check." and found.calls
         for call in found.calls:
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_a_parser_must_read_and_constrain_its_format():
+    """ToolParser is abstract: every registered parser implements calls and after_start, and
+    one that forgets either cannot be made (a TypeError naming it, not a call that fails
+    mid-request)."""
+    for parser in PARSERS.values():
+        assert not inspect.isabstract(parser), parser.name
+        parser()
+
+    class Unfinished(ToolParser):
+        name, start, markers = "unfinished", "<call>", ("<call>",)
+
+        def calls(self, section: str, final: bool) -> list[tuple[str, str]]:
+            return []
+
+    with pytest.raises(TypeError, match="after_start"):
+        Unfinished()

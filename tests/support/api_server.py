@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -11,12 +12,26 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.checkpoints import make_tiny_checkpoint
+from tests.support.expert_procs import shm_entries
 from tests.support.watched_process import WatchedProcess
+
+# one expert worker with one thread, everything on the CPU in float32
+CPU_FLAGS = ("--expert-workers", "1", "--threads", "1", "--device", "cpu", "--dtype", "float32")
+# ... and exact: float32 on the wire, bf16 experts (the tiny checkpoints' own weights)
+EXACT_FLAGS = (*CPU_FLAGS, "--wire-dtype", "float32", "--format", "bf16")
+TINY_MODEL_LEN = 256
+TINY_FLAGS = (*EXACT_FLAGS, "--max-model-len", str(TINY_MODEL_LEN), "--kv-cache-tokens", "4096",
+              "--served-model-name", "tiny")  # fmt: skip
+HELLO = [{"role": "user", "content": "Hello! How are you today?"}]
+# NOTE: a tiny model is random: EOS may come at any step, so tests that need a given length pass
+# the ignore_eos extension.
+NO_EOS = {"ignore_eos": True}
 
 EOS, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
@@ -161,6 +176,34 @@ class ServerProcess(WatchedProcess):
         except subprocess.TimeoutExpired:
             self.kill()
         self.close_streams()
+
+
+@contextlib.contextmanager
+def running_server(model_dir: str | Path | None, *flags: str, env: dict | None = None,
+                   timeout: float = 180.0) -> Iterator[ServerProcess]:  # fmt: skip
+    """A ServerProcess for the block, which must then exit 0 on SIGTERM and leave no shared
+    memory segment behind."""
+    before = shm_entries()
+    proc = ServerProcess(model_dir, *flags, env=env, timeout=timeout)
+    try:
+        yield proc
+        assert proc.terminate() == 0, proc.stderr()[-3000:]
+    finally:
+        proc.close()
+    assert not shm_entries() - before
+
+
+def tiny_server(checkpoint: Path, api_key: str, max_num_seqs: int):
+    """running_server on a make_served_checkpoint: TINY_FLAGS, served as `tiny`, with a key."""
+    return running_server(checkpoint, *TINY_FLAGS, "--max-num-seqs", str(max_num_seqs),
+                          env={"KTSERVE_API_KEY": api_key})  # fmt: skip
+
+
+def openai_client(server: ServerProcess, api_key: str = "unused"):
+    """The real openai SDK's client of `server` (no retries: a test sees each answer)."""
+    import openai  # NOTE: here, so tests that only make checkpoints need no openai (GPU host)
+
+    return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=120)
 
 
 def pid_alive(pid: int) -> bool:

@@ -8,6 +8,7 @@ no call parses is content after all (the model wrote the marker, then something 
 
 from __future__ import annotations
 
+import abc
 import json
 import re
 import secrets
@@ -48,7 +49,9 @@ class Extracted:
     calls: tuple[ToolCall, ...]
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
+    """One family's format; a parser defines the class variables and the abstract methods."""
+
     name: ClassVar[str]
     start: ClassVar[str]  # the text that opens the tool-call section
     markers: ClassVar[tuple[str, ...]]  # every tag it reads (tokens the decoder must keep)
@@ -56,9 +59,9 @@ class ToolParser:
     def new_id(self) -> str:
         return f"call_{secrets.token_hex(12)}"
 
+    @abc.abstractmethod
     def calls(self, section: str, final: bool) -> list[tuple[str, str]]:
         """(name, arguments JSON) of each complete call in `section` (it starts with `start`)."""
-        raise NotImplementedError
 
     def open_call(self, section: str) -> tuple[str, str] | None:
         """(name, arguments so far) of the call being written at the end of `section`, once its
@@ -67,11 +70,11 @@ class ToolParser:
         no call open, or a format whose calls stream whole (the default)."""
         return None
 
+    @abc.abstractmethod
     def after_start(self, functions: list[FunctionSpec], parallel: bool) -> str:
         """Lark rules (llguidance's dialect) whose rule `after_start` is what follows `start` in
         a section calling one of `functions` (several, when parallel) with arguments that
         match their schemas."""
-        raise NotImplementedError
 
     def grammar(
         self, functions: list[FunctionSpec], parallel: bool, free_text: bool = False
