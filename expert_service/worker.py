@@ -32,6 +32,8 @@ log = logging.getLogger("ktserve.expert")
 
 POLL_S = 0.2  # how often an idle channel thread looks at the stop flag
 IDLE_GAP_S = 0.005  # gaps between calls counted as idle (longer: between steps or requests)
+PRODUCER_GRACE_S = 10.0  # a GPU service whose heartbeat stalls this long is gone (see below)
+PRODUCER_POLL_S = 0.05
 
 
 class WorkerState(enum.IntEnum):
@@ -183,6 +185,10 @@ class ExpertWorker:
                         return  # nothing left queued on this channel
                     continue
                 except ktshm.PeerDied:
+                    if self._producer_comes_back(channel, stop):
+                        log.warning("channel %s: the GPU service's heartbeat stalled, then came "
+                                    "back; serving it on", channel.name)  # fmt: skip
+                        continue
                     log.warning("channel %s: the GPU service is gone; detaching", channel.name)
                     producer_died = True
                     return
@@ -217,6 +223,19 @@ class ExpertWorker:
                     del self._channels[channel.name]
             with self._idle:
                 self._idle.notify_all()
+
+    @staticmethod
+    def _producer_comes_back(channel: ktshm.Channel, stop: threading.Event) -> bool:
+        """After PeerDied: a GPU service starved of CPU (its heartbeat thread not run for over
+        peer_timeout_s) is alive all the same. Serve it on if its heartbeat resumes within
+        PRODUCER_GRACE_S; only then is it dead and its segment ours to unlink."""
+        deadline = time.monotonic() + PRODUCER_GRACE_S
+        while time.monotonic() < deadline:
+            if channel.peer_alive():
+                return True
+            if stop.wait(PRODUCER_POLL_S):
+                return False
+        return False
 
     # ------------------------------------------------------------------------------ calls
     def _execute(self, channel: ktshm.Channel, req: ktshm.Message) -> None:

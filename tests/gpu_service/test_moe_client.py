@@ -50,3 +50,61 @@ def test_a_corrupt_channel_is_replaced_and_calls_go_on(tmp_path, seed):
     finally:
         experts.close()
         worker.close()
+
+
+PRODUCER = """
+import sys, torch
+from gpu_service.config import ExpertClientConfig
+from gpu_service.moe_client import ShmExperts
+address, hidden, top_k, num_experts, layer, seed = sys.argv[1:7]
+hidden, top_k, num_experts, layer = int(hidden), int(top_k), int(num_experts), int(layer)
+experts = ShmExperts(ExpertClientConfig((address,), wire_dtype="float32", worker_timeout_s=20),
+                     hidden_size=hidden, top_k=top_k, max_tokens=16)
+g = torch.Generator().manual_seed(int(seed))
+x = torch.randn(3, hidden, generator=g)
+ids = torch.randint(0, num_experts, (3, top_k), generator=g, dtype=torch.int32)
+weights = torch.rand(3, top_k, generator=g)
+try:
+    for line in sys.stdin:
+        y = experts.submit(layer, x, ids, weights).wait()
+        print(" ".join(f"{v:.6e}" for v in y.flatten()[:8].tolist()), flush=True)
+finally:
+    experts.close()
+"""
+
+
+def test_a_gpu_service_starved_past_the_peer_timeout_is_served_on(tmp_path, seed):
+    """A GPU service whose process is not scheduled for longer than ktshm's peer timeout
+    (SIGSTOP here; a loaded machine does it too) is alive: the worker serves its channel again
+    once its heartbeat resumes, instead of unlinking it (which left the service with 503s)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "ckpt", seed=seed)
+    spec = CheckpointReader(path).spec
+    worker = ExpertProcess("--model", str(path), "--format", "bf16")
+    args = [worker.address, spec.hidden_size, spec.num_experts_per_tok, spec.num_experts,
+            spec.moe_layers[0], seed]  # fmt: skip
+    producer = subprocess.Popen([sys.executable, "-c", PRODUCER, *map(str, args)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)  # fmt: skip
+    try:
+        producer.stdin.write("call\n")
+        producer.stdin.flush()
+        first = producer.stdout.readline()
+        assert first.strip(), "the producer made no call"
+        producer.send_signal(signal.SIGSTOP)
+        time.sleep(3 * 0.5)  # the stall itself: three ktshm peer timeouts (ChannelConfig)
+        producer.send_signal(signal.SIGCONT)
+        producer.stdin.write("call\n")
+        producer.stdin.flush()
+        assert producer.stdout.readline() == first, "the call after the stall failed"
+        log = worker.stderr()
+        assert "came back; serving it on" in log, log[-2000:]
+        assert "unlinked" not in log, log[-2000:]
+    finally:
+        producer.stdin.close()
+        producer.wait(60)
+        worker.close()
