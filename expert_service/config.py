@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ktserve.config_flags import flag
 from ktserve.names import WEIGHT_FORMATS, check_weight_format
-from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV
+from ktserve.worker_token import TOKEN_CREATE_ENV, TOKEN_ENV, TOKEN_FILE_ENV
 
 # NOTE: kernels.isa.ISA_CODES' names; importing that module loads the kernel, which --help must not
 ISAS = ("avx2", "avx512", "amx")
@@ -38,7 +38,8 @@ class WorkerConfig:
     listen: str = flag(
         "127.0.0.1:50061",
         help="gRPC address: HOST:PORT (port 0 picks a free one) or unix:/path.sock (default "
-        "%(default)s). Any address but a Unix socket or loopback needs a token (--token-file)",
+        "%(default)s). A TCP address, loopback too, needs a token (--token-file); a Unix socket "
+        "without one must be in a directory only you can enter (0700)",
     )
     token_file: str | None = flag(
         None,
@@ -46,8 +47,9 @@ class WorkerConfig:
         metavar="PATH",
         help="take calls (all but health) only with the token in this file's first line "
         f"(default: the {TOKEN_FILE_ENV} environment variable; without either, the token in "
-        f"{TOKEN_ENV}; without that, none). The token is never a flag: a command line is "
-        "visible to every local user",
+        f"{TOKEN_ENV}; without that, none: then only a Unix socket listens). With "
+        f"{TOKEN_CREATE_ENV}=1 a missing file is created with a fresh token (0600). The token "
+        "is never a flag: a command line is visible to every local user",
     )
     experts: str | None = flag(
         None, help="expert ids this worker holds, inclusive, e.g. 0-63 (default: all)"

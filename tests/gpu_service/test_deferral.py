@@ -249,7 +249,8 @@ def test_a_real_worker_gives_the_tokens_of_torch_experts(checkpoints, seed, fami
     worker = ExpertProcess("--model", str(path), "--format", "bf16", "--listen",
                            f"127.0.0.1:{_free_port()}")  # fmt: skip
     experts = ShmExperts(
-        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
+        ExpertClientConfig((worker.address,), token=worker.token,
+                           wire_dtype="float32", worker_timeout_s=20),
         hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
     )  # fmt: skip
     try:
@@ -317,7 +318,8 @@ def test_device_calls_with_deferral_give_the_calls_between_segments(
     worker = ExpertProcess("--model", str(path), "--format", "bf16", "--listen",
                            f"127.0.0.1:{_free_port()}")  # fmt: skip
     experts = ShmExperts(
-        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
+        ExpertClientConfig((worker.address,), token=worker.token,
+                           wire_dtype="float32", worker_timeout_s=20),
         hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
         device=device,
     )  # fmt: skip

@@ -80,7 +80,8 @@ def test_device_calls_give_the_logits_of_calls_between_segments(checkpoint, seed
     reader = CheckpointReader(checkpoint)
     spec = reader.spec
     experts = ShmExperts(
-        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
+        ExpertClientConfig((worker.address,), token=worker.token,
+                           wire_dtype="float32", worker_timeout_s=20),
         hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
         device=device,
     )  # fmt: skip
@@ -122,7 +123,8 @@ def test_a_worker_restarted_between_steps_serves_the_next_one(checkpoint, seed):
     reader = CheckpointReader(checkpoint)
     spec = reader.spec
     experts = ShmExperts(
-        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=30),
+        ExpertClientConfig((worker.address,), token=worker.token,
+                           wire_dtype="float32", worker_timeout_s=30),
         hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
     )  # fmt: skip
     try:

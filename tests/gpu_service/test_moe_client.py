@@ -24,7 +24,8 @@ def test_a_corrupt_channel_is_replaced_and_calls_go_on(tmp_path, seed):
     spec = reader.spec
     worker = ExpertProcess("--model", str(path), "--format", "bf16")
     experts = ShmExperts(
-        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
+        ExpertClientConfig((worker.address,), token=worker.token,
+                           wire_dtype="float32", worker_timeout_s=20),
         hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=16,
     )  # fmt: skip
     try:
