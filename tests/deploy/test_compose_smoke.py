@@ -177,12 +177,20 @@ def test_compose_serves_survives_an_expert_kill_and_is_scraped(project, steps):
         return jobs == expected and all(t["health"] == "up" for t in targets)
 
     wait_for(all_targets_up, 120, "Prometheus to scrape gpu, expert-0 and expert-1")
-    workers_up = prometheus_query(prometheus, "ktserve_worker_up")
-    assert sorted(float(r["value"][1]) for r in workers_up) == [1.0, 1.0], workers_up
-    tokens = wait_for(lambda: prometheus_query(prometheus, "ktserve_generation_tokens_total"),
-                      30, "the generation counter scraped")  # fmt: skip
-    assert sum(float(r["value"][1]) for r in tokens) >= first.usage.completion_tokens
-    calls = prometheus_query(prometheus, "ktserve_expert_moe_calls_total")
-    assert {r["metric"]["instance"] for r in calls} == {"expert-0:9101", "expert-1:9101"}
-    assert all(float(r["value"][1]) > 0 for r in calls), calls
+
+    def values(query: str) -> dict[str, float]:
+        """The latest scraped value of each series, by its instance (or address)."""
+        return {r["metric"].get("address", r["metric"]["instance"]): float(r["value"][1])
+                for r in prometheus_query(prometheus, query)}  # fmt: skip
+
+    # NOTE: each is polled: a scrape from before expert-1 came back (or before its first call
+    # since) says 0 for it; the next one (every 5 s) catches up
+    wait_for(lambda: values("ktserve_worker_up") == {"expert-0:50061": 1, "expert-1:50061": 1},
+             60, "ktserve_worker_up 1 for both workers")  # fmt: skip
+    generated = sum(r.usage.completion_tokens for r in (first, during, after))
+    wait_for(lambda: values("ktserve_generation_tokens_total") == {"gpu:8000": generated}, 60,
+             f"ktserve_generation_tokens_total {generated}, the completions' tokens")  # fmt: skip
+    wait_for(lambda: sorted(values("ktserve_expert_moe_calls_total")) == ["expert-0:9101",
+             "expert-1:9101"] and min(values("ktserve_expert_moe_calls_total").values()) > 0,
+             60, "each worker's MoE calls scraped")  # fmt: skip
     steps.done("Prometheus scrape of both services (HTTP API)")
