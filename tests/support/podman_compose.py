@@ -126,8 +126,11 @@ def build_image(podman: Podman, tag: str, workdir: Path) -> None:
         args += ["--volume", f"{CA_BUNDLE}:/run/host-ca.crt:ro",
                  "--build-arg", "PIP_CERT=/run/host-ca.crt"]  # fmt: skip
     old_cache = podman.image_id(BUILD_CACHE)
-    podman.run(*args, "--target", "build", "-t", BUILD_CACHE, ".", timeout=2400)
-    podman.run(*args, "-t", tag, ".", timeout=1200)
+    try:
+        podman.run(*args, "--target", "build", "-t", BUILD_CACHE, ".", timeout=2400)
+        podman.run(*args, "-t", tag, ".", timeout=1200)
+    finally:
+        shutil.rmtree(wheels)  # NOTE: torch's wheel, 183 MB
     if old_cache and old_cache != podman.image_id(BUILD_CACHE):
         podman.run("rmi", old_cache, check=False)
 
