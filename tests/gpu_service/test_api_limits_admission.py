@@ -18,13 +18,13 @@ from tests.support.api_server import ServerProcess, make_served_checkpoint
 from tests.support.expert_procs import shm_entries
 
 MAX_NUM_SEQS = 1
-MAX_WAITING = 2
+MAX_WAITING = 8  # NOTE: Retry-After is 8 x the mean run: it tells runs of tenths of a second apart
 READ_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, seed):
-    """No API key; 1 running + 2 waiting; bodies must arrive within READ_TIMEOUT_S."""
+    """No API key; 1 running + 8 waiting; bodies must arrive within READ_TIMEOUT_S."""
     checkpoint = make_served_checkpoint(tmp_path_factory.mktemp("admission") / "tiny", seed, 1024)
     before = shm_entries()
     proc = ServerProcess(checkpoint, *FLAGS, "--max-model-len", "1024", "--kv-cache-tokens",
@@ -126,11 +126,12 @@ def test_a_slow_upload_holds_no_slot_and_gets_408(server, client):
     finally:
         for upload in (*stalled, late):
             upload.close()
-    assert server.metrics()["ktserve_http_requests_total{route=/v1/completions,status=408}"] == 3
+    timed_out = server.metrics()["ktserve_http_requests_total{route=/v1/completions,status=408}"]
+    assert timed_out == len(stalled)
 
 
 def refused_retry_after(server: ServerProcess, client: openai.OpenAI) -> int:
-    """Every slot taken (1 running stream, 2 waiting), then one more: its Retry-After. The
+    """Every slot taken (1 running stream, 8 waiting), then one more: its Retry-After. The
     streams are dropped after (aborted: their run times are not the engine's to count)."""
     running = Stream(server, 1000)
     assert running.started.wait(60)
@@ -163,8 +164,8 @@ def expected_retry_after(latencies: list[float], num_short_before: int) -> set[i
 
 
 def test_retry_after_follows_the_queue(server, client):
-    """Short requests: Retry-After 1; after long ones (each seconds) it grows with their mean
-    run time, as the client timed them."""
+    """After short requests Retry-After is small; after long ones it grows with their mean run
+    time; each time as the client timed the requests."""
     latencies = []
 
     def timed(max_tokens: int) -> None:
@@ -176,15 +177,16 @@ def test_retry_after_follows_the_queue(server, client):
 
     for _ in range(3):
         timed(1)
-    assert max(latencies) < 0.5, latencies
+    short_mean = sum(latencies) / len(latencies)
     short = refused_retry_after(server, client)
-    assert short == 1
-    # NOTE: the engine's window holds the last 32 runs: all of this test's, which the earlier
-    # test's few stay far under
-    while sum(latencies) / len(latencies) < 1.2 and len(latencies) < 12:
+    # NOTE: the engine's window holds the last 32 runs: all of this test's, and the slow-upload
+    # test's two
+    expected_short = expected_retry_after(latencies, num_short_before=2)
+    assert min(expected_short) <= short <= max(expected_short), (short, latencies)
+    while sum(latencies) / len(latencies) < 4 * short_mean + 0.25 and len(latencies) < 12:
         timed(900)
     long = refused_retry_after(server, client)
-    expected = expected_retry_after(latencies, num_short_before=2)  # the slow-upload test's
+    expected = expected_retry_after(latencies, num_short_before=2)
     print(f"Retry-After {short} after short requests, {long} after long ones (expected "
           f"{sorted(expected)}; client latencies {[round(x, 2) for x in latencies]})")  # fmt: skip
     assert min(expected) <= long <= max(expected), (long, latencies)
