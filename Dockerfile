@@ -20,8 +20,16 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # NOTE: torch first, in its own layer, so that the project's range cannot swap it for another
 # build and source changes do not download it again.
 RUN python3 -m venv /opt/ktserve && /opt/ktserve/bin/pip install ${PIP_ARGS} "${TORCH_SPEC}"
+# NOTE: then the project's dependencies and build requirements, read from pyproject.toml alone,
+# in a layer of their own: a source change rebuilds only the project (without build isolation,
+# from the requirements installed here).
+COPY pyproject.toml /src/pyproject.toml
+RUN /opt/ktserve/bin/python -c "import tomllib; p = tomllib.load(open('/src/pyproject.toml', 'rb')); \
+      print('\n'.join(p['project']['dependencies'] + p['build-system']['requires']))" \
+      > /tmp/requirements.txt \
+ && /opt/ktserve/bin/pip install ${PIP_ARGS} -r /tmp/requirements.txt
 COPY . /src
-RUN /opt/ktserve/bin/pip install ${PIP_ARGS} /src
+RUN /opt/ktserve/bin/pip install ${PIP_ARGS} --no-build-isolation --no-deps /src
 
 FROM ${BASE_IMAGE}
 COPY --from=build /opt/ktserve /opt/ktserve

@@ -6,6 +6,7 @@ import contextlib
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,15 +17,17 @@ from tests.support.watched_process import WatchedProcess
 def expert_worker(model: Path | str, fmt: str, threads: int, spin_us: float | None = None,
                   timeout: float = 600.0) -> Iterator[str]:  # fmt: skip
     """The gRPC address of a worker serving `model` (waited for up to `timeout` s), stopped when
-    the block ends. spin_us: how long its channel thread and its kernel pool spin before they
-    sleep (default: the worker's)."""
+    the block ends: a Unix socket in a private (0700) directory, so it takes calls without a
+    token. spin_us: how long its channel thread and its kernel pool spin before they sleep
+    (default: the worker's)."""
     extra, env = [], {}
     if spin_us is not None:
         extra = ["--spin-us", str(spin_us)]
         env["KTSERVE_KERNEL_SPIN_US"] = str(int(spin_us))
+    socket_dir = tempfile.TemporaryDirectory(prefix="ktserve-bench-")  # mode 0700
     proc = WatchedProcess(
-        [sys.executable, "-m", "ktserve", "expert", "--model", str(model),
-         "--format", fmt, "--threads", str(threads), "--listen", "127.0.0.1:0", *extra],
+        [sys.executable, "-m", "ktserve", "expert", "--model", str(model), "--format", fmt,
+         "--threads", str(threads), "--listen", f"unix:{socket_dir.name}/worker.sock", *extra],
         env,
     )  # fmt: skip
     proc.what = "the expert worker"
@@ -39,3 +42,4 @@ def expert_worker(model: Path | str, fmt: str, threads: int, spin_us: float | No
         except subprocess.TimeoutExpired:
             proc.kill()
         proc.close_streams()
+        socket_dir.cleanup()

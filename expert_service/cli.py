@@ -35,24 +35,13 @@ def configure_convert(parser: argparse.ArgumentParser) -> None:
 
 
 def run_expert(args: argparse.Namespace) -> int:
-    import logging
-
     from prometheus_client import start_http_server
-
-    from ktserve.model_label import labeled_registry
-    from ktserve.worker_token import (
-        TOKEN_ENV,
-        TOKEN_FILE_ENV,
-        TokenError,
-        is_local_listener,
-        read_token,
-    )
-
-    log = logging.getLogger("ktserve.expert")
 
     from expert_service.server import build_server, set_serving
     from expert_service.shard import ProgressPrinter
     from expert_service.worker import ExpertWorker
+    from ktserve.model_label import labeled_registry
+    from ktserve.worker_token import TokenError, listener_refusal, read_token
 
     config = from_args(WorkerConfig, args)
     parent = os.getppid()
@@ -61,14 +50,10 @@ def run_expert(args: argparse.Namespace) -> int:
     except TokenError as exc:
         print(f"ktserve expert: {exc}", file=sys.stderr)
         return 2
-    if token is None and not is_local_listener(config.listen):
-        print(f"ktserve expert: --listen {config.listen} reaches other machines: give the "
-              f"worker a token ({TOKEN_FILE_ENV} / --token-file or {TOKEN_ENV}) and the GPU "
-              "service the same", file=sys.stderr)  # fmt: skip
+    refusal = listener_refusal(config.listen, token)
+    if refusal:
+        print(f"ktserve expert: {refusal}", file=sys.stderr)
         return 2
-    if token is None and not config.listen.startswith("unix:"):
-        log.warning("no token: any local user can call this worker at %s (set %s or %s)",
-                    config.listen, TOKEN_FILE_ENV, TOKEN_ENV)  # fmt: skip
     worker = ExpertWorker(config)
     # NOTE: the handler takes no lock: Event.set does, and a second signal arriving inside the
     # first one's set() deadlocked the worker (seen: SIGTERM twice as `ktserve serve` died).

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ktserve.config_flags import flag
 from ktserve.names import WEIGHT_FORMATS, check_weight_format
-from ktserve.worker_token import token_file_flag
+from ktserve.worker_token import TOKEN_CREATE_ENV, token_file_flag
 
 # NOTE: kernels.isa.ISA_CODES' names; importing that module loads the kernel, which --help must not
 ISAS = ("avx2", "avx512", "amx")
@@ -38,11 +38,13 @@ class WorkerConfig:
     listen: str = flag(
         "127.0.0.1:50061",
         help="gRPC address: HOST:PORT (port 0 picks a free one) or unix:/path.sock (default "
-        "%(default)s). Any address but a Unix socket or loopback needs a token (--token-file)",
+        "%(default)s). A TCP address, loopback too, needs a token (--token-file); a Unix socket "
+        "without one must be in a directory only you can enter (0700)",
     )
     token_file: str | None = token_file_flag(
-        "With one, the worker takes calls (all but health) only with it; without, from anyone "
-        "who reaches it."
+        "With one, the worker takes calls (all but health) only with it; without, only a Unix "
+        f"socket listens. With {TOKEN_CREATE_ENV}=1 a missing file is created with a fresh "
+        "token (0600)."
     )
     experts: str | None = flag(
         None, help="expert ids this worker holds, inclusive, e.g. 0-63 (default: all)"

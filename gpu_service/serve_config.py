@@ -61,11 +61,20 @@ class HTTPConfig:
         help="largest request body in bytes; a larger one is answered 413 before it is read "
         "whole (default %(default)s)",
     )
+    request_read_timeout_s: float = flag(
+        60.0,
+        name="--request-read-timeout",
+        metavar="SECONDS",
+        help="seconds a request's whole body may take to arrive after its headers; a slower one "
+        "is answered 408 and its connection closed. A request counts against "
+        "--max-waiting-requests only once its body is read (default %(default)s)",
+    )
     max_waiting_requests: int = flag(
         256,
         metavar="N",
-        help="requests that may wait for the engine (being tokenized or queued) beyond those it "
-        "runs; more are answered 429 with Retry-After (default %(default)s)",
+        help="requests that may wait for the engine (tokenized or queued) beyond those it runs; "
+        "more are answered 429 with a Retry-After from the queue: waiting requests x recent "
+        "mean run time / --max-num-seqs, 1 to 60 s (default %(default)s)",
     )
     request_timeout_s: float | None = flag(
         None,
@@ -91,6 +100,10 @@ class HTTPConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"--max-request-bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.request_read_timeout_s <= 0:
+            raise ValueError(
+                f"--request-read-timeout must be positive, got {self.request_read_timeout_s}"
+            )
         if self.max_waiting_requests < 0:
             raise ValueError(
                 f"--max-waiting-requests must be >= 0, got {self.max_waiting_requests}"

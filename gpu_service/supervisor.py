@@ -1,8 +1,9 @@
 """Expert workers as supervised subprocesses of `ktserve serve`.
 
-Each worker is `python -m ktserve expert --model M --listen 127.0.0.1:PORT ...` on a
-port fixed for its life, so a restarted worker answers at the same address and the GPU side's
-ShmExperts re-attaches to it by itself. Per worker:
+Each worker is `python -m ktserve expert --model M --listen unix:DIR/worker-I.sock ...` (or a
+loopback port, where a worker takes calls only with the token) at an address fixed for its life,
+so a restarted worker answers at the same address and the GPU side's ShmExperts re-attaches to
+it by itself. Per worker:
 
     STARTING --its grpc.health.v1 says SERVING--> SERVING --exits--> EXITED
         ^                                                              | restart_workers
@@ -77,7 +78,7 @@ def worker_specs(
     socket_dir: str | None = None,
 ) -> list[WorkerSpec]:
     """socket_dir: the workers listen on Unix sockets there (a 0700 directory: no other user
-    reaches them); None: on free loopback ports."""
+    reaches them); None: on free loopback ports (then the Supervisor needs a token)."""
     specs = []
     for i, experts in enumerate(ranges):
         if socket_dir is not None:

@@ -1,9 +1,11 @@
 """The expert workers' control-plane token: a shared secret every gRPC call but health carries.
 
-A worker reachable over TCP takes calls (GetInfo, LoadModel, Attach, Drain, ...) only with the
-token; `ktserve serve` starts its own workers on Unix sockets in a 0700 directory with a fresh
-token, and remote or compose workers share one from a file or the environment, never a command
-line (which every local user sees in `ps`):
+A worker on TCP (loopback too: every local user reaches it) refuses to start without a token, and
+then takes calls (GetInfo, LoadModel, Attach, Drain, ...) only with it; without one it listens
+only on a Unix socket in a directory no other user can enter. `ktserve serve` starts its own
+workers on Unix sockets in a 0700 directory with a fresh token, and remote or compose workers
+share one from a file or the environment, never a command line (which every local user sees in
+`ps`):
 
     KTSERVE_WORKER_TOKEN_FILE   a file whose first line is the token (or --worker-token-file)
     KTSERVE_WORKER_TOKEN        the token itself
@@ -14,7 +16,6 @@ line (which every local user sees in `ps`):
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import secrets
@@ -97,14 +98,24 @@ def create_token_file(path: str) -> bool:
         aside.unlink()
 
 
-def is_local_listener(listen: str) -> bool:
-    """A Unix socket or a loopback TCP address (reachable from this machine only)."""
-    if listen.startswith("unix:"):
-        return True
-    host = listen.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
+def listener_refusal(listen: str, token: str | None) -> str | None:
+    """Why a worker must not listen at `listen` with this token (None: it may). Without a token
+    a worker takes calls only on a Unix socket in a directory no other user can enter: a TCP port,
+    loopback included, is open to every local user (and beyond loopback to other machines)."""
+    if token is not None:
+        return None
+    how = (f"give the worker a token ({TOKEN_FILE_ENV}=PATH, or --token-file PATH; with "
+           f"{TOKEN_CREATE_ENV}=1 the worker writes a fresh one there, 0600; or {TOKEN_ENV}) "
+           "and the GPU service the same (ktserve serve --worker-token-file PATH)")  # fmt: skip
+    if not listen.startswith("unix:"):
+        return f"--listen {listen} is a TCP port every local user can reach: {how}"
+    directory = Path(listen.removeprefix("unix:")).parent
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        info = directory.stat()
+    except OSError as exc:
+        return f"--listen {listen}: its directory {directory}: {exc.strerror}"
+    if info.st_uid != os.geteuid() or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        return (f"--listen {listen}: other users can enter {directory} (mode "
+                f"{stat.S_IMODE(info.st_mode):o}, owner uid {info.st_uid}): put the socket in a "
+                f"directory of yours with mode 0700, or {how}")  # fmt: skip
+    return None

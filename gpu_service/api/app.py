@@ -1,8 +1,9 @@
 """The FastAPI application: OpenAI-compatible /v1 routes; vLLM's /tokenize, /detokenize and
 /version; /health (GET and HEAD) and /metrics.
 
-Middlewares, outermost first: count (by route and status), API key (auth.py), admission (429
-past the in-flight bound, 503 while draining: admission.py), body bound (413: limits.py)."""
+Middlewares, outermost first: count (by route and status), API key (auth.py), early refusal (429
+past the in-flight bound, 503 while draining: admission.py), the body read whole (413 past its
+bound, 408 past its time: limits.py), admission (counts the request in, or 429 / 503)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gpu_service.api import errors
-from gpu_service.api.admission import AdmissionMiddleware
+from gpu_service.api.admission import AdmissionMiddleware, RefuseEarly
 from gpu_service.api.auth import ApiKeyMiddleware, is_authorized
 from gpu_service.api.chat import create_chat_completion
 from gpu_service.api.completions import create_completion
 from gpu_service.api.context import ApiContext
 from gpu_service.api.generation import ClientGone
-from gpu_service.api.limits import BodyLimit
+from gpu_service.api.limits import ReadBody
 from gpu_service.api.tokenize import detokenize, tokenize
 from ktserve.model_label import labeled_registry
 from ktserve.version import ktserve_version
@@ -122,8 +123,10 @@ def create_app(ctx: ApiContext) -> FastAPI:
         return Response(generate_latest(exported), media_type=CONTENT_TYPE_LATEST)
 
     # NOTE: the last added runs first: requests are counted, refused ones (401, 429) included.
-    app.add_middleware(BodyLimit, max_bytes=ctx.max_request_bytes)
     app.add_middleware(AdmissionMiddleware, admission=ctx.admission)
+    app.add_middleware(ReadBody, max_bytes=ctx.max_request_bytes,
+                       read_timeout_s=ctx.request_read_timeout_s)  # fmt: skip
+    app.add_middleware(RefuseEarly, admission=ctx.admission)
     if ctx.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=ctx.api_key,
                            metrics_public=ctx.metrics_public)  # fmt: skip

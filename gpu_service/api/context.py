@@ -30,14 +30,14 @@ from gpu_service.engine.grammar import GrammarCompiler
 class ApiContext:
     """engine: a started Engine. model_name: the `model` clients must send. max_model_len: the
     context length. api_key: required when set (auth.py says where). registries: Prometheus
-    registries served on /metrics (the engine's first). worker_status: each expert worker's
-    state for /health (dicts with at least "address" and "alive"). request_timeout_s: every
-    request's deadline (None: only those that send `timeout` have one). max_request_bytes: the
-    body's bound (413). metrics_public: /metrics needs no key. admission: the in-flight bound and
-    the draining flag (admission.py). generations: those not yet closed. tool_parser: how tool
-    calls are written and read (None: tools are refused). reasoning_parser: a REASONING_PARSERS
-    name (None: no split). grammars: compiles the grammars of constrained decoding (None: it is
-    refused)."""
+    registries served on /metrics (the engine's first). worker_status: each expert worker's state
+    for /health (dicts with at least "address" and "alive"). request_timeout_s: every request's
+    deadline (None: only those that send `timeout` have one). max_request_bytes: the body's bound
+    (413); request_read_timeout_s: its time to arrive (408). metrics_public: /metrics needs no key.
+    admission: the in-flight bound and the draining flag (admission.py). generations: those not yet
+    closed. tool_parser: how tool calls are written and read (None: tools are refused).
+    reasoning_parser: a REASONING_PARSERS name (None: no split). grammars: compiles the grammars of
+    constrained decoding (None: it is refused)."""
 
     engine: Engine
     tokenizer: ServedTokenizer
@@ -48,6 +48,7 @@ class ApiContext:
     registries: Sequence[CollectorRegistry] = ()
     request_timeout_s: float | None = None
     max_request_bytes: int = 8 << 20
+    request_read_timeout_s: float = 60.0
     metrics_public: bool = False
     admission: Admission = field(default_factory=Admission)
     tool_parser: ToolParser | None = None

@@ -108,8 +108,11 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
             registries=(service.metrics.registry, worker_registry(worker_status)),
             request_timeout_s=http.request_timeout_s,
             max_request_bytes=http.max_request_bytes,
+            request_read_timeout_s=http.request_read_timeout_s,
             metrics_public=http.metrics_public,
-            admission=Admission(max_in_flight),
+            admission=Admission(
+                max_in_flight, service.config.scheduler.max_num_seqs, service.engine.mean_run_s
+            ),
             tool_parser=parser,
             reasoning_parser=reasoning,
             grammars=grammars,

@@ -14,6 +14,7 @@ finish_reason (and, for ERROR and ABORT, the EngineError that ended it).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -40,6 +41,7 @@ from gpu_service.engine.validation import RequestLimits
 from gpu_service.models.model import CausalLM
 
 log = logging.getLogger("ktserve.engine")
+RECENT_RUNS = 32  # requests whose run times estimate a slot's turnover (mean_run_s)
 
 EventCallback = Callable[[TokenEvent], None]
 
@@ -70,6 +72,8 @@ class Engine:
         )
         self.decode = decode
         self.metrics = metrics or EngineMetrics(max_model_len=scheduler_config.max_model_len)
+        # first scheduled to finished, of the last requests that ran to their end (stop, length)
+        self._recent_run_s: collections.deque[float] = collections.deque(maxlen=RECENT_RUNS)
         self.experts_stats = experts_stats
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -126,6 +130,12 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    def mean_run_s(self) -> float | None:
+        """Mean seconds from first scheduled to finished of the last RECENT_RUNS requests that
+        ran to their end (None before the first); what one request holds a running slot."""
+        runs = list(self._recent_run_s)  # NOTE: copied: the engine thread appends meanwhile
+        return sum(runs) / len(runs) if runs else None
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -245,8 +255,12 @@ class Engine:
         request = tracked.request
         self.scheduler.finish(request, reason, error)
         self._tracked.pop(request.request_id, None)
-        self.metrics.e2e.observe(time.monotonic() - request.arrival)
+        now = time.monotonic()
+        self.metrics.e2e.observe(now - request.arrival)
         self.metrics.observe_finished(request, tracked.last_token_time)
+        ran = request.first_scheduled_time
+        if reason in (FinishReason.STOP, FinishReason.LENGTH) and ran is not None:
+            self._recent_run_s.append(now - ran)
         self.metrics.finished.labels(finished_reason=reason.value).inc()
         self._update_gauges()
         tracked.on_event(_event(request, (), finish_reason=reason, error=error))

@@ -262,7 +262,7 @@ def test_every_dashboard_metric_is_exported(compose, tmp_path):
         for proc in experts:
             proc.read_line("ktserve expert: serving", timeout=180)
         bare = WatchedProcess([sys.executable, "-m", "ktserve", "expert", "--listen",
-                               f"127.0.0.1:{free_port()}"])  # fmt: skip
+                               f"127.0.0.1:{free_port()}"], token_env)  # fmt: skip
         experts.append(bare)
         loading = bare.read_line("listening on", timeout=60).split("listening on ")[1].split()[0]
         for name, service in expert_services(compose).items():

@@ -104,7 +104,8 @@ def service_for(path, worker: ExpertProcess, dtype: str, wire_dtype: str, gpu_ex
     config = GPUServiceConfig(
         model_dir=str(path), device=DEVICE, dtype=dtype, kv_cache_tokens=1024,
         gpu_experts=gpu_experts, scheduler=SchedulerConfig(max_model_len=128),
-        experts=ExpertClientConfig((worker.address,), wire_dtype=wire_dtype, worker_timeout_s=20),
+        experts=ExpertClientConfig((worker.address,), token=worker.token,
+                                   wire_dtype=wire_dtype, worker_timeout_s=20),
     )  # fmt: skip
     return build_gpu_service(config)
 

@@ -46,8 +46,8 @@ def test_hits_through_an_expert_worker_give_the_same_tokens_and_skip_its_calls(
                 kv_cache_tokens=1024, prefix_caching=caching,
                 kv_host_cache_gib=0.001 if caching else 0.0,
                 scheduler=SchedulerConfig(max_model_len=128),
-                experts=ExpertClientConfig((worker.address,), wire_dtype="float32",
-                                           worker_timeout_s=20),
+                experts=ExpertClientConfig((worker.address,), token=worker.token,
+                                           wire_dtype="float32", worker_timeout_s=20),
             )  # fmt: skip
             service = build_gpu_service(config)
             try:

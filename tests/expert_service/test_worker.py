@@ -24,7 +24,7 @@ from ktserve.checkpoint import ModelSpec
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.protocol import expert_pb2_grpc as pb_grpc
 from ktserve.worker_auth import worker_channel
-from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV
+from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV, new_token
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint, moe_block
 from tests.support.expert_procs import (  # noqa: F401 - no_segments_left_behind is an autouse fixture
     FORMAT_PB,
@@ -302,7 +302,7 @@ def test_convert_then_load_gives_identical_replies(checkpoints, procs, channel, 
     bad = subprocess.run(
         [sys.executable, "-m", "ktserve", "expert", "--model", str(out),
          "--format", "int8", "--listen", "127.0.0.1:0"],
-        cwd=REPO, capture_output=True, text=True, env=CHILD_ENV,
+        cwd=REPO, capture_output=True, text=True, env={**CHILD_ENV, TOKEN_ENV: new_token()},
         timeout=120,
     )  # fmt: skip
     assert bad.returncode == 2 and "holds experts 0-5 in int4" in bad.stderr
@@ -416,7 +416,7 @@ def test_cli_reports_errors_clearly(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "ktserve", "expert", "--model", str(tmp_path / "none"),
          "--listen", "127.0.0.1:0"],
-        cwd=REPO, capture_output=True, text=True, env=CHILD_ENV,
+        cwd=REPO, capture_output=True, text=True, env={**CHILD_ENV, TOKEN_ENV: new_token()},
         timeout=120,
     )  # fmt: skip
     assert result.returncode == 2
@@ -441,22 +441,20 @@ def test_worker_takes_calls_only_with_its_token(checkpoints, procs, channel):
         lambda stub: stub.Attach(pb.AttachRequest(channel_name=channel.name), timeout=10),
         lambda stub: stub.Drain(pb.DrainRequest(exit=True), timeout=10),
     ]
-    for call in calls:
-        with pytest.raises(grpc.RpcError) as info:
-            call(worker.stub)
-        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    wrong = worker_channel(worker.address, "not-" + token)
-    try:
-        with pytest.raises(grpc.RpcError) as info:
-            pb_grpc.ExpertServiceStub(wrong).GetInfo(pb.GetInfoRequest(), timeout=10)
-        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    finally:
-        wrong.close()
+    for sent in (None, "not-" + token):
+        anyone = worker_channel(worker.address, sent)
+        try:
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as info:
+                    call(pb_grpc.ExpertServiceStub(anyone))
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, sent
+            health = health_pb2_grpc.HealthStub(anyone).Check(
+                health_pb2.HealthCheckRequest(), timeout=10
+            )
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # open: liveness
+        finally:
+            anyone.close()
     assert worker.proc.poll() is None and not channel.peer_alive()  # no Drain, no Attach
-    health = health_pb2_grpc.HealthStub(worker.grpc_channel).Check(
-        health_pb2.HealthCheckRequest(), timeout=10
-    )
-    assert health.status == health_pb2.HealthCheckResponse.SERVING  # open: liveness probes
     right = worker_channel(worker.address, token)
     try:
         stub = pb_grpc.ExpertServiceStub(right)
@@ -465,6 +463,44 @@ def test_worker_takes_calls_only_with_its_token(checkpoints, procs, channel):
         channel.wait_for_peer(timeout=10)
     finally:
         right.close()
+
+
+def expert_without_token(listen: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in CHILD_ENV.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
+    return subprocess.run([sys.executable, "-m", "ktserve", "expert", "--listen", listen],
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "localhost:0", "[::1]:0"])
+def test_a_worker_on_loopback_needs_a_token(listen):
+    """Every local user can connect to a loopback port: no token, no worker (exit 2, saying how
+    to give it one), and nothing listens meanwhile."""
+    done = expert_without_token(listen)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "listening on" not in done.stdout
+    assert TOKEN_FILE_ENV in done.stderr and "--worker-token-file" in done.stderr
+
+
+def test_a_worker_without_token_listens_only_on_a_private_unix_socket(tmp_path, procs):
+    """Without a token a Unix socket must sit in a directory only this user can enter; in a
+    private one the worker serves (GetInfo with no token) and the socket is gone after it."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    done = expert_without_token(f"unix:{shared}/w.sock")
+    assert done.returncode == 2 and "other users can enter" in done.stderr, done.stderr
+    assert not (shared / "w.sock").exists()
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    env = {TOKEN_ENV: "", TOKEN_FILE_ENV: ""}  # NOTE: empty is unset (read_token's `or`)
+    worker = procs("--listen", f"unix:{private}/w.sock", env=env)
+    assert worker.address == f"unix:{private}/w.sock"
+    channel = grpc.insecure_channel(worker.address)
+    try:
+        info = pb_grpc.ExpertServiceStub(channel).GetInfo(pb.GetInfoRequest(), timeout=10)
+        assert info.state == pb.WORKER_STATE_EMPTY
+    finally:
+        channel.close()
 
 
 def test_a_worker_reachable_from_other_machines_needs_a_token():

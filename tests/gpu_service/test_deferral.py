@@ -248,7 +248,8 @@ def worker_experts(path, device: str):
                            f"127.0.0.1:{_free_port()}")  # fmt: skip
     try:
         experts = ShmExperts(
-            ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
+            ExpertClientConfig((worker.address,), token=worker.token, wire_dtype="float32",
+                               worker_timeout_s=20),
             hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
             device=device,
         )  # fmt: skip

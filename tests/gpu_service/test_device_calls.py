@@ -20,6 +20,7 @@ from gpu_service.engine.errors import ExpertsUnavailable
 from gpu_service.models import Batch, SeqInput, TorchExperts, load_model
 from gpu_service.moe_client import ShmExperts
 from ktserve.checkpoint import CheckpointReader
+from ktserve.worker_token import TOKEN_ENV
 from tests.support.checkpoints import available_families, make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess
 
@@ -38,9 +39,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_worker(path, port: int) -> ExpertProcess:
+def start_worker(path, port: int, token: str | None = None) -> ExpertProcess:
+    """token: the one a worker before it on this port had (default: a fresh one)."""
+    env = {TOKEN_ENV: token} if token else None
     return ExpertProcess("--model", str(path), "--format", "bf16", "--listen",
-                         f"127.0.0.1:{port}")  # fmt: skip
+                         f"127.0.0.1:{port}", env=env)  # fmt: skip
 
 
 def load(path, experts, device: str = "cpu"):
@@ -85,8 +88,8 @@ def test_device_calls_give_the_logits_of_calls_between_segments(checkpoint, seed
     reader = CheckpointReader(checkpoint)
     spec = reader.spec
     experts = ShmExperts(
-        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20,
-                           device_handoff=handoff),  # fmt: skip
+        ExpertClientConfig((worker.address,), token=worker.token, wire_dtype="float32",
+                           worker_timeout_s=20, device_handoff=handoff),  # fmt: skip
         hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
         device=device,
     )  # fmt: skip
@@ -129,7 +132,8 @@ def test_a_worker_restarted_between_steps_serves_the_next_one(checkpoint, seed):
     reader = CheckpointReader(checkpoint)
     spec = reader.spec
     experts = ShmExperts(
-        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=30),
+        ExpertClientConfig((worker.address,), token=worker.token,
+                           wire_dtype="float32", worker_timeout_s=30),
         hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
     )  # fmt: skip
     try:
@@ -146,7 +150,7 @@ def test_a_worker_restarted_between_steps_serves_the_next_one(checkpoint, seed):
             tokens = theirs.tokens
             ours.step(tokens), theirs.step(tokens)
         worker.close()  # killed: its heartbeat stops
-        worker = start_worker(checkpoint, port)
+        worker = start_worker(checkpoint, port, worker.token)
         tokens = theirs.tokens
         got, want = ours.step(tokens), theirs.step(tokens)
         assert float((got - want).abs().max() / want.abs().max()) < 2e-2

@@ -24,7 +24,8 @@ def test_a_corrupt_channel_is_replaced_and_calls_go_on(tmp_path, seed):
     spec = reader.spec
     worker = ExpertProcess("--model", str(path), "--format", "bf16")
     experts = ShmExperts(
-        ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
+        ExpertClientConfig((worker.address,), token=worker.token,
+                           wire_dtype="float32", worker_timeout_s=20),
         hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=16,
     )  # fmt: skip
     try:
@@ -58,7 +59,9 @@ from gpu_service.config import ExpertClientConfig
 from gpu_service.moe_client import ShmExperts
 address, hidden, top_k, num_experts, layer, seed = sys.argv[1:7]
 hidden, top_k, num_experts, layer = int(hidden), int(top_k), int(num_experts), int(layer)
-experts = ShmExperts(ExpertClientConfig((address,), wire_dtype="float32", worker_timeout_s=20),
+token = sys.stdin.readline().strip()  # the worker's, never on the command line
+experts = ShmExperts(ExpertClientConfig((address,), token=token, wire_dtype="float32",
+                                        worker_timeout_s=20),
                      hidden_size=hidden, top_k=top_k, max_tokens=16)
 g = torch.Generator().manual_seed(int(seed))
 x = torch.randn(3, hidden, generator=g)
@@ -91,7 +94,7 @@ def test_a_gpu_service_starved_past_the_peer_timeout_is_served_on(tmp_path, seed
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 text=True)  # fmt: skip
     try:
-        producer.stdin.write("call\n")
+        producer.stdin.write(f"{worker.token}\ncall\n")
         producer.stdin.flush()
         first = producer.stdout.readline()
         assert first.strip(), "the producer made no call"

@@ -21,6 +21,7 @@ from gpu_service.external_workers import ExpertCoverageError, WorkerShard, check
 from gpu_service.serve_config import HTTPConfig, ServeConfig, split_experts
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.cli import COMMANDS, build_parser
+from ktserve.worker_token import TOKEN_ENV, new_token
 from tests.support.api_server import ServerProcess, make_served_checkpoint, pid_alive
 from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, shm_entries
@@ -152,7 +153,8 @@ def test_help_imports_only_the_command_asked_for(argv, absent):
 
 def test_expert_worker_starts_without_the_gpu_side():
     worker = WatchedProcess([sys.executable, "-X", "importtime", "-m", "ktserve", "expert",
-                             "--listen", "127.0.0.1:0", "--threads", "1"])  # fmt: skip
+                             "--listen", "127.0.0.1:0", "--threads", "1"],
+                            {TOKEN_ENV: new_token()})  # fmt: skip
     try:
         worker.read_line("listening on")
         assert worker.terminate() == 0
@@ -418,9 +420,13 @@ def test_coverage_check_names_missing_and_doubled_experts(checkpoint):
         check_coverage([shard("a:1", 0, 12), shard("b:1", 0, 16, num_experts=16)], spec)
 
 
+# the token of the workers started by hand, which the tests' `ktserve serve` is given too
+HAND_TOKEN = {TOKEN_ENV: new_token()}
+
+
 def expert_worker(checkpoint, experts: str, *flags: str) -> ExpertProcess:
     return ExpertProcess("--model", str(checkpoint), "--experts", experts, "--format", "bf16",
-                         *flags)  # fmt: skip
+                         *flags, env=HAND_TOKEN)  # fmt: skip
 
 
 HELLO = [{"role": "user", "content": "Hello"}]
@@ -435,7 +441,8 @@ def test_serve_on_external_workers_survives_a_worker_restart(checkpoint):
     server = None
     try:
         server = ServerProcess(checkpoint, *GPU_FLAGS, "--worker-timeout", "4", "--expert-address",
-                               addresses[0], "--expert-address", addresses[1])  # fmt: skip
+                               addresses[0], "--expert-address", addresses[1],
+                               env=HAND_TOKEN)  # fmt: skip
         client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
         r = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4)
         assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens <= 4
@@ -480,7 +487,7 @@ def test_serve_refuses_workers_that_do_not_cover_every_expert(checkpoint):
     worker = expert_worker(checkpoint, "0-5")
     try:
         result = ktserve("serve", str(checkpoint), "--port", "0", *GPU_FLAGS,
-                         "--expert-address", worker.address)  # fmt: skip
+                         "--expert-address", worker.address, env=HAND_TOKEN)  # fmt: skip
     finally:
         worker.close()
     assert result.returncode == 2, result.stderr

@@ -8,7 +8,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
@@ -16,6 +15,8 @@ import ktshm
 from ktserve import shared_store, wire
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.protocol import expert_pb2_grpc as pb_grpc
+from ktserve.worker_auth import worker_channel
+from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV, new_token
 from tests.support.watched_process import WatchedProcess
 
 FORMAT_PB = {"bf16": pb.WEIGHT_FORMAT_BF16, "int8": pb.WEIGHT_FORMAT_INT8,
@@ -23,19 +24,25 @@ FORMAT_PB = {"bf16": pb.WEIGHT_FORMAT_BF16, "int8": pb.WEIGHT_FORMAT_INT8,
 
 
 class ExpertProcess(WatchedProcess):
-    """`python -m ktserve expert ...` on a free port; stdout read with deadlines."""
+    """`python -m ktserve expert ...` on a free port; stdout read with deadlines. It takes calls
+    only with `token` (fresh unless `env` sets KTSERVE_WORKER_TOKEN or _FILE), which `stub` sends;
+    clients of the GPU side pass `worker.token` on."""
 
     what = "the expert process"
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, wait_serving: bool = True):
         cmd = [sys.executable, "-m", "ktserve", "expert", "--listen", "127.0.0.1:0",
                "--threads", "1", *args]  # fmt: skip
+        env = dict(env or {})
+        if TOKEN_FILE_ENV not in env:
+            env.setdefault(TOKEN_ENV, new_token())
+        self.token = env.get(TOKEN_ENV)
         super().__init__(cmd, env)
         self.grpc_channel = None
         try:
             line = self.read_line(r"listening on (\S+)")
             self.address = re.search(r"listening on (\S+)", line).group(1)
-            self.grpc_channel = grpc.insecure_channel(self.address)
+            self.grpc_channel = worker_channel(self.address, self.token)
             self.stub = pb_grpc.ExpertServiceStub(self.grpc_channel)
             if wait_serving and "--model" in args:
                 self.read_line(r"serving")
