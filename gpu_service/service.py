@@ -83,6 +83,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
             backend = _hybrid(config, spec, experts, device, dtype)
         # NOTE: before the model and the KV cache, so their sizes leave room for its buffers
         streaming = build_streaming(config.stream_prefill, spec, experts, backend, device, dtype)
+        hybrid = backend if isinstance(backend, HybridExperts) else None
         backend = streaming or backend
         deferred = config.max_deferred_experts_per_token
         linear_quant = resolve_linear_quant(config, spec, device)
@@ -133,8 +134,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
                         graph_config=graphs).start()  # fmt: skip
         refresher = None
         refresh = config.gpu_experts_refresh_s > 0 and not config.expert_placement
-        if isinstance(backend, HybridExperts) and refresh:
-            refresher = HotExpertRefresher(backend, config.gpu_experts,
+        if hybrid is not None and refresh:
+            refresher = HotExpertRefresher(hybrid, config.gpu_experts,
                                            config.gpu_experts_refresh_s).start()  # fmt: skip
     except BaseException:
         if streaming is not None:

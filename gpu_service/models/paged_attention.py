@@ -155,13 +155,19 @@ def triton_kernels() -> ModuleType | None:
         return None
 
 
-def attention_kernels(device: torch.device, latent: bool = False) -> tuple[Callable, Callable]:
+TRITON_MIN_HEAD_DIM = 16  # attention_triton's tensor-core tiles; smaller heads (tiny test models)
+
+
+def attention_kernels(
+    device: torch.device, latent: bool = False, head_dim: int = TRITON_MIN_HEAD_DIM
+) -> tuple[Callable, Callable]:
     """(paged_decode, paged_prefill) for tensors on `device`: the GPU kernels on CUDA where their
     module imports, else the torch reference. latent: MLA's absorbed cache (values a view of the
     keys), whose prefill stays on the torch reference: on the GPU host at DeepSeek-V3 shapes the
     Triton prefill took 92.9 ms per 1k-token chunk at a 32k context against the torch gather's
-    62.0 (bench/bench_attention.py), while its decode took half the torch time."""
-    if device.type == "cuda":
+    62.0 (bench/bench_attention.py), while its decode took half the torch time. head_dim: the
+    smaller of the key and value head dims; below TRITON_MIN_HEAD_DIM the reference runs."""
+    if device.type == "cuda" and head_dim >= TRITON_MIN_HEAD_DIM:
         kernels = triton_kernels()
         if kernels is not None:
             return kernels.paged_decode, paged_prefill if latent else kernels.paged_prefill
@@ -179,7 +185,7 @@ def paged_attention(
     """A step's attention, q [T, Hq, D] -> [T, Hq, Dv]: its decode rows and its prefill rows each
     through their kernel (the metadata's split), the new tokens' K/V already in the cache."""
     latent = v_cache.data_ptr() == k_cache.data_ptr()
-    decode, prefill = attention_kernels(q.device, latent)
+    decode, prefill = attention_kernels(q.device, latent, min(q.shape[-1], v_cache.shape[-1]))
     bs, dg, pg = meta.block_size, meta.decode, meta.prefill
     if pg is None:
         assert dg is not None

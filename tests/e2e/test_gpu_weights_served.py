@@ -64,7 +64,8 @@ def test_served_quantized_gpu_part(checkpoint, seed, fmt):
         config = GPUServiceConfig(
             model_dir=str(checkpoint), device=DEVICE, gpu_weight_format=fmt,
             gpu_memory_utilization=0.02, scheduler=SchedulerConfig(max_model_len=64),
-            experts=ExpertClientConfig((worker.address,), wire_dtype="float32"),
+            experts=ExpertClientConfig((worker.address,), token=worker.token,
+                                       wire_dtype="float32"),
         )  # fmt: skip
         service = build_gpu_service(config)
         model, plan = service.engine.model, service.memory_plan

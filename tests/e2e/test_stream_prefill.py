@@ -15,6 +15,7 @@ from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerCo
 from gpu_service.models import Batch, SeqInput
 from gpu_service.service import build_gpu_service
 from ktserve.protocol import expert_pb2 as pb
+from ktserve.worker_token import TOKEN_ENV
 from tests.e2e.test_parity import (
     DEVICE,
     greedy_together,
@@ -45,7 +46,8 @@ def service(path, worker: ExpertProcess, mode: str, **kw):
     config = GPUServiceConfig(
         model_dir=str(path), device=DEVICE, dtype="float32", kv_cache_tokens=2048,
         stream_prefill=mode, scheduler=SchedulerConfig(max_model_len=128),
-        experts=ExpertClientConfig((worker.address,), wire_dtype="float32", worker_timeout_s=20),
+        experts=ExpertClientConfig((worker.address,), token=worker.token, wire_dtype="float32",
+                                   worker_timeout_s=20),
         **kw,
     )  # fmt: skip
     return build_gpu_service(config)
@@ -158,13 +160,21 @@ def test_two_workers_stores_stream_as_one_layer(checkpoints, seed):
     high = None
     services = []
     try:
-        high = ExpertProcess("--model", str(path), "--format", "int8", "--experts", "5-11")
+        high = ExpertProcess(
+            "--model",
+            str(path),
+            "--format",
+            "int8",
+            "--experts",
+            "5-11",
+            env={TOKEN_ENV: low.token},
+        )  # one token for the client's two workers
         for mode in ("off", "on"):
             config = GPUServiceConfig(
                 model_dir=str(path), device=DEVICE, dtype="float32", kv_cache_tokens=1024,
                 stream_prefill=mode, scheduler=SchedulerConfig(max_model_len=128),
-                experts=ExpertClientConfig((low.address, high.address), wire_dtype="float32",
-                                           worker_timeout_s=20),
+                experts=ExpertClientConfig((low.address, high.address), token=low.token,
+                                           wire_dtype="float32", worker_timeout_s=20),
             )  # fmt: skip
             services.append(build_gpu_service(config))
         ps = prompts(seed + 2)
@@ -202,9 +212,10 @@ def test_a_restarted_worker_s_store_is_mapped_instead(checkpoints, seed):
         old = Path(streamed.stager.stores[0].dir)
         ps = prompts(seed + 3)
         want = last_logits(services[0], ps).cpu()
+        token = worker.token  # the one its clients have
         worker.close()  # killed: the old store is removed from /dev/shm, its pages still mapped
         worker = ExpertProcess("--model", str(path), "--format", "int4", "--listen",
-                               f"127.0.0.1:{port}")  # fmt: skip
+                               f"127.0.0.1:{port}", env={TOKEN_ENV: token})  # fmt: skip
         for s in services:  # a decode-like step: the re-attach brings the new WorkerInfo
             last_logits(s, [ps[0][:1]])
         got = last_logits(services[1], ps).cpu()

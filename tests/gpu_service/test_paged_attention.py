@@ -239,6 +239,11 @@ def test_dispatch_on_cuda_uses_the_gpu_kernels_where_they_import() -> None:
     # MLA's latent prefill stays on the torch reference (measured faster there)
     latent = pa.attention_kernels(torch.device("cuda"), latent=True)
     assert latent == (expected[0], pa.paged_prefill)
+    # heads narrower than the kernels' tiles (the tiny test checkpoints) take the reference
+    assert pa.attention_kernels(torch.device("cuda"), head_dim=12) == (
+        pa.paged_decode,
+        pa.paged_prefill,
+    )
     assert pa.attention_kernels(torch.device("cpu")) == (pa.paged_decode, pa.paged_prefill)
 
 
