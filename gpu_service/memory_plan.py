@@ -27,7 +27,15 @@ HEADROOM_FRACTION = 0.02
 MIN_HEADROOM = 256 * 2**20
 MIN_GRAPH_RESERVE = 256 * 2**20
 MIN_KV_TOKENS = 16
-PARTS = ("weights", "activations", "cuda_graphs", "non_torch", "headroom", "kv_cache")
+PARTS = (
+    "weights",
+    "activations",
+    "cuda_graphs",
+    "non_torch",
+    "prefill_streaming",
+    "headroom",
+    "kv_cache",
+)
 
 
 class GPUMemoryTooSmall(RuntimeError):
