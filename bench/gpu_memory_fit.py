@@ -149,7 +149,7 @@ def phase(name: str, fn, device: torch.device, rows: list, cap: int) -> bool:
 
 def run(fmt: str, cap_gib: float, context: int, chunk: int, quantize_lm_head: bool,
         cpu_experts: int, seed: int) -> bool:  # fmt: skip
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # the cap needs an index
     total = torch.cuda.get_device_properties(device).total_memory
     cap = int(cap_gib * GIB)
     torch.cuda.set_per_process_memory_fraction(min(cap / total, 1.0), device)
