@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=250, help="user/tool text per turn")
     parser.add_argument("--reply-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-tokens", type=int, default=65536,
+                        help="each service's KV cache (default %(default)s)")  # fmt: skip
     parser.add_argument(
         "--repeats",
         type=int,
@@ -129,6 +131,9 @@ def main() -> None:
             built = build_gpu_service(GPUServiceConfig(
                 model_dir=args.model, device=args.device, dtype=args.dtype,
                 prefix_caching=caching, scheduler=SchedulerConfig(max_model_len=8192),
+                # NOTE: two services at a time: on a GPU the default sizing gives the first one
+                # 90% of the memory and the second one runs out
+                kv_cache_tokens=args.kv_cache_tokens,
                 experts=ExpertClientConfig((address,))))  # fmt: skip
             first_token_seconds(built, [warm_rng.randrange(3, 4000) for _ in range(64)],
                                 2)  # fmt: skip # warm-up, shares no prefix
