@@ -219,6 +219,14 @@ class DeviceCalls:
                 # [worker, slot, post|collect]: each launch site's counter (device_kernels.py)
                 self._counters = torch.zeros((len(channels), len(layers), 2), dtype=torch.int32,
                                              device=device)  # fmt: skip
+                dev = self.stream.device_address
+                # per worker and slot, the device addresses of (request, request_bell, reply,
+                # reply_bell): fixed for the channels' lifetime
+                self._device_slots = [
+                    [tuple(dev(s.channel, a) for a in (s.request, s.request_bell, s.reply,
+                                                       s.reply_bell)) for s in slots]
+                    for slots in self.slots
+                ]  # fmt: skip
         else:
             self.stream = HostStream(self._recover_on_host, self.timeout_s)
         self._layouts: dict[int, _Layout] = {}
@@ -266,18 +274,11 @@ class DeviceCalls:
         """Post MoE layer j's call (x [rows_pad, H], ids/weights [rows_pad, k]) to every worker."""
         lay = self._layouts[x.shape[0]]
         if self.kernels is not None:
-            dev = self.stream.device_address
-            for w, slots in enumerate(self.slots):
-                s = slots[j]
-                self.kernels.post(
-                    dev(s.channel, s.request),
-                    lay.offsets,
-                    dev(s.channel, s.request_bell),
-                    self._counters[w, j, 0],
-                    x.contiguous(),
-                    ids.contiguous(),
-                    weights.contiguous(),
-                )
+            x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+            for w, slots in enumerate(self._device_slots):
+                request, request_bell, _, _ = slots[j]
+                self.kernels.post(request, lay.offsets, request_bell, self._counters[w, j, 0],
+                                  x, ids, weights)  # fmt: skip
             return
         staging = lay.staging
         for offset, tensor, dtype in zip(lay.offsets, (x, ids, weights), self._arg_dtypes):
@@ -292,11 +293,9 @@ class DeviceCalls:
         if self.kernels is not None:
             if not routed.is_contiguous():
                 raise ValueError("routed must be contiguous")
-            dev = self.stream.device_address
-            for w, slots in enumerate(self.slots):
-                s = slots[j]
-                self.kernels.collect(dev(s.channel, s.reply), dev(s.channel, s.reply_bell),
-                                     dev(s.channel, s.request_bell), self._counters[w, j, 1],
+            for w, slots in enumerate(self._device_slots):
+                _, request_bell, reply, reply_bell = slots[j]
+                self.kernels.collect(reply, reply_bell, request_bell, self._counters[w, j, 1],
                                      routed, accumulate=w > 0)  # fmt: skip
             return
         if self.stream.runs_on_host:

@@ -136,12 +136,18 @@ if triton is not None:
         tl.store(weights_ptr + row * K + kk, vals * scaling, mask=kk < K)
 
 
+def _routes(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routers' outputs for logits [T, E]: ids [T, k] int32, weights [T, k] float32."""
+    shape, device = (logits.shape[0], k), logits.device
+    return (torch.empty(shape, dtype=torch.int32, device=device),
+            torch.empty(shape, dtype=torch.float32, device=device))  # fmt: skip
+
+
 def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, scaling: float,
                  round_to_logits_dtype: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """logits [T, E] -> (ids [T, k] int32, weights [T, k] float32), best first."""
     tokens, num_experts = logits.shape
-    ids = torch.empty((tokens, k), dtype=torch.int32, device=logits.device)
-    weights = torch.empty((tokens, k), dtype=torch.float32, device=logits.device)
+    ids, weights = _routes(logits, k)
     if tokens:
         _softmax_topk_kernel[(tokens,)](
             logits, ids, weights, logits.stride(0), num_experts, float(scaling), K=k,
@@ -162,8 +168,7 @@ def grouped_sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int, num_g
                          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """logits [T, E] float32, bias [E] float32 -> (ids [T, k] int32, weights [T, k] float32)."""
     tokens, num_experts = logits.shape
-    ids = torch.empty((tokens, k), dtype=torch.int32, device=logits.device)
-    weights = torch.empty((tokens, k), dtype=torch.float32, device=logits.device)
+    ids, weights = _routes(logits, k)
     if tokens:
         _grouped_sigmoid_topk_kernel[(tokens,)](
             logits, bias, ids, weights, logits.stride(0), float(scaling), G=num_groups,
