@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from functools import partial
 
 import pytest
 import torch
@@ -64,31 +65,35 @@ def routing_margin(reference, prompt: list[int]) -> float:
         for hook in hooks:
             hook.remove()
     assert logits, "no DeepSeek-V3 router found in the reference model"
-    margin = float("inf")
-    for router, router_logits in logits:
-        scores = router_logits.sigmoid() + router.e_score_correction_bias  # [T, E]
-        tokens, experts = scores.shape
-        per_group = experts // router.num_group
-        group_scores = scores.view(tokens, router.num_group, per_group).topk(2, dim=-1)[0].sum(-1)
-        ranked_groups = group_scores.sort(dim=-1, descending=True)[0]
-        margin = min(margin, float((ranked_groups[:, router.topk_group - 1]
-                                    - ranked_groups[:, router.topk_group]).min()))  # fmt: skip
-        chosen = group_scores.topk(router.topk_group, dim=-1)[1]
-        in_chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
-        eligible = scores.masked_fill(~in_chosen.repeat_interleave(per_group, 1), float("-inf"))
-        ranked = eligible.sort(dim=-1, descending=True)[0]
-        margin = min(margin, float((ranked[:, router.top_k - 1] - ranked[:, router.top_k]).min()))
-    return margin
+    return min(grouped_choice_margin(logits.sigmoid() + router.e_score_correction_bias,
+                                     router.num_group, router.topk_group, router.top_k)
+               for router, logits in logits)  # fmt: skip
 
 
-def clear_routing_prompts(reference, seed: int, lengths=(6, 13, 3)) -> list[list[int]]:
-    """prompts(seed)-like prompts whose routing margin is at least CLEAR_ROUTING_MARGIN."""
+def grouped_choice_margin(scores: torch.Tensor, groups: int, topk_groups: int, top_k: int) -> float:
+    """scores [T, E] (sigmoid + correction bias) -> the smallest gap between the last chosen and
+    the first passed-over group score, and the same for experts within the chosen groups."""
+    tokens, experts = scores.shape
+    per_group = experts // groups
+    group_scores = scores.view(tokens, groups, per_group).topk(2, dim=-1)[0].sum(-1)
+    ranked_groups = group_scores.sort(dim=-1, descending=True)[0]
+    margin = float((ranked_groups[:, topk_groups - 1] - ranked_groups[:, topk_groups]).min())
+    chosen = group_scores.topk(topk_groups, dim=-1)[1]
+    in_chosen = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    eligible = scores.masked_fill(~in_chosen.repeat_interleave(per_group, 1), float("-inf"))
+    ranked = eligible.sort(dim=-1, descending=True)[0]
+    return min(margin, float((ranked[:, top_k - 1] - ranked[:, top_k]).min()))
+
+
+def clear_routing_prompts(margin_of, seed: int, lengths=(6, 13, 3)) -> list[list[int]]:
+    """prompts(seed)-like prompts whose routing margin (margin_of(prompt): routing_margin of a
+    reference, or served_routing_margin) is at least CLEAR_ROUTING_MARGIN."""
     g = torch.Generator().manual_seed(seed)
     chosen = []
     for n in lengths:
         for _ in range(1000):
             prompt = torch.randint(0, 101, (n,), generator=g).tolist()
-            if routing_margin(reference, prompt) >= CLEAR_ROUTING_MARGIN:
+            if margin_of(prompt) >= CLEAR_ROUTING_MARGIN:
                 chosen.append(prompt)
                 break
         else:
@@ -188,7 +193,7 @@ def test_fast_paths_stay_within_stated_bounds(dtype, fmt, checkpoints, seed):
     service = None
     try:
         service = service_for(path, worker, dtype, dtype)
-        ps = clear_routing_prompts(reference, seed + 1)
+        ps = clear_routing_prompts(partial(routing_margin, reference), seed + 1)
         got = last_logits(service, ps).cpu()
         errors = []
         for i, prompt in enumerate(ps):
