@@ -14,16 +14,8 @@
 # Logs go to $OUT (or ./gpu-host-out).
 #   usage: bash bench/gpu_host_agents.sh [tests|bench|all]   (REPEATS, THREADS in the environment)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 what="${1:-all}"
-out="${OUT:-gpu-host-out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 - <<'EOF' || exit 1
 import importlib, sys
@@ -40,8 +32,7 @@ for name in ("llguidance", "fastapi", "pydantic", "jsonschema", "posix_ipc", "gr
 if missing or not torch.cuda.is_available():
     sys.exit(f"cannot run: missing {missing}, CUDA available: {torch.cuda.is_available()}")
 EOF
-python3 setup.py -q build_py build_ext --inplace > "$out/build.log" 2>&1 \
-  || { tail -30 "$out/build.log"; exit 1; }
+build_in_place || exit 1
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   KTSERVE_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q -p no:cacheprovider -rs \

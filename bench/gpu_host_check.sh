@@ -6,19 +6,12 @@
 # (posix_ipc, ...) are installed first: the GPU host has no network.
 #   usage: bash bench/gpu_host_check.sh [tests|bench|all] [PARITY_REFERENCE_DIR]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 what="${1:-all}"
 refs="${2:-.device/parity}"
-out="${OUT:-gpu-host-out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
 nproc; lscpu | grep -E 'Model name|Flags' | sed 's/Flags:.*\(amx[a-z_0-9 ]*\).*/AMX flags: \1/'
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 setup.py -q build_py build_ext --inplace > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+build_in_place || exit 1
 python3 -c "from expert_service.kernels import available_isas; print('kernel ISAs:', available_isas())"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -q -p no:cacheprovider tests/expert_service/test_kernels.py tests/ktshm \

@@ -10,21 +10,14 @@
 # the llama.cpp tarball and run_peer.sh/convert_wrapper.py in .peer/ (carry .whl and .peer).
 #   usage: bash bench/gpu_host_e2e.sh llama16|qwen48|deepseek   (MODES, SPIN_US in the environment)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 part="${1:?usage: gpu_host_e2e.sh llama16|qwen48|deepseek}"
 MODES="${MODES:-graph,segments}"
 SPIN="${SPIN_US:+--spin-us $SPIN_US}"
-out="${OUT:-gpu-host-out}"
 work=/tmp/ktserve-e2e
-mkdir -p "$out" "$work"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
+mkdir -p "$work"
 say() { echo "[$(date +%H:%M:%S)] $*"; }
-build() { python3 setup.py -q build_py build_ext --inplace > "$work/build.log" 2>&1 \
-  || { tail -30 "$work/build.log"; return 1; }; }
+build() { build_in_place "$work/build.log"; }
 e2e() { local limit=$1; shift  # seconds, then bench_e2e's arguments
   timeout "$limit" python3 bench/bench_e2e.py "$@" 2>&1 | grep -v -E "INFO|^\s*$"; }
 

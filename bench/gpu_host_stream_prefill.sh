@@ -6,18 +6,11 @@
 # Logs go to $OUT (or ./gpu-host-out). Wheels in .whl/ are installed first (no network there).
 #   usage: bash bench/gpu_host_stream_prefill.sh [KERNEL_THREADS]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 threads="${1:-15}"
-out="${OUT:-gpu-host-out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
-fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 df -h /dev/shm | tail -1
-python3 setup.py -q build_py build_ext --inplace > "$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+build_in_place || exit 1
 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu_service/stream_prefill 2>&1 \
   | tee "$out/stream-prefill-unit.log" | tail -6
 KTSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -s tests/e2e/test_stream_prefill.py \

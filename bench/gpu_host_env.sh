@@ -1,0 +1,18 @@
+# Sourced by bench/gpu_host_*.sh: the GPU host starts bare every call and has no network, so
+# each script installs the wheels carried in .whl/ (posix_ipc, grpcio, ...) into /tmp/site and
+# puts this tree and them on PYTHONPATH; $out is where logs go ($OUT, or ./gpu-host-out).
+#   usage (at the top of a script): source "$(dirname "$0")/gpu_host_env.sh" || exit 1
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || return 1
+out="${OUT:-gpu-host-out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || return 1
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+# the extensions built in place, the log in $1 (default $out/build.log)
+build_in_place() {
+  local log="${1:-$out/build.log}"
+  python3 setup.py -q build_py build_ext --inplace > "$log" 2>&1 || { tail -30 "$log"; return 1; }
+}
