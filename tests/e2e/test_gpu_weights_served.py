@@ -5,23 +5,20 @@ model's eager forward over prompt + tokens, and the memory plan is made, logged 
 
 from __future__ import annotations
 
-import os
 import threading
 
 import pytest
 import torch
 from prometheus_client import generate_latest
 
-from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.memory_plan import PARTS
 from gpu_service.models import Batch, SeqInput
 from gpu_service.models.linear import FP8Linear, Int4Linear, Int8Linear
-from gpu_service.service import build_gpu_service
 from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
+from tests.support.worker_services import DEVICE, worker_service
 
-DEVICE = os.environ.get("KTSERVE_TEST_DEVICE", "cpu")  # KTSERVE_TEST_DEVICE=cuda on the GPU host
 MODULES = {"fp8": FP8Linear, "int8": Int8Linear, "int4": Int4Linear}
 NUM_TOKENS = 8
 # How far below the eager argmax an engine token's logit may be: float32 on the CPU (the engine
@@ -61,13 +58,8 @@ def test_served_quantized_gpu_part(checkpoint, seed, fmt):
     worker = ExpertProcess("--model", str(checkpoint), "--format", "bf16")
     service = None
     try:
-        config = GPUServiceConfig(
-            model_dir=str(checkpoint), device=DEVICE, gpu_weight_format=fmt,
-            gpu_memory_utilization=0.02, scheduler=SchedulerConfig(max_model_len=64),
-            experts=ExpertClientConfig((worker.address,), token=worker.token,
-                                       wire_dtype="float32"),
-        )  # fmt: skip
-        service = build_gpu_service(config)
+        service = worker_service(checkpoint, worker, max_model_len=64, gpu_weight_format=fmt,
+                                 gpu_memory_utilization=0.02)  # fmt: skip
         model, plan = service.engine.model, service.memory_plan
         print(plan.table())
         assert type(model.layers[0].attn.q_b_proj) is MODULES[fmt]

@@ -4,24 +4,20 @@
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from functools import partial
 
 import pytest
 import torch
 
-from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.gpu_experts import worker_activation_counts
 from gpu_service.models import Batch, SeqInput
-from gpu_service.service import build_gpu_service
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
+from tests.support.worker_services import DEVICE, worker_service
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
-# The GPU part's device: cpu here and in CI; KTSERVE_TEST_DEVICE=cuda on the GPU host.
-DEVICE = os.environ.get("KTSERVE_TEST_DEVICE", "cpu")
 # Last-position logits, max|a - b| / max|b|, against transformers' fp32 forward. Exact path:
 # bf16 experts, fp32 on the wire and in the GPU part. Fast paths: measured, bounds stated here
 # (bf16 rounding of the GPU part and the wire ~2^-8 relative per operand; int8/int4 weights).
@@ -106,13 +102,8 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def service_for(path, worker: ExpertProcess, dtype: str, wire_dtype: str, gpu_experts: int = 0):
-    config = GPUServiceConfig(
-        model_dir=str(path), device=DEVICE, dtype=dtype, kv_cache_tokens=1024,
-        gpu_experts=gpu_experts, scheduler=SchedulerConfig(max_model_len=128),
-        experts=ExpertClientConfig((worker.address,), token=worker.token,
-                                   wire_dtype=wire_dtype, worker_timeout_s=20),
-    )  # fmt: skip
-    return build_gpu_service(config)
+    return worker_service(path, worker, wire_dtype=wire_dtype, dtype=dtype, kv_cache_tokens=1024,
+                          gpu_experts=gpu_experts)  # fmt: skip
 
 
 def last_logits(service, batch_prompts: list[list[int]]) -> torch.Tensor:

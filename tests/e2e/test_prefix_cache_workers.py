@@ -9,12 +9,11 @@ import random
 import pytest
 import torch
 
-from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.gpu_experts import worker_activation_counts
-from gpu_service.service import build_gpu_service
 from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
+from tests.support.worker_services import worker_service
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 
@@ -41,15 +40,10 @@ def test_hits_through_an_expert_worker_give_the_same_tokens_and_skip_its_calls(
     runs = {}
     try:
         for caching in (True, False):
-            config = GPUServiceConfig(
-                model_dir=str(checkpoints[family]), device="cpu", dtype="float32",
-                kv_cache_tokens=1024, prefix_caching=caching,
-                kv_host_cache_gib=0.001 if caching else 0.0,
-                scheduler=SchedulerConfig(max_model_len=128),
-                experts=ExpertClientConfig((worker.address,), token=worker.token,
-                                           wire_dtype="float32", worker_timeout_s=20),
+            service = worker_service(
+                checkpoints[family], worker, device="cpu", dtype="float32", kv_cache_tokens=1024,
+                prefix_caching=caching, kv_host_cache_gib=0.001 if caching else 0.0,
             )  # fmt: skip
-            service = build_gpu_service(config)
             try:
                 cache = service.engine.model.kv_cache
                 assert cache.prefix_caching == caching

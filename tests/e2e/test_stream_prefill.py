@@ -13,10 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
 from gpu_service.models import Batch, SeqInput
 from gpu_service.models.moe import GroupedSigmoidRouter
-from gpu_service.service import build_gpu_service
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.worker_token import TOKEN_ENV
 from tests.e2e.test_parity import (
@@ -30,6 +28,7 @@ from tests.e2e.test_parity import (
 )
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401
+from tests.support.worker_services import worker_service
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 # Streamed minus worker path, last-position logits, max|a - b| / max|b|. bf16 experts with
@@ -48,14 +47,8 @@ def checkpoints(tmp_path_factory, seed):
 
 
 def service(path, worker: ExpertProcess, mode: str, **kw):
-    config = GPUServiceConfig(
-        model_dir=str(path), device=DEVICE, dtype="float32", kv_cache_tokens=2048,
-        stream_prefill=mode, scheduler=SchedulerConfig(max_model_len=128),
-        experts=ExpertClientConfig((worker.address,), token=worker.token, wire_dtype="float32",
-                                   worker_timeout_s=20),
-        **kw,
-    )  # fmt: skip
-    return build_gpu_service(config)
+    return worker_service(path, worker, dtype="float32", kv_cache_tokens=2048, stream_prefill=mode,
+                          **kw)  # fmt: skip
 
 
 STREAM_LENGTHS = (21, 34, 9)
@@ -208,13 +201,8 @@ def test_two_workers_stores_stream_as_one_layer(checkpoints, seed):
             env={TOKEN_ENV: low.token},
         )  # one token for the client's two workers
         for mode in ("off", "on"):
-            config = GPUServiceConfig(
-                model_dir=str(path), device=DEVICE, dtype="float32", kv_cache_tokens=1024,
-                stream_prefill=mode, scheduler=SchedulerConfig(max_model_len=128),
-                experts=ExpertClientConfig((low.address, high.address), token=low.token,
-                                           wire_dtype="float32", worker_timeout_s=20),
-            )  # fmt: skip
-            services.append(build_gpu_service(config))
+            services.append(worker_service(path, low, high, dtype="float32",
+                                           kv_cache_tokens=1024, stream_prefill=mode))  # fmt: skip
         ps = prompts(seed + 2)
         want, got = (last_logits(s, ps).cpu() for s in services)
         assert services[1].streaming.steps_streamed == 1

@@ -1,0 +1,30 @@
+"""A GPU service in this process on real `ktserve expert` workers, as the e2e tests build it."""
+
+from __future__ import annotations
+
+import os
+
+from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
+from gpu_service.service import GPUService, build_gpu_service
+from tests.support.expert_procs import ExpertProcess
+
+# The GPU part's device: cpu here and in CI; KTSERVE_TEST_DEVICE=cuda on the GPU host.
+DEVICE = os.environ.get("KTSERVE_TEST_DEVICE", "cpu")
+
+
+def worker_service(
+    path,
+    *workers: ExpertProcess,
+    wire_dtype: str = "float32",
+    max_model_len: int = 128,
+    **config,
+) -> GPUService:
+    """build_gpu_service on the checkpoint at `path`, its experts on `workers` (one token for
+    all: the first worker's); float32 on the wire, a 128-token context and DEVICE unless told."""
+    experts = ExpertClientConfig(tuple(w.address for w in workers), token=workers[0].token,
+                                 wire_dtype=wire_dtype, worker_timeout_s=20)  # fmt: skip
+    config.setdefault("device", DEVICE)
+    return build_gpu_service(GPUServiceConfig(
+        model_dir=str(path), scheduler=SchedulerConfig(max_model_len=max_model_len),
+        experts=experts, **config,
+    ))  # fmt: skip
