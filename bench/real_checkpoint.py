@@ -10,7 +10,10 @@ tokenizer is the demo model's (llama.cpp's converter pads the vocabulary to voca
                                    [--experts bf16|fp8] [--seed S]
 
 --experts fp8: the routed experts as float8_e4m3fn with 128x128 block scales (the format of the
-published DeepSeek-V3 and Qwen3-FP8 checkpoints), everything else bf16.
+published DeepSeek-V3 and Qwen3-FP8 checkpoints), everything else bf16. --experts synthetic:
+no routed experts on disk, and a marker from which workers make them in memory from the seed
+(expert_service/synthetic_experts.py; loading it needs KTSERVE_BENCH_SYNTHETIC_EXPERTS=1): for
+shapes whose experts the disk cannot hold (DeepSeek-V3's ~330 GB in int4).
 """
 
 from __future__ import annotations
@@ -119,7 +122,9 @@ class Tensors:
         return q.cpu(), scale.contiguous().cpu()
 
 
-def layer_tensors(t: Tensors, shape: Shape, layer: int, dense: bool, fp8: bool) -> dict:
+def layer_tensors(t: Tensors, shape: Shape, layer: int, dense: bool, fp8: bool,
+                  routed: bool = True) -> dict:  # fmt: skip
+    """One layer's tensors; without `routed`, none of its routed experts'."""
     p = f"model.layers.{layer}"
     h = shape.hidden
     out = {f"{p}.input_layernorm.weight": t.ones(h),
@@ -159,7 +164,7 @@ def layer_tensors(t: Tensors, shape: Shape, layer: int, dense: bool, fp8: bool) 
                     f"{p}.mlp.shared_experts.up_proj.weight": t.normal(si, h),
                     f"{p}.mlp.shared_experts.down_proj.weight": t.normal(h, si)})  # fmt: skip
     i = shape.moe_inter
-    for e in range(shape.experts):
+    for e in range(shape.experts if routed else 0):
         for name, rows, cols in (("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)):
             key = f"{p}.mlp.experts.{e}.{name}.weight"
             if fp8:
@@ -174,7 +179,9 @@ def write(out: Path, shape: Shape, layers: int, experts: str = "bf16", seed: int
     """Write the checkpoint; returns {"seconds", "bytes", "expert_bytes"}."""
     from safetensors.torch import save_file
 
-    fp8 = experts == "fp8"
+    from expert_service import synthetic_experts
+
+    fp8, synthetic = experts == "fp8", experts == "synthetic"
     dense = min(shape.dense_layers, layers - 1) if dense_layers is None else dense_layers
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config_json(shape, layers, dense, fp8), indent=1))
@@ -201,7 +208,7 @@ def write(out: Path, shape: Shape, layers: int, experts: str = "bf16", seed: int
         "model-head.safetensors",
     )
     for layer in range(layers):
-        tensors = layer_tensors(t, shape, layer, layer < dense, fp8)
+        tensors = layer_tensors(t, shape, layer, layer < dense, fp8, routed=not synthetic)
         expert_bytes += sum(v.numel() * v.element_size() for k, v in tensors.items()
                             if ".mlp.experts." in k)  # fmt: skip
         save(tensors, f"model-layer-{layer:03d}.safetensors")
@@ -209,6 +216,8 @@ def write(out: Path, shape: Shape, layers: int, experts: str = "bf16", seed: int
               f"{time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": index}))  # fmt: skip
+    if synthetic:
+        synthetic_experts.write_marker(out, seed)
     return {"seconds": time.perf_counter() - start, "bytes": total, "expert_bytes": expert_bytes}
 
 
@@ -217,7 +226,13 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--shape", choices=SHAPES, default="qwen3")
     parser.add_argument("--layers", type=int, help="default: the model's")
-    parser.add_argument("--experts", choices=("bf16", "fp8"), default="bf16")
+    parser.add_argument(
+        "--experts",
+        choices=("bf16", "fp8", "synthetic"),
+        default="bf16",
+        help="the routed experts' format on disk; synthetic: none on disk, the workers make "
+        "them from the seed in memory (benchmarks only; see expert_service/synthetic_experts.py)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--dense-layers",

@@ -10,6 +10,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from expert_service import synthetic_experts
 from tests.support.watched_process import WatchedProcess
 
 
@@ -19,8 +20,11 @@ def expert_worker(model: Path | str, fmt: str, threads: int, spin_us: float | No
     """The gRPC address of a worker serving `model` (waited for up to `timeout` s), stopped when
     the block ends: a Unix socket in a private (0700) directory, so it takes calls without a
     token. spin_us: how long its channel thread and its kernel pool spin before they sleep
-    (default: the worker's)."""
+    (default: the worker's). A checkpoint of synthetic experts (bench/real_checkpoint.py
+    --experts synthetic) is let through: this is a benchmark."""
     extra, env = [], {}
+    if synthetic_experts.is_synthetic_dir(Path(model)):
+        env[synthetic_experts.ENV] = "1"
     if spin_us is not None:
         extra = ["--spin-us", str(spin_us)]
         env["KTSERVE_KERNEL_SPIN_US"] = str(int(spin_us))

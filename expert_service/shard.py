@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from expert_service import packed_store
+from expert_service import packed_store, synthetic_experts
 from expert_service.expert_shard import ExpertShard, LoadProgress, StoreLayout
 from expert_service.kernels import PackedExperts, pack_expert_list, pack_experts
 from ktserve import shared_store
@@ -40,6 +40,9 @@ def load_shard(
     model_dir = Path(model_dir)
     if packed_store.is_packed_dir(model_dir):
         return packed_store.load(model_dir, experts, weight_format, progress=progress)
+    if synthetic_experts.is_synthetic_dir(model_dir):  # benchmarks only: refused without its env
+        return synthetic_experts.load(model_dir, experts, weight_format, threads=pack_threads,
+                                      progress=progress, share=share)  # fmt: skip
     with CheckpointReader(model_dir) as reader:
         spec = reader.spec
         experts = experts if experts is not None else range(spec.num_experts)
