@@ -101,6 +101,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
                              config.kv_cache_tokens, scheduler.max_model_len,
                              scheduler.max_num_seqs,
                              streaming.memory_bytes if streaming is not None else 0)  # fmt: skip
+            if streaming is not None:
+                streaming.reset_stats()  # NOTE: the plan's profiling prefill streamed
         else:
             plan = cpu_plan(model, config.kv_cache_tokens or CPU_DEFAULT_CACHE_TOKENS, kv_dtype)
         log.info("%s", plan.table())

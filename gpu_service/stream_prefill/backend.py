@@ -130,6 +130,10 @@ class StreamingExperts:
     def end_step(self) -> None:
         self._rows = None
 
+    def reset_stats(self) -> None:
+        """Count from now on (the memory plan's profiling forwards stream too, on CUDA)."""
+        self.steps_streamed = self.rows_streamed = 0
+
     def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                weights: torch.Tensor) -> PendingExperts:  # fmt: skip
         rows = self._rows
