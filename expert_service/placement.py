@@ -1,5 +1,6 @@
-"""Where a worker runs: its CPUs (sched_setaffinity) and the NUMA node its memory comes from
-(set_mempolicy(MPOL_BIND)), both set for the calling thread before the worker starts any other.
+"""Where a worker runs: its CPUs (sched_setaffinity, for every thread of the process) and the
+NUMA node its memory comes from (set_mempolicy(MPOL_BIND), for the calling thread), set before
+the worker starts its own threads.
 
 # NOTE: both are per thread and inherited at creation: placed first, the kernel's pool threads,
 # the packing threads and gRPC's all follow, and every page the shard allocates or faults in
@@ -46,7 +47,8 @@ def place_worker(cpus: tuple[int, ...] | None, numa_node: int | None) -> Placeme
                 f"--cpus {format_cpulist(cpus)}: CPUs {format_cpulist(outside)} are not among "
                 f"those this process may use ({format_cpulist(allowed)})"
             )
-        os.sched_setaffinity(0, cpus)
+        for thread in _threads():  # NOTE: those already running too (numpy's BLAS pool)
+            os.sched_setaffinity(thread, cpus)
     bound = None
     if numa_node is not None:
         error = bind_memory(numa_node)
@@ -56,6 +58,13 @@ def place_worker(cpus: tuple[int, ...] | None, numa_node: int | None) -> Placeme
             log.warning("memory not bound to NUMA node %d (%s): the shard's pages go where the "
                         "kernel puts them", numa_node, error)  # fmt: skip
     return Placement(tuple(sorted(os.sched_getaffinity(0))), bound)
+
+
+def _threads() -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
 
 
 def bind_memory(node: int) -> str | None:
