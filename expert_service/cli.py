@@ -37,13 +37,17 @@ def configure_convert(parser: argparse.ArgumentParser) -> None:
 def run_expert(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
+    from expert_service.placement import place_worker
     from expert_service.server import build_server, set_serving
     from expert_service.shard import ProgressPrinter
     from expert_service.worker import ExpertWorker
     from ktserve.model_label import labeled_registry
+    from ktserve.numa import format_cpulist
     from ktserve.worker_token import TokenError, listener_refusal, read_token
 
     config = from_args(WorkerConfig, args)
+    # NOTE: before any thread starts (the kernel's pool, packing, gRPC): they inherit it
+    placement = place_worker(config.cpu_set, config.numa_node)
     parent = os.getppid()
     try:
         token = read_token(config.token_file)
@@ -70,8 +74,10 @@ def run_expert(args: argparse.Namespace) -> int:
         start_http_server(config.metrics_port, config.metrics_host,
                           registry=labeled_registry((worker.metrics.registry,),
                                                     worker.model_name))  # fmt: skip
+    bound = "" if placement.memory_node is None else f", memory on node {placement.memory_node}"
     print(f"ktserve expert: listening on {address} (isa {worker.kernel.isa}, "
-          f"{worker.kernel.num_threads} threads, pid {worker.pid})", flush=True)  # fmt: skip
+          f"{worker.kernel.num_threads} threads on CPUs {format_cpulist(placement.cpus)}{bound}, "
+          f"pid {worker.pid})", flush=True)  # fmt: skip
     try:
         if config.model:
             worker.load(config.model, config.expert_range, config.weight_format,

@@ -26,6 +26,31 @@ def parse_experts(text: str | None) -> range | None:
     return parse_expert_range(text) if text is not None else None
 
 
+def parse_rows(text: str | None) -> range | None:
+    """Intermediate rows "START-END" (inclusive) as a range; None: all."""
+    from ktserve.checkpoint import parse_expert_range  # NOTE: imports torch; --help must not
+
+    if text is None:
+        return None
+    try:
+        return parse_expert_range(text)
+    except ValueError:
+        raise ValueError(
+            f"--intermediate-rows {text!r} is not START-END, e.g. 0-767 (both inclusive)"
+        ) from None
+
+
+def parse_cpus(text: str | None) -> tuple[int, ...] | None:
+    from ktserve.numa import parse_cpulist
+
+    if text is None:
+        return None
+    cpus = parse_cpulist(text)
+    if not cpus:
+        raise ValueError(f"--cpus {text!r} names no CPU")
+    return cpus
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """CPU expert worker: the experts it holds, its kernel, where it listens."""
@@ -49,6 +74,15 @@ class WorkerConfig:
     experts: str | None = flag(
         None, help="expert ids this worker holds, inclusive, e.g. 0-63 (default: all)"
     )
+    intermediate_rows: str | None = flag(
+        None,
+        metavar="START-END",
+        help="the rows of every held expert's intermediate dimension this worker holds, "
+        "inclusive: gate and up rows and the matching down columns, e.g. 0-767 of 1536; "
+        "workers that split the intermediate dimension each answer every call with a partial "
+        "sum. START and END + 1 must be multiples of 64 (the kernel's packing block) or END the "
+        "last row. Only from a checkpoint, not a `ktserve convert` directory (default: all rows)",
+    )
     weight_format: str = flag(
         "int8",
         name="--format",
@@ -58,6 +92,19 @@ class WorkerConfig:
     )
     threads: int | None = flag(
         None, help=f"kernel threads (default: cores - 1 = {default_num_threads()})"
+    )
+    cpus: str | None = flag(
+        None,
+        metavar="LIST",
+        help="run on these CPUs only, e.g. 0-15,32-47 (the kernel's threads inherit it; the "
+        "default --threads follows it) (default: every CPU this process may use)",
+    )
+    numa_node: int | None = flag(
+        None,
+        metavar="NODE",
+        help="bind the worker's memory (its shard) to this NUMA node (set_mempolicy "
+        "MPOL_BIND); where the system refuses, a warning and unbound memory. `ktserve serve "
+        "--numa auto` gives each worker a node and that node's CPUs as --cpus (default: off)",
     )
     isa: str | None = flag(
         None,
@@ -97,6 +144,10 @@ class WorkerConfig:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         parse_experts(self.experts)
+        parse_rows(self.intermediate_rows)
+        parse_cpus(self.cpus)
+        if self.numa_node is not None and self.numa_node < 0:
+            raise ValueError(f"--numa-node must be >= 0, got {self.numa_node}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
         if self.drain_timeout_s <= 0:
@@ -109,6 +160,14 @@ class WorkerConfig:
     @property
     def expert_range(self) -> range | None:
         return parse_experts(self.experts)
+
+    @property
+    def intermediate_range(self) -> range | None:
+        return parse_rows(self.intermediate_rows)
+
+    @property
+    def cpu_set(self) -> tuple[int, ...] | None:
+        return parse_cpus(self.cpus)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ class StoreLayout:
 
 @dataclass(frozen=True)
 class ExpertShard:
-    """Packed experts [start, stop) of every MoE layer of one model."""
+    """Packed experts [start, stop) of every MoE layer of one model; with `intermediate`, only
+    those rows of each expert's intermediate dimension (ktserve/intermediate_split.py)."""
 
     spec: ModelSpec
     source_dir: str
@@ -37,6 +38,12 @@ class ExpertShard:
     experts: range
     layers: dict[int, PackedExperts]
     store: StoreLayout | None = None  # None: the tensors are in this process's private memory
+    intermediate: range | None = None  # None: every row
+
+    @property
+    def rows(self) -> range:
+        """The intermediate rows held, of [0, moe_intermediate_size)."""
+        return self.intermediate or range(self.spec.moe_intermediate_size)
 
     @property
     def nbytes(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from concurrent import futures
@@ -11,9 +12,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import ktshm
+from expert_service.placement import bound_node
 from expert_service.worker import ExpertWorker, WorkerStateError
 from ktserve import checkpoint
 from ktserve.names import weight_format_from_pb, weight_format_to_pb
+from ktserve.numa import format_cpulist
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.protocol import expert_pb2_grpc as pb_grpc
 from ktserve.worker_auth import CheckToken
@@ -188,6 +191,8 @@ def worker_info(worker: ExpertWorker) -> pb.WorkerInfo:
         state=int(worker.state),
         channels=worker.channel_names(),
         pid=worker.pid,
+        cpus=format_cpulist(os.sched_getaffinity(worker.pid)),
+        numa_node=bound_node(),
     )
     shard = worker.shard
     if shard is not None:
@@ -196,6 +201,8 @@ def worker_info(worker: ExpertWorker) -> pb.WorkerInfo:
         info.format = weight_format_to_pb(shard.weight_format)
         info.experts.start, info.experts.stop = shard.experts.start, shard.experts.stop
         info.num_experts = shard.spec.num_experts
+        info.intermediate.start, info.intermediate.stop = shard.rows.start, shard.rows.stop
+        info.intermediate_size = shard.spec.moe_intermediate_size
         info.hidden_size = shard.spec.hidden_size
         info.moe_layers.extend(shard.spec.moe_layers)
         info.weight_bytes = shard.nbytes

@@ -18,6 +18,8 @@ from ktserve.checkpoint import (
     estimate_shard_bytes,
     validate_shard,
 )
+from ktserve.checkpoint.reader import StoredExperts
+from ktserve.intermediate_split import check_rows, format_rows
 
 # Packed bytes per weight, scales included (int8: a scale per row; int4: per group of 32).
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0 + 4 / 2048, "int4": 0.5 + 2 / 32}
@@ -31,14 +33,23 @@ def load_shard(
     pack_threads: int | None = None,
     progress: LoadProgress | None = None,
     share: bool = False,
+    intermediate: range | None = None,
 ) -> ExpertShard:
     """Load a shard from a checkpoint or a `ktserve convert` directory (detected by its index).
 
     share: a checkpoint's packed layers go to a store in /dev/shm (shared_store), each mapped
     back as soon as it is written, so another process can map the same pages; the caller
-    removes `shard.store.dir` when done. Without room there they stay in private memory."""
+    removes `shard.store.dir` when done. Without room there they stay in private memory.
+    intermediate: the rows of each expert's intermediate dimension to hold (None: all;
+    ktserve/intermediate_split.py); a slice is never shared (a GPU service maps whole experts).
+    """
     model_dir = Path(model_dir)
     if packed_store.is_packed_dir(model_dir):
+        if intermediate is not None:
+            raise ValueError(
+                f"{model_dir} is a `ktserve convert` directory of whole experts; "
+                f"--intermediate-rows {format_rows(intermediate)} needs the checkpoint itself"
+            )
         return packed_store.load(model_dir, experts, weight_format, progress=progress)
     if synthetic_experts.is_synthetic_dir(model_dir):  # benchmarks only: refused without its env
         return synthetic_experts.load(model_dir, experts, weight_format, threads=pack_threads,
@@ -47,7 +58,14 @@ def load_shard(
         spec = reader.spec
         experts = experts if experts is not None else range(spec.num_experts)
         validate_shard(spec, experts)
-        required = estimate_shard_bytes(spec, len(experts), BYTES_PER_WEIGHT[weight_format])
+        if intermediate is not None:
+            check_rows(intermediate, spec.moe_intermediate_size)
+            if len(intermediate) == spec.moe_intermediate_size:
+                intermediate = None
+        share = share and intermediate is None
+        fraction = len(intermediate) / spec.moe_intermediate_size if intermediate else 1.0
+        required = estimate_shard_bytes(spec, len(experts),
+                                        BYTES_PER_WEIGHT[weight_format] * fraction)  # fmt: skip
         # NOTE: one layer is held while it is packed: as stored, or in float32 (fused layouts).
         transient = estimate_shard_bytes(spec, len(experts), 4.0) // max(spec.num_moe_layers, 1)
         check_memory_available(required + transient)
@@ -62,7 +80,8 @@ def load_shard(
                     entries[layer], out = packed_store.create_layer(
                         store_dir, layer, weight_format, len(experts), spec
                     )
-                packed = _pack_layer(reader, layer, experts, weight_format, pack_threads, out)
+                packed = _pack_layer(reader, layer, experts, weight_format, pack_threads, out,
+                                     intermediate)  # fmt: skip
                 if store_dir is not None:  # NOTE: served from a read-only mapping of it
                     del out
                     packed = packed_store.map_layer(store_dir, entries[layer], weight_format,
@@ -81,20 +100,47 @@ def load_shard(
             if store_dir is not None:
                 shared_store.remove(store_dir)
             raise
-    return ExpertShard(spec, str(model_dir), weight_format, experts, layers, store)
+    return ExpertShard(spec, str(model_dir), weight_format, experts, layers, store, intermediate)
 
 
 def _pack_layer(reader: CheckpointReader, layer: int, experts: range, weight_format: str,
-                pack_threads: int | None, out: dict | None = None) -> PackedExperts:  # fmt: skip
+                pack_threads: int | None, out: dict | None = None,
+                rows: range | None = None) -> PackedExperts:  # fmt: skip
     """One layer's experts packed from their tensors as stored (every core reads and converts,
     FP8 dequantized while packing), or from a float32 copy where the layout needs one; into
-    `out`'s buffers where given."""
+    `out`'s buffers where given. rows: only these rows of the intermediate dimension."""
     stored = reader.stored_experts(layer, list(experts))
+    if stored is not None and rows is not None:
+        stored = _stored_rows(stored, rows, reader.spec.moe_intermediate_size)
     if stored is not None:
         return pack_expert_list(stored.weights, weight_format, scales=stored.scales,
                                 block=stored.block, num_threads=pack_threads, out=out)  # fmt: skip
-    gate, up, down = reader.read_experts(layer, list(experts))
+    gate, up, down = reader.read_experts(layer, list(experts))  # [E, I, H], [E, I, H], [E, H, I]
+    if rows is not None:
+        r = slice(rows.start, rows.stop)
+        gate, up, down = gate[:, r].contiguous(), up[:, r].contiguous(), down[:, :, r].contiguous()
     return pack_experts(gate, up, down, weight_format, num_threads=pack_threads, out=out)
+
+
+def _stored_rows(stored: StoredExperts, rows: range, inter: int) -> StoredExperts | None:
+    """Each expert's gate and up rows and down columns `rows`, read where they lie (gate and up
+    rows are views; down's columns a copy); FP8 block scales sliced alike. None where an FP8
+    slice does not fall on scale blocks (then the float32 path slices)."""
+    r = slice(rows.start, rows.stop)
+    weights = [(g[r], u[r], d[:, r].contiguous()) for g, u, d in stored.weights]
+    if stored.scales is None:
+        return StoredExperts(weights, None, stored.block)
+    block_rows, block_cols = stored.block
+    if not (_on_blocks(rows, block_rows, inter) and _on_blocks(rows, block_cols, inter)):
+        return None
+    rs = slice(rows.start // block_rows, -(-rows.stop // block_rows))
+    cs = slice(rows.start // block_cols, -(-rows.stop // block_cols))
+    scales = [(gs[rs], us[rs], ds[:, cs].contiguous()) for gs, us, ds in stored.scales]
+    return StoredExperts(weights, scales, stored.block)
+
+
+def _on_blocks(rows: range, block: int, size: int) -> bool:
+    return rows.start % block == 0 and (rows.stop % block == 0 or rows.stop == size)
 
 
 class ProgressPrinter:

@@ -94,7 +94,11 @@ class ExpertWorker:
         experts: range | None,
         weight_format: str,
         progress: LoadProgress | None = None,
+        intermediate: range | None = None,
     ) -> ExpertShard:
+        """intermediate: the rows of each expert's intermediate dimension to hold (default: the
+        worker's --intermediate-rows, else all)."""
+        intermediate = intermediate if intermediate is not None else self.config.intermediate_range
         with self._lock:
             if self.state != WorkerState.EMPTY:
                 raise WorkerStateError(
@@ -106,7 +110,7 @@ class ExpertWorker:
             shard = load_shard(
                 model_dir, experts, weight_format,
                 pack_threads=self.config.num_threads, progress=progress,
-                share=self.config.share_experts,
+                share=self.config.share_experts, intermediate=intermediate,
             )  # fmt: skip
         except BaseException:
             with self._lock:
@@ -131,9 +135,13 @@ class ExpertWorker:
         s = self.shard
         if s is None:
             return "no model"
+        rows = ""
+        if s.intermediate is not None:
+            rows = (f" (intermediate rows {s.rows.start}-{s.rows.stop - 1} of "
+                    f"{s.spec.moe_intermediate_size})")  # fmt: skip
         return (
             f"{s.source_dir}: experts {s.experts.start}-{s.experts.stop - 1} of "
-            f"{s.spec.num_experts}, {len(s.layers)} MoE layers, {s.weight_format}, "
+            f"{s.spec.num_experts}{rows}, {len(s.layers)} MoE layers, {s.weight_format}, "
             f"{s.nbytes / 2**30:.2f} GiB"
         )
 

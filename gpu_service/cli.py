@@ -23,7 +23,8 @@ from gpu_service.config import DEMO_MODEL_DIR
 from gpu_service.serve_config import API_KEY_ENV, API_KEY_FILE_ENV, ServeConfig, WorkersConfig
 from ktserve.config_flags import add_flags, flag_name, from_args
 
-SPAWN_FIELDS = ("expert_workers", "experts_per_worker", "weight_format", "threads")
+SPAWN_FIELDS = ("expert_workers", "experts_per_worker", "weight_format", "threads",
+                "expert_split", "numa")  # fmt: skip
 
 
 class Shutdown(BaseException):

@@ -14,11 +14,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 
 from gpu_service.moe_client import RECONNECT_OPTIONS
+from gpu_service.shard_coverage import (  # noqa: F401 - ExpertCoverageError: re-exported
+    ExpertCoverageError,
+    WorkerShard,
+    check_coverage,
+)
 from gpu_service.supervisor import WorkerStartError
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.protocol import expert_pb2 as pb
@@ -35,77 +39,6 @@ STATES = {
     pb.WORKER_STATE_DRAINING: "draining",
 }
 UNREACHABLE = "unreachable"
-
-
-class ExpertCoverageError(ValueError):
-    """The workers' shards are not one model's routed experts, each held exactly once."""
-
-
-@dataclass(frozen=True)
-class WorkerShard:
-    """What one worker holds, from its GetInfo: expert ids [start, stop) of a model."""
-
-    address: str
-    experts: range
-    num_experts: int
-    hidden_size: int
-    moe_layers: tuple[int, ...]
-
-    @classmethod
-    def from_info(cls, address: str, info: pb.WorkerInfo) -> WorkerShard:
-        return cls(
-            address=address,
-            experts=range(info.experts.start, info.experts.stop),
-            num_experts=info.num_experts,
-            hidden_size=info.hidden_size,
-            moe_layers=tuple(info.moe_layers),
-        )
-
-    @property
-    def label(self) -> str:
-        return f"{self.experts.start}-{self.experts.stop - 1}"
-
-
-def check_coverage(shards: list[WorkerShard], spec: ModelSpec) -> None:
-    """ExpertCoverageError unless the shards are of `spec`'s model and hold each expert once."""
-    held = ", ".join(f"{s.address} holds {s.label}" for s in shards)
-    for s in shards:
-        mine = (s.num_experts, s.hidden_size, s.moe_layers)
-        model = (spec.num_experts, spec.hidden_size, tuple(spec.moe_layers))
-        if mine != model:
-            raise ExpertCoverageError(
-                f"expert worker {s.address} serves another model: {s.num_experts} experts, "
-                f"hidden size {s.hidden_size}, MoE layers {list(s.moe_layers)}; this model has "
-                f"{spec.num_experts}, {spec.hidden_size}, {list(spec.moe_layers)}"
-            )
-    owners: list[list[str]] = [[] for _ in range(spec.num_experts)]
-    for s in shards:
-        for expert in s.experts:
-            owners[expert].append(s.address)
-    missing = _runs([e for e, o in enumerate(owners) if not o])
-    twice = _runs([e for e, o in enumerate(owners) if len(o) > 1])
-    problems = []
-    if missing:
-        problems.append(f"no worker holds experts {missing}")
-    if twice:
-        problems.append(f"experts {twice} are held by more than one worker")
-    if problems:
-        raise ExpertCoverageError(
-            f"the expert workers must hold each of the model's {spec.num_experts} routed experts "
-            f"(0-{spec.num_experts - 1}) exactly once, but {' and '.join(problems)} ({held}); "
-            "start each `ktserve expert` with its own --experts range"
-        )
-
-
-def _runs(ids: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and runs[-1][1] == i - 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 class _Remote:

@@ -9,11 +9,17 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpu_service.config import GPUServiceConfig
 from ktserve.config_flags import comma_list, flag
+from ktserve.intermediate_split import format_rows, split_rows
 from ktserve.names import WEIGHT_FORMATS
 from ktserve.worker_token import token_file_flag
+
+if TYPE_CHECKING:
+    from ktserve.checkpoint.spec import ModelSpec
+    from ktserve.numa import NumaNode, NumaTopology
 
 log = logging.getLogger("ktserve.serve")
 
@@ -23,6 +29,8 @@ MiB = 1 << 20
 # NOTE: the names of gpu_service.api.tool_parsers.PARSERS and api.reasoning.REASONING_PARSERS
 # (a test keeps them equal): --help must not import the API.
 TOOL_CALL_PARSERS = ("hermes", "deepseek_v3", "mistral")
+EXPERT_SPLITS = ("experts", "intermediate")
+NUMA_MODES = ("auto", "off")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
@@ -184,7 +192,28 @@ class WorkersConfig:
         help="routed experts' format in RAM: bf16 (exact), int8 (per-row scales), int4 "
         "(group-32 scales) (default %(default)s)",
     )
-    threads: int | None = flag(None, help="kernel threads per expert worker (default: cores - 1)")
+    expert_split: str = flag(
+        "experts",
+        choices=EXPERT_SPLITS,
+        help="how the routed experts are divided among the workers: experts (each worker holds "
+        "a range of expert ids, --experts-per-worker) or intermediate (each worker holds a "
+        "slice of every expert's intermediate dimension: worker w of W the rows [w*I/W, "
+        "(w+1)*I/W) of gate and up and the matching columns of down, so every token's work is "
+        "spread evenly over the workers; I/W must be a multiple of 64) (default %(default)s)",
+    )
+    numa: str = flag(
+        "off",
+        choices=NUMA_MODES,
+        help="auto: one expert worker per NUMA node (the nodes with CPUs this process may use), "
+        "its threads on that node's CPUs and its shard's memory bound to that node; a "
+        "one-node machine runs --expert-workers workers, unpinned, as with off. off: the "
+        "workers run where the OS puts them (default %(default)s)",
+    )
+    threads: int | None = flag(
+        None,
+        help="kernel threads per expert worker (default: its CPUs - 1; with --numa auto, its "
+        "node's CPUs - 1)",
+    )
     restart_workers: bool = flag(
         True, name="--no-restart-workers", help="do not restart expert workers that exit"
     )
@@ -212,6 +241,17 @@ class WorkersConfig:
             raise ValueError(
                 f"--format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}"
             )
+        if self.expert_split not in EXPERT_SPLITS:
+            raise ValueError(
+                f"--expert-split must be one of {EXPERT_SPLITS}, got {self.expert_split!r}"
+            )
+        if self.expert_split == "intermediate" and self.experts_per_worker is not None:
+            raise ValueError(
+                "--experts-per-worker gives each worker expert ids; with --expert-split "
+                "intermediate every worker holds every expert (a slice of each)"
+            )
+        if self.numa not in NUMA_MODES:
+            raise ValueError(f"--numa must be one of {NUMA_MODES}, got {self.numa!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {self.threads}")
         if self.worker_start_timeout_s <= 0:
@@ -226,6 +266,54 @@ class WorkersConfig:
         if self.experts_per_worker is not None:
             return self.experts_per_worker
         return split_experts(num_experts, self.expert_workers)
+
+    def numa_nodes(self, topology: NumaTopology) -> tuple[NumaNode, ...] | None:
+        """The node of each worker under --numa auto on a machine of several; None: unplaced."""
+        if self.numa == "off" or topology.num_nodes == 1:
+            return None
+        if self.expert_workers not in (1, topology.num_nodes):
+            raise ValueError(
+                f"--numa auto runs one expert worker per NUMA node ({topology.num_nodes} here), "
+                f"but --expert-workers is {self.expert_workers}: leave it out, or use --numa off"
+            )
+        return topology.nodes
+
+    def worker_plans(self, spec: ModelSpec, topology: NumaTopology) -> tuple[WorkerPlan, ...]:
+        """What each worker ktserve serve starts holds and where it runs."""
+        nodes = self.numa_nodes(topology)
+        config = self if nodes is None else replace(self, expert_workers=len(nodes))
+        count = config.expert_workers
+        if self.expert_split == "intermediate":
+            everyone = f"0-{spec.num_experts - 1}"
+            shards = [(everyone, format_rows(rows))
+                      for rows in split_rows(spec.moe_intermediate_size, count)]  # fmt: skip
+        else:
+            shards = [(experts, None) for experts in config.expert_ranges(spec.num_experts)]
+        return tuple(
+            WorkerPlan(experts, rows, nodes[i].cpulist if nodes else None,
+                       nodes[i].node_id if nodes else None)
+            for i, (experts, rows) in enumerate(shards)
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One worker ktserve serve starts: its expert ids, intermediate rows (None: all), CPUs and
+    NUMA node (None: not placed)."""
+
+    experts: str
+    intermediate_rows: str | None = None
+    cpus: str | None = None
+    numa_node: int | None = None
+
+    @property
+    def label(self) -> str:
+        label = f"experts {self.experts}"
+        if self.intermediate_rows is not None:
+            label += f" rows {self.intermediate_rows}"
+        if self.numa_node is not None:
+            label += f" on node {self.numa_node} (CPUs {self.cpus})"
+        return label
 
 
 @dataclass(frozen=True)

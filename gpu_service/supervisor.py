@@ -29,15 +29,24 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gpu_service.moe_client import RECONNECT_OPTIONS
+from gpu_service.shard_coverage import WorkerShard, check_coverage
 from ktserve import shared_store
 from ktserve.protocol import expert_pb2 as pb
+from ktserve.protocol import expert_pb2_grpc as pb_grpc
+from ktserve.worker_auth import worker_channel
 from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV
+
+if TYPE_CHECKING:
+    from gpu_service.serve_config import WorkerPlan
+    from ktserve.checkpoint.spec import ModelSpec
 
 log = logging.getLogger("ktserve.supervisor")
 
@@ -72,15 +81,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def worker_specs(
     model_dir: str,
-    ranges: tuple[str, ...],
+    plans: Sequence[WorkerPlan],
     weight_format: str,
     threads: int | None,
     socket_dir: str | None = None,
 ) -> list[WorkerSpec]:
-    """socket_dir: the workers listen on Unix sockets there (a 0700 directory: no other user
+    """plans: what each worker holds and where it runs (WorkersConfig.worker_plans).
+    socket_dir: the workers listen on Unix sockets there (a 0700 directory: no other user
     reaches them); None: on free loopback ports (then the Supervisor needs a token)."""
     specs = []
-    for i, experts in enumerate(ranges):
+    for i, plan in enumerate(plans):
         if socket_dir is not None:
             address = f"unix:{socket_dir}/worker-{i}.sock"
         else:
@@ -95,13 +105,22 @@ def worker_specs(
             "--listen",
             address,
             "--experts",
-            experts,
+            plan.experts,
             "--format",
             weight_format,
         ]
+        if plan.intermediate_rows is not None:
+            argv += ["--intermediate-rows", plan.intermediate_rows]
+        if plan.cpus is not None:
+            argv += ["--cpus", plan.cpus]
+        if plan.numa_node is not None:
+            argv += ["--numa-node", str(plan.numa_node)]
         if threads is not None:
             argv += ["--threads", str(threads)]
-        specs.append(WorkerSpec(i, address, experts, tuple(argv)))
+        label = plan.experts
+        if plan.intermediate_rows is not None:
+            label += f" rows {plan.intermediate_rows}"
+        specs.append(WorkerSpec(i, address, label, tuple(argv)))
     return specs
 
 
@@ -139,10 +158,13 @@ class Supervisor:
         drain_timeout_s: float = 35.0,
         token: str | None = None,
         socket_dir: str | None = None,
+        model: ModelSpec | None = None,
     ) -> None:
         """token: the workers' control-plane token, given to them in their environment.
-        socket_dir: removed by stop() (worker_specs put the workers' sockets there)."""
+        socket_dir: removed by stop() (worker_specs put the workers' sockets there).
+        model: once serving, the workers' shards must hold its experts exactly once (GetInfo)."""
         self.workers = [_Worker(spec) for spec in specs]
+        self.model = model
         self.token = token
         self.socket_dir = socket_dir
         self._env = None
@@ -183,6 +205,8 @@ class Supervisor:
                     raise WorkerStartError(
                         f"expert worker {worker.spec.index} did not load in {timeout_s:.0f} s"
                     )
+        if self.model is not None:
+            check_coverage([self._shard(w.spec.address) for w in self.workers], self.model)
         self._monitor = threading.Thread(target=self._watch, name="supervisor", daemon=True)
         self._monitor.start()
 
@@ -224,6 +248,16 @@ class Supervisor:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ internals
+    def _shard(self, address: str) -> WorkerShard:
+        with self._fork_lock:
+            channel = worker_channel(address, self.token)
+            try:
+                stub = pb_grpc.ExpertServiceStub(channel)
+                info = stub.GetInfo(pb.GetInfoRequest(), timeout=HEALTH_TIMEOUT_S * 10)
+            finally:
+                channel.close()
+        return WorkerShard.from_info(address, info)
+
     def _spawn(self, worker: _Worker, watch_health: bool = True) -> None:
         worker.serving.clear()
         with self._fork_lock:

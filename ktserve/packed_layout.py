@@ -7,10 +7,11 @@ from __future__ import annotations
 import numpy as np
 
 INT4_GROUP = 32
+PACK_ALIGN = 64  # H and I are padded to a multiple of this (ktk.h: Hp, Ip)
 
 
 def padded(n: int) -> int:
-    return (n + 63) // 64 * 64
+    return (n + PACK_ALIGN - 1) // PACK_ALIGN * PACK_ALIGN
 
 
 def tensor_specs(fmt: str, H: int, I: int) -> dict[str, tuple[np.dtype, int]]:  # noqa: E741

@@ -38,6 +38,7 @@ from gpu_service.service import GPUService, build_gpu_service, check_model_fits
 from gpu_service.supervisor import Supervisor, worker_specs
 from ktserve.checkpoint import HFConfig
 from ktserve.checkpoint.spec import ModelSpec
+from ktserve.numa import read_topology
 from ktserve.worker_token import new_token, read_token
 
 log = logging.getLogger("ktserve.serve")
@@ -165,19 +166,19 @@ def _workers(config: ServeConfig, spec: ModelSpec) -> Supervisor | ExternalWorke
         return ExternalWorkers(
             workers.expert_addresses, spec, read_token(workers.worker_token_file)
         )
-    ranges = workers.expert_ranges(spec.num_experts)
+    plans = workers.worker_plans(spec, read_topology())
     log.info(
-        "starting %d expert worker(s) (experts %s, %s)",
-        len(ranges),
-        ", ".join(ranges),
+        "starting %d expert worker(s) (%s, %s)",
+        len(plans),
+        "; ".join(plan.label for plan in plans),
         workers.weight_format,
     )
     # NOTE: mkdtemp makes the directory 0700: no other user reaches the workers' sockets
     socket_dir = tempfile.mkdtemp(prefix="ktserve-workers-")
-    specs = worker_specs(config.model_dir, ranges, workers.weight_format, workers.threads,
+    specs = worker_specs(config.model_dir, plans, workers.weight_format, workers.threads,
                          socket_dir)  # fmt: skip
     return Supervisor(specs, restart=workers.restart_workers, token=new_token(),
-                      socket_dir=socket_dir)  # fmt: skip
+                      socket_dir=socket_dir, model=spec)  # fmt: skip
 
 
 def _worker_status(
