@@ -53,7 +53,8 @@ def load_shard(
         return packed_store.load(model_dir, experts, weight_format, progress=progress)
     if synthetic_experts.is_synthetic_dir(model_dir):  # benchmarks only: refused without its env
         return synthetic_experts.load(model_dir, experts, weight_format, threads=pack_threads,
-                                      progress=progress, share=share)  # fmt: skip
+                                      progress=progress, share=share,
+                                      intermediate=intermediate)  # fmt: skip
     with CheckpointReader(model_dir) as reader:
         spec = reader.spec
         experts = experts if experts is not None else range(spec.num_experts)

@@ -36,6 +36,7 @@ from ktserve.checkpoint import (
     check_memory_available,
     validate_shard,
 )
+from ktserve.intermediate_split import check_rows
 from ktserve.packed_layout import tensor_specs
 
 MARKER = "ktserve-synthetic-experts.json"
@@ -56,8 +57,11 @@ def write_marker(model_dir: Path, seed: int) -> None:
 
 def load(model_dir: str | Path, experts: range | None, weight_format: str, *,
          threads: int | None = None, progress: LoadProgress | None = None,
-         share: bool = False) -> ExpertShard:  # fmt: skip
-    """The shard's packed layers, filled from the directory's seed (see the module's text)."""
+         share: bool = False, intermediate: range | None = None) -> ExpertShard:  # fmt: skip
+    """The shard's packed layers, filled from the directory's seed (see the module's text).
+    intermediate: only these rows of each expert's intermediate dimension (--intermediate-rows:
+    packed as experts of that width, never shared; their values are their own, not the rows of
+    the whole experts')."""
     model_dir = Path(model_dir)
     if os.environ.get(ENV) != "1":
         raise SyntheticExpertsError(
@@ -68,7 +72,12 @@ def load(model_dir: str | Path, experts: range | None, weight_format: str, *,
     spec = ModelSpec.from_config_dir(model_dir)
     experts = experts if experts is not None else range(spec.num_experts)
     validate_shard(spec, experts)
-    H, I = spec.hidden_size, spec.moe_intermediate_size  # noqa: E741
+    if intermediate is not None:
+        check_rows(intermediate, spec.moe_intermediate_size)
+        if len(intermediate) == spec.moe_intermediate_size:
+            intermediate = None
+    share = share and intermediate is None
+    H, I = spec.hidden_size, len(intermediate or range(spec.moe_intermediate_size))  # noqa: E741
     if H % 64 or I % 64:
         raise SyntheticExpertsError(
             f"synthetic experts need hidden and moe_intermediate sizes that are multiples of 64 "
@@ -112,7 +121,7 @@ def load(model_dir: str | Path, experts: range | None, weight_format: str, *,
         raise
     finally:
         pool.shutdown()
-    return ExpertShard(spec, str(model_dir), weight_format, experts, layers, store)
+    return ExpertShard(spec, str(model_dir), weight_format, experts, layers, store, intermediate)
 
 
 def fill_expert(out: dict[str, np.ndarray], fmt: str, H: int, I: int, j: int,  # noqa: E741

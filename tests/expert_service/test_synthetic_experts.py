@@ -26,7 +26,7 @@ from tests.support.worker_services import worker_service
 
 FORMATS = ("bf16", "int8", "int4")
 # Qwen3-30B-A3B's geometry, shrunk: sizes that are multiples of 64, as real models' are
-SHAPE = dataclasses.replace(SHAPES["qwen3"], hidden=128, moe_inter=64, dense_inter=128, experts=6,
+SHAPE = dataclasses.replace(SHAPES["qwen3"], hidden=128, moe_inter=128, dense_inter=128, experts=6,
                             top_k=2, heads=2, kv_heads=1, head_dim=64, vocab=8192)  # fmt: skip
 
 
@@ -87,6 +87,33 @@ def test_a_well_formed_model_of_each_format(model_dir, fmt, seed, allowed):
         kernel.close()
     want = reference_moe(x, ids, w, gate, up, down)
     assert rel_err(out, want) <= BOUNDS[fmt]
+
+
+def test_intermediate_slices_are_halves_of_one_model(model_dir, seed, allowed):
+    """--intermediate-rows: each slice packed as experts of its width; the two workers' sum is
+    the MoE of the concatenated weights (what the GPU side adds up)."""
+    H, half = SHAPE.hidden, SHAPE.moe_inter // 2
+    slices = [load_shard(model_dir, None, "int4", intermediate=range(a, a + half), share=True)
+              for a in (0, half)]  # fmt: skip
+    assert [s.rows for s in slices] == [range(0, half), range(half, 2 * half)]
+    assert all(s.store is None for s in slices)  # a slice is never shared
+    weights = [numpy_dequant(s.layers[0], H, half) for s in slices]
+    gate, up, down = (torch.from_numpy(np.concatenate(w, axis=axis))
+                      for w, axis in zip(zip(*weights), (1, 1, 2)))  # fmt: skip
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, H, generator=g)
+    ids = torch.randint(0, SHAPE.experts, (5, SHAPE.top_k), generator=g, dtype=torch.int32)
+    w = torch.rand(5, SHAPE.top_k, generator=g)
+    total = torch.zeros(5, H)
+    kernel = MoEKernel(1, default_isa())
+    try:
+        for s in slices:
+            out = torch.empty(5, H)
+            kernel.forward(s.layers[0], x, ids, w, out)
+            total += out
+    finally:
+        kernel.close()
+    assert rel_err(total, reference_moe(x, ids, w, gate, up, down)) <= BOUNDS["int4"]
 
 
 def test_shared_store_holds_the_same_values(model_dir, allowed):
