@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import random
 import re
 import shlex
@@ -40,31 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's p
 from bench.common import Column, print_table  # noqa: E402
 from expert_service import synthetic_experts  # noqa: E402
 from ktserve.checkpoint import HFConfig, ModelSpec  # noqa: E402
+from ktserve.numa import read_topology  # noqa: E402
 from ktserve.packed_layout import tensor_specs  # noqa: E402
 from tests.support.api_server import ServerProcess  # noqa: E402
 
 PROMPT_TOKENS = 16
-NODE_ROOT = Path("/sys/devices/system/node")
-
-
-def parse_cpulist(text: str) -> list[int]:
-    """ "0-3,8,10-11" -> [0, 1, 2, 3, 8, 10, 11]."""
-    cpus: list[int] = []
-    for part in filter(None, text.strip().split(",")):
-        lo, _, hi = part.partition("-")
-        cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-def node_cpus() -> dict[int, list[int]]:
-    """NUMA node -> the CPUs of it this process may use (one node: all of them)."""
-    allowed = os.sched_getaffinity(0)
-    nodes = {}
-    for d in sorted(NODE_ROOT.glob("node[0-9]*")):
-        cpus = [c for c in parse_cpulist((d / "cpulist").read_text()) if c in allowed]
-        if cpus:
-            nodes[int(d.name[4:])] = cpus
-    return nodes or {0: sorted(allowed)}
 
 
 def dram_per_node(gb: float) -> dict[int, float]:
@@ -79,7 +58,7 @@ def dram_per_node(gb: float) -> dict[int, float]:
             text=True,
             cwd=Path(__file__).resolve().parent.parent,
         )  # fmt: skip
-        for node, cpus in node_cpus().items()
+        for node, cpus in ((n.node_id, n.cpus) for n in read_topology().nodes)
     }
     out = {}
     for node, proc in procs.items():
