@@ -19,7 +19,7 @@ from ktserve.checkpoint import (
     validate_shard,
 )
 from ktserve.checkpoint.reader import StoredExperts
-from ktserve.intermediate_split import check_rows, format_rows
+from ktserve.intermediate_split import format_rows, slice_or_whole
 
 # Packed bytes per weight, scales included (int8: a scale per row; int4: per group of 32).
 BYTES_PER_WEIGHT = {"bf16": 2.0, "int8": 1.0 + 4 / 2048, "int4": 0.5 + 2 / 32}
@@ -59,11 +59,8 @@ def load_shard(
         spec = reader.spec
         experts = experts if experts is not None else range(spec.num_experts)
         validate_shard(spec, experts)
-        if intermediate is not None:
-            check_rows(intermediate, spec.moe_intermediate_size)
-            if len(intermediate) == spec.moe_intermediate_size:
-                intermediate = None
-        share = share and intermediate is None
+        intermediate = slice_or_whole(intermediate, spec.moe_intermediate_size)
+        share = share and intermediate is None  # NOTE: a GPU service maps whole experts
         fraction = len(intermediate) / spec.moe_intermediate_size if intermediate else 1.0
         required = estimate_shard_bytes(spec, len(experts),
                                         BYTES_PER_WEIGHT[weight_format] * fraction)  # fmt: skip

@@ -36,7 +36,7 @@ from ktserve.checkpoint import (
     check_memory_available,
     validate_shard,
 )
-from ktserve.intermediate_split import check_rows
+from ktserve.intermediate_split import slice_or_whole
 from ktserve.packed_layout import tensor_specs
 
 MARKER = "ktserve-synthetic-experts.json"
@@ -72,11 +72,8 @@ def load(model_dir: str | Path, experts: range | None, weight_format: str, *,
     spec = ModelSpec.from_config_dir(model_dir)
     experts = experts if experts is not None else range(spec.num_experts)
     validate_shard(spec, experts)
-    if intermediate is not None:
-        check_rows(intermediate, spec.moe_intermediate_size)
-        if len(intermediate) == spec.moe_intermediate_size:
-            intermediate = None
-    share = share and intermediate is None
+    intermediate = slice_or_whole(intermediate, spec.moe_intermediate_size)
+    share = share and intermediate is None  # NOTE: a GPU service maps whole experts
     H, I = spec.hidden_size, len(intermediate or range(spec.moe_intermediate_size))  # noqa: E741
     if H % 64 or I % 64:
         raise SyntheticExpertsError(

@@ -28,6 +28,14 @@ def check_rows(rows: range, intermediate_size: int) -> None:
         )
 
 
+def slice_or_whole(rows: range | None, intermediate_size: int) -> range | None:
+    """rows checked (check_rows); None for no slice or one that is the whole dimension."""
+    if rows is None:
+        return None
+    check_rows(rows, intermediate_size)
+    return None if len(rows) == intermediate_size else rows
+
+
 def split_rows(intermediate_size: int, num_workers: int) -> tuple[range, ...]:
     """The even split [w*I/W, (w+1)*I/W) for each worker w; ValueError where I/W is not a whole
     number of blocks."""

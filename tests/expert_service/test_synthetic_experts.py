@@ -75,18 +75,9 @@ def test_a_well_formed_model_of_each_format(model_dir, fmt, seed, allowed):
             sums = q.astype(np.int64).sum(axis=(2, 4)).reshape(len(shard.experts), -1)
             np.testing.assert_array_equal(packed.tensors[r], sums)
             assert (packed.tensors[s] > 0).all()
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(7, H, generator=g)
-    ids = torch.randint(0, SHAPE.experts, (7, SHAPE.top_k), generator=g, dtype=torch.int32)
-    w = torch.rand(7, SHAPE.top_k, generator=g)
-    out = torch.empty(7, H)
-    kernel = MoEKernel(1, default_isa())
-    try:
-        kernel.forward(packed, x, ids, w, out)
-    finally:
-        kernel.close()
-    want = reference_moe(x, ids, w, gate, up, down)
-    assert rel_err(out, want) <= BOUNDS[fmt]
+    x, ids, w = routed_inputs(seed, 7)
+    [out] = kernel_outputs([packed], x, ids, w)
+    assert rel_err(out, reference_moe(x, ids, w, gate, up, down)) <= BOUNDS[fmt]
 
 
 def test_intermediate_slices_are_halves_of_one_model(model_dir, seed, allowed):
@@ -100,20 +91,29 @@ def test_intermediate_slices_are_halves_of_one_model(model_dir, seed, allowed):
     weights = [numpy_dequant(s.layers[0], H, half) for s in slices]
     gate, up, down = (torch.from_numpy(np.concatenate(w, axis=axis))
                       for w, axis in zip(zip(*weights), (1, 1, 2)))  # fmt: skip
+    x, ids, w = routed_inputs(seed, 5)
+    total = sum(kernel_outputs([s.layers[0] for s in slices], x, ids, w))
+    assert rel_err(total, reference_moe(x, ids, w, gate, up, down)) <= BOUNDS["int4"]
+
+
+def routed_inputs(seed: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H], ids [T, k], routing weights [T, k] of a seeded draw."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(5, H, generator=g)
-    ids = torch.randint(0, SHAPE.experts, (5, SHAPE.top_k), generator=g, dtype=torch.int32)
-    w = torch.rand(5, SHAPE.top_k, generator=g)
-    total = torch.zeros(5, H)
+    x = torch.randn(tokens, SHAPE.hidden, generator=g)
+    ids = torch.randint(0, SHAPE.experts, (tokens, SHAPE.top_k), generator=g, dtype=torch.int32)
+    return x, ids, torch.rand(tokens, SHAPE.top_k, generator=g)
+
+
+def kernel_outputs(layers, x, ids, w) -> list[torch.Tensor]:
+    """The worker's kernel (one thread, this CPU's best ISA) on each packed layer."""
     kernel = MoEKernel(1, default_isa())
     try:
-        for s in slices:
-            out = torch.empty(5, H)
-            kernel.forward(s.layers[0], x, ids, w, out)
-            total += out
+        outs = [torch.empty(x.shape) for _ in layers]
+        for packed, out in zip(layers, outs):
+            kernel.forward(packed, x, ids, w, out)
+        return outs
     finally:
         kernel.close()
-    assert rel_err(total, reference_moe(x, ids, w, gate, up, down)) <= BOUNDS["int4"]
 
 
 def test_shared_store_holds_the_same_values(model_dir, allowed):
