@@ -19,6 +19,8 @@ combine, logits): the engine's decode graphs run the same methods segment by seg
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -88,6 +90,9 @@ class CausalLM(nn.Module):
                                        quantize=quant.quantize_lm_head)  # fmt: skip
         self.rotary = rotary
         self.kv_cache = kv_cache
+        # called with (batch, all_positions) before each checked forward: a tensor-parallel
+        # rank 0 hands the step to its followers (gpu_service/tensor_parallel/leader.py)
+        self.step_listener: Callable[[Batch, bool], None] | None = None
 
     @property
     def moes(self) -> list[MoE]:
@@ -152,6 +157,15 @@ class CausalLM(nn.Module):
         """float32 logits: [B, V] at each sequence's last new token, or [T, V] for every new token
         (flat, sequence after sequence; batch.cu_seqlens splits them) with all_positions=True."""
         self.check_batch(batch)
+        if self.step_listener is not None:
+            self.step_listener(batch, all_positions)
+        return self.run(batch, all_positions)
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, all_positions: bool = False,
+            logits: bool = True) -> torch.Tensor | None:  # fmt: skip
+        """forward without its checks (a tensor-parallel follower runs what rank 0 checked);
+        logits=False stops after the last layer (None)."""
         meta = AttentionMetadata.build(batch, self.device)
         ctx = self.context(meta)
         tokens = torch.tensor(
@@ -178,6 +192,8 @@ class CausalLM(nn.Module):
                 backend.end_step()
         for s in batch.seqs:
             s.cache.num_tokens = s.end_pos
+        if not logits:
+            return None
         if not all_positions:
             h = h[meta.last_index]  # [B, H]
         return self.logits(h)
