@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_service.models.int8_triton import int8_mm, int8_mm_available
-from gpu_service.models.parallel import Shard
 from gpu_service.models.weight_formats import (
     FP8_MAX,
     MIN_SCALE,
@@ -48,6 +47,7 @@ TRITON_INT8_MAX_ROWS = 128  # above, dequantizing once and one cuBLAS matmul is 
 
 if TYPE_CHECKING:
     from gpu_service.models.loader import WeightLoader
+    from gpu_service.models.parallel import Shard
 
 
 class Linear(nn.Module):

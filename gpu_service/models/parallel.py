@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gpu_service.models.linear import Linear
+
 if TYPE_CHECKING:
     from gpu_service.models.loader import WeightLoader
 
@@ -129,8 +131,6 @@ class RowParallelLinear(nn.Module):
              bias: bool = False, reduce: bool = True) -> nn.Module:  # fmt: skip
         """`prefix`.weight split by input columns over loader.tp (the plain Linear when the world
         is one rank and reduce is on)."""
-        from gpu_service.models.linear import Linear
-
         tp = loader.tp
         if not tp.sharded and reduce:
             return Linear.load(loader, prefix, in_features, out_features, bias=bias)
