@@ -128,8 +128,14 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
             ctx,
             http.shutdown_timeout_s,
         )
+        leader = service.tensor_parallel
+        if leader is not None:  # NOTE: a follower gone: every step would fail, so stop serving
+            leader.on_failure = lambda failure: setattr(server, "should_exit", True)
         on_ready(url_of(sock), config)
         server.run(sockets=[sock])
+        if leader is not None and leader.failure is not None:
+            log.error("stopped serving: %s", leader.failure)
+            return 1
         return 0 if server.started else 1
     finally:
         _ignore_signals()

@@ -13,7 +13,9 @@ step to them, notice when one dies, stop them.
 
 Every wait polls the followers: one that exits fails the wait at once with its exit status
 (TensorParallelFailed); a follower that is alive but silent fails it at --tensor-parallel-timeout.
-Once a follower has failed, every later step fails at once with the same error.
+Once a follower has failed, every later step fails at once with the same error. A thread per
+follower waits for its exit outside of steps too, and calls on_failure (`ktserve serve`: stop
+serving, exit status 1).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +87,8 @@ class TensorParallelLeader:
         self.failure: TensorParallelFailed | None = None
         self._cache_sent: object | None = None
         self.model: CausalLM | None = None
+        self.on_failure: Callable[[TensorParallelFailed], None] | None = None
+        self._closing = threading.Event()
 
     @property
     def backend(self) -> str:
@@ -100,6 +106,8 @@ class TensorParallelLeader:
                                     preexec_fn=_die_with_parent)  # fmt: skip
             self.procs.append(proc)
             self._send(proc, rank, self._setup(rank))
+            threading.Thread(target=self._watch, args=(rank, proc), daemon=True,
+                             name=f"tp-watch-{rank}").start()  # fmt: skip
         self._await("alive", "start")
         dist.init_process_group(self.backend, store=self.store, rank=0,
                                 world_size=cfg.world_size, timeout=timeout)  # fmt: skip
@@ -136,7 +144,17 @@ class TensorParallelLeader:
         self.sync_cache(self.model)
         self._broadcast(Step.of(batch, all_positions))
 
+    def _watch(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        if self._closing.is_set():
+            return
+        failure = self._fail(f"tensor-parallel follower rank {rank} (pid {proc.pid}) exited "
+                             f"with status {code}")  # fmt: skip
+        if self.on_failure is not None:
+            self.on_failure(failure)
+
     def close(self) -> None:
+        self._closing.set()
         for rank, proc in enumerate(self.procs, start=1):
             if proc.poll() is None:
                 try:

@@ -5,6 +5,7 @@ worker, against transformers' forward and against the same service at size 1."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -17,8 +18,19 @@ from gpu_service.tensor_parallel.leader import TensorParallelFailed
 from ktserve.checkpoint import HFConfig, ModelSpec
 from ktserve.protocol import expert_pb2 as pb
 from tests.e2e.test_parity import BOUNDS, FAMILIES, greedy_together, prompts, relative_error
+from tests.support.api_server import (
+    TINY_FLAGS,
+    ServerProcess,
+    make_served_checkpoint,
+    openai_client,
+    pid_alive,
+)
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
-from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
+from tests.support.expert_procs import (  # noqa: F401 - no_segments_left_behind: autouse
+    ExpertProcess,
+    no_segments_left_behind,
+    shm_entries,
+)
 
 DEVICE = os.environ.get("KTSERVE_TEST_DEVICE", "cpu")
 if DEVICE == "cuda" and torch.cuda.device_count() < 2:
@@ -117,10 +129,10 @@ def test_tensor_parallel_matches_transformers_and_size_one(family, checkpoints, 
 
 
 def test_killed_follower_fails_the_service_clearly(checkpoints, seed):
-    """A follower killed between steps: the next step fails at once naming it, and so does every
-    request after; one killed in the middle of rank 0's collective fails it (no hang); close()
-    stops what is left."""
-    path = checkpoints["qwen3_moe"]
+    """A follower killed between steps: rank 0 alone in a collective fails (no hang), the next
+    step fails at once naming the follower, and so does every request after; close() stops
+    what is left."""
+    path = checkpoints["mixtral"]
     worker = ExpertProcess("--model", str(path), "--format", "bf16")
     service = None
     try:
@@ -130,34 +142,19 @@ def test_killed_follower_fails_the_service_clearly(checkpoints, seed):
         follower = service.tensor_parallel.procs[0]
         follower.kill()
         follower.wait(timeout=10)
+        model = service.engine.model
+        cache = model.kv_cache.allocate(4)
+        try:  # NOTE: run() skips the step listener: rank 0 enters the collective alone
+            with pytest.raises(RuntimeError, match=r"(closed|reset) by peer"):
+                model.run(Batch((SeqInput([1, 2, 3, 4], cache, 0),)))
+        finally:
+            model.kv_cache.free(cache)
         with pytest.raises(TensorParallelFailed, match=r"rank 1 .* exited with status -9"):
             greedy_steps(service, ps, 1)
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         last = service.engine.generate(ps[0], params, timeout=60)[-1]
         assert last.finish_reason == FinishReason.ERROR
         assert "tensor-parallel follower rank 1" in str(last.error)
-    finally:
-        if service is not None:
-            service.close()
-        worker.close()
-
-
-def test_follower_dying_inside_a_collective_fails_rank_zero(checkpoints, seed):
-    path = checkpoints["mixtral"]
-    worker = ExpertProcess("--model", str(path), "--format", "bf16")
-    service = None
-    try:
-        service = service_for(path, worker, 2, timeout_s=20)
-        model = service.engine.model
-        follower = service.tensor_parallel.procs[0]
-        follower.kill()
-        follower.wait(timeout=10)
-        cache = model.kv_cache.allocate(4)
-        try:  # NOTE: run() skips the step listener: rank 0 enters the collective alone
-            with pytest.raises(RuntimeError):
-                model.run(Batch((SeqInput([1, 2, 3, 4], cache, 0),)))
-        finally:
-            model.kv_cache.free(cache)
     finally:
         if service is not None:
             service.close()
@@ -174,3 +171,29 @@ def test_sizes_the_model_cannot_take_are_refused_before_loading(checkpoints):
         GPUServiceConfig(model_dir=str(path), tensor_parallel_size=0)
     with pytest.raises(ValueError, match="--kv-host-cache-gib is not supported"):
         GPUServiceConfig(model_dir=str(path), tensor_parallel_size=2, kv_host_cache_gib=1)
+
+
+def test_serve_runs_followers_and_exits_1_when_one_dies(tmp_path, seed):
+    """`ktserve serve --tensor-parallel-size 2` answers through the openai SDK; a follower
+    killed under it stops the server with status 1 and its reason, leaving nothing behind."""
+    checkpoint = make_served_checkpoint(tmp_path / "tiny", seed, 128)
+    before = shm_entries()
+    server = ServerProcess(checkpoint, *TINY_FLAGS, "--tensor-parallel-size", "2")
+    try:
+        found = re.search(r"followers' pids \[(\d+)\]", server.stderr())
+        assert found, server.stderr()[-3000:]
+        follower = int(found.group(1))
+        _, health = server.health()
+        workers = [w["pid"] for w in health["workers"]]
+        reply = openai_client(server).completions.create(
+            model="tiny", prompt="hi", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert reply.usage.completion_tokens == 5
+        os.kill(follower, 9)
+        assert server.proc.wait(60) == 1, server.stderr()[-3000:]
+        assert re.search(r"stopped serving: tensor-parallel follower rank 1 .* exited with "
+                         r"status -9", server.stderr())  # fmt: skip
+    finally:
+        server.close()
+    assert not any(pid_alive(p) for p in workers)
+    assert not shm_entries() - before
