@@ -97,6 +97,8 @@ class TensorParallelLeader:
     def start(self) -> TensorParallel:
         cfg = self.config
         timeout = datetime.timedelta(seconds=cfg.timeout_s)
+        if cfg.device.type == "cuda":
+            torch.cuda.set_device(cfg.device)  # NOTE: NCCL binds rank 0 to the current device
         self.store = dist.TCPStore("127.0.0.1", 0, cfg.world_size, is_master=True,
                                    timeout=timeout, wait_for_workers=False)  # fmt: skip
         env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast off (the GPU host)

@@ -13,11 +13,20 @@ import torch
 from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.models import Batch, SeqInput
+from gpu_service.models.parallel import RowParallelLinear
 from gpu_service.service import build_gpu_service, check_model_fits
 from gpu_service.tensor_parallel.leader import TensorParallelFailed
 from ktserve.checkpoint import HFConfig, ModelSpec
 from ktserve.protocol import expert_pb2 as pb
-from tests.e2e.test_parity import BOUNDS, FAMILIES, greedy_together, prompts, relative_error
+from tests.e2e.test_parity import (
+    BOUNDS,
+    FAMILIES,
+    greedy_together,
+    last_logits,
+    prompts,
+    relative_error,
+)
+from tests.gpu_service.test_gpu_weights import LOGITS_TOL, MODULES
 from tests.support.api_server import (
     TINY_FLAGS,
     ServerProcess,
@@ -44,9 +53,11 @@ def checkpoints(tmp_path_factory, seed):
     return {f: make_tiny_checkpoint(f, root / f, seed=seed) for f in FAMILIES}
 
 
-def service_for(path, worker: ExpertProcess, tp_size: int, timeout_s: float = 60.0):
+def service_for(path, worker: ExpertProcess, tp_size: int, timeout_s: float = 60.0,
+                gpu_weight_format: str = "auto"):  # fmt: skip
     config = GPUServiceConfig(
         model_dir=str(path), device=DEVICE, dtype="float32", kv_cache_tokens=512,
+        gpu_weight_format=gpu_weight_format,
         tensor_parallel_size=tp_size, tensor_parallel_timeout_s=timeout_s,
         scheduler=SchedulerConfig(max_model_len=64),
         experts=ExpertClientConfig((worker.address,), token=worker.token, wire_dtype="float32",
@@ -126,6 +137,33 @@ def test_tensor_parallel_matches_transformers_and_size_one(family, checkpoints, 
     assert two[3] == one[3] and len(two[3]) == NUM_DECODE
     assert two[2] == one[2] == (1 + NUM_DECODE) * moe_layers
     assert two[4] == one[4] == NUM_DECODE * moe_layers  # the engine: prefill + NUM_DECODE - 1
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_gpu_weights_are_quantized_per_shard(fmt, checkpoints, seed):
+    """--gpu-weight-format with size 2: each rank quantizes its own share (row-parallel shares
+    get their own per-channel scales), within the format's bound against transformers."""
+    path = checkpoints["deepseek_v3"]
+    reference = load_reference_model(path)
+    worker = ExpertProcess("--model", str(path), "--format", "bf16")
+    service = None
+    try:
+        service = service_for(path, worker, 2, gpu_weight_format=fmt)
+        attn = service.engine.model.layers[0].attn
+        assert isinstance(attn.o_proj, RowParallelLinear)
+        assert isinstance(attn.o_proj.local, MODULES[fmt])
+        assert isinstance(attn.q_b_proj, MODULES[fmt])
+        ps = prompts(seed + 9)
+        logits = last_logits(service, ps).cpu().double()
+    finally:
+        if service is not None:
+            service.close()
+        worker.close()
+    with torch.no_grad():
+        want = torch.stack([reference(torch.tensor([p])).logits[0, -1] for p in ps]).double()
+    err = float((logits - want).norm() / want.norm())
+    print(f"TP=2 {fmt} GPU weights: last-position logits error vs transformers {err:.2e}")
+    assert err < LOGITS_TOL[fmt]
 
 
 def test_killed_follower_fails_the_service_clearly(checkpoints, seed):
