@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import sys
 from dataclasses import replace
 
@@ -45,6 +46,8 @@ def load(setup: Setup, tp: TensorParallel) -> CausalLM:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     fused_ops.ENABLED[0] = setup.fused_kernels
+    if device.type == "cpu":  # NOTE: the ranks share the host's cores (rank 0 keeps its own)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // setup.world_size))
     return load_model(setup.model_dir, device, setup.dtype, experts=None,
                       max_num_tokens_in_cache=16, linear_quant=setup.linear_quant,
                       tp=tp)  # fmt: skip
