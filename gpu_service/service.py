@@ -214,7 +214,11 @@ def check_model_fits(config: GPUServiceConfig, spec: ModelSpec,
     size = config.tensor_parallel_size
     if size > 1:
         hf = hf or HFConfig.from_dir(config.model_dir)
-        TensorParallel(0, size).local(hf.int("num_attention_heads"), "attention heads")
+        tp = TensorParallel(0, size)
+        heads = hf.int("num_attention_heads")
+        tp.local(heads, "attention heads")
+        if not spec.family.startswith("deepseek"):  # NOTE: MLA's latent is not split by heads
+            tp.kv_heads(hf.int("num_key_value_heads", heads))
         check_devices(size, torch.device(config.device or default_device()))
     deferred = config.max_deferred_experts_per_token
     if deferred >= spec.num_experts_per_tok:

@@ -203,9 +203,13 @@ def test_killed_follower_fails_the_service_clearly(checkpoints, seed):
 def test_sizes_the_model_cannot_take_are_refused_before_loading(checkpoints):
     path = checkpoints["deepseek_v3"]  # 4 attention heads
     hf = HFConfig.from_dir(path)
-    config = GPUServiceConfig(model_dir=str(path), device=DEVICE, tensor_parallel_size=3)
+    config = GPUServiceConfig(model_dir=str(path), device="cpu", tensor_parallel_size=3)
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 3 does not divide .* heads"):
         check_model_fits(config, ModelSpec.from_hf(hf), hf)
+    mixtral = HFConfig.from_dir(checkpoints["mixtral"])  # 4 heads, 2 kv heads
+    config = GPUServiceConfig(model_dir=str(checkpoints["mixtral"]), device="cpu",
+                              tensor_parallel_size=4)  # fmt: skip
+    check_model_fits(config, ModelSpec.from_hf(mixtral), mixtral)  # each kv head on 2 ranks
     with pytest.raises(ValueError, match="--tensor-parallel-size must be >= 1"):
         GPUServiceConfig(model_dir=str(path), tensor_parallel_size=0)
     with pytest.raises(ValueError, match="--kv-host-cache-gib is not supported"):
