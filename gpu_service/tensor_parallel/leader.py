@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ from gpu_service.tensor_parallel.messages import Cache, Message, Setup, Step, St
 
 log = logging.getLogger("ktserve.gpu")
 STOP_TIMEOUT_S = 10.0
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 POLL_S = 0.2
 
 
@@ -101,7 +103,9 @@ class TensorParallelLeader:
             torch.cuda.set_device(cfg.device)  # NOTE: NCCL binds rank 0 to the current device
         self.store = dist.TCPStore("127.0.0.1", 0, cfg.world_size, is_master=True,
                                    timeout=timeout, wait_for_workers=False)  # fmt: skip
-        env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast off (the GPU host)
+        # NOTE: NVLink multicast off (the GPU host); the followers import this very tree
+        path = os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": path}
         for rank in range(1, cfg.world_size):
             proc = subprocess.Popen([sys.executable, "-m", "gpu_service.tensor_parallel.follower"],
                                     stdin=subprocess.PIPE, env=env,
@@ -121,8 +125,8 @@ class TensorParallelLeader:
     def _setup(self, rank: int) -> Setup:
         cfg = self.config
         return Setup(rank, cfg.world_size, self.store.port, self.backend, cfg.timeout_s,
-                     cfg.model_dir, str(cfg.device_of(rank)), cfg.dtype, cfg.linear_quant,
-                     cfg.fused_kernels)  # fmt: skip
+                     str(Path(cfg.model_dir).resolve()), str(cfg.device_of(rank)), cfg.dtype,
+                     cfg.linear_quant, cfg.fused_kernels)  # fmt: skip
 
     def ready(self, model: CausalLM) -> None:
         """Wait until every follower has loaded its share; then hand them model's steps."""

@@ -174,7 +174,7 @@ def test_killed_follower_fails_the_service_clearly(checkpoints, seed):
     worker = ExpertProcess("--model", str(path), "--format", "bf16")
     service = None
     try:
-        service = service_for(path, worker, 2, timeout_s=20)
+        service = service_for(path, worker, 2)
         ps = prompts(seed + 8, lengths=(5,))
         greedy_steps(service, ps, 1)
         follower = service.tensor_parallel.procs[0]
