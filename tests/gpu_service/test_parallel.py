@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_service.models.parallel import Shard, TensorParallel, take_shard
+from gpu_service.tensor_parallel.leader import check_devices
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 from tests.support.tp_rank import TIMEOUT, run_rank
 
@@ -66,3 +67,10 @@ def test_four_ranks_with_replicated_kv_heads_match_transformers(tmp_path, seed):
         err = float((got[i] - want).abs().max() / want.abs().max())
         print(f"mixtral TP=4 (kv heads replicated): prompt {i} logits relative error {err:.2e}")
         assert err < 1e-3
+
+
+def test_more_ranks_than_visible_gpus_are_refused():
+    visible = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"needs cuda:1..cuda:{visible + 2}, but {visible} GPUs"):
+        check_devices(visible + 2, torch.device("cuda", 1))
+    check_devices(4, torch.device("cpu"))  # gloo ranks on the host's cores: any number
