@@ -19,7 +19,7 @@ combine, logits): the engine's decode graphs run the same methods segment by seg
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -33,6 +33,12 @@ from gpu_service.models.linear import make_linear
 from gpu_service.models.loader import WeightLoader
 from gpu_service.models.moe import MoE
 from gpu_service.models.rope import Rotary
+
+
+class StepListener(Protocol):
+    def on_step(self, batch: Batch, all_positions: bool) -> None: ...
+
+    def on_step_failed(self, exc: BaseException) -> None: ...
 
 
 class DecoderLayer(nn.Module):
@@ -90,9 +96,9 @@ class CausalLM(nn.Module):
                                        quantize=quant.quantize_lm_head)  # fmt: skip
         self.rotary = rotary
         self.kv_cache = kv_cache
-        # called with (batch, all_positions) before each checked forward: a tensor-parallel
+        # told of each checked forward before it runs, and of its failure: a tensor-parallel
         # rank 0 hands the step to its followers (gpu_service/tensor_parallel/leader.py)
-        self.step_listener: Callable[[Batch, bool], None] | None = None
+        self.step_listener: StepListener | None = None
 
     @property
     def moes(self) -> list[MoE]:
@@ -157,9 +163,15 @@ class CausalLM(nn.Module):
         """float32 logits: [B, V] at each sequence's last new token, or [T, V] for every new token
         (flat, sequence after sequence; batch.cu_seqlens splits them) with all_positions=True."""
         self.check_batch(batch)
-        if self.step_listener is not None:
-            self.step_listener(batch, all_positions)
-        return self.run(batch, all_positions)
+        listener = self.step_listener
+        if listener is None:
+            return self.run(batch, all_positions)
+        listener.on_step(batch, all_positions)
+        try:
+            return self.run(batch, all_positions)
+        except BaseException as exc:
+            listener.on_step_failed(exc)
+            raise
 
     @torch.inference_mode()
     def run(self, batch: Batch, all_positions: bool = False,

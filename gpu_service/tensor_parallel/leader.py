@@ -13,9 +13,10 @@ step to them, notice when one dies, stop them.
 
 Every wait polls the followers: one that exits fails the wait at once with its exit status
 (TensorParallelFailed); a follower that is alive but silent fails it at --tensor-parallel-timeout.
-Once a follower has failed, every later step fails at once with the same error. A thread per
-follower waits for its exit outside of steps too, and calls on_failure (`ktserve serve`: stop
-serving, exit status 1).
+Once a follower has failed, every later step fails at once with the same error; so does a step
+of rank 0's that raised part-way (the followers may be left inside a collective: pairing the next
+step's with it would compute garbage). A thread per follower waits for its exit outside of steps
+too. The first failure calls on_failure (`ktserve serve`: stop serving, exit status 1).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class TensorParallelLeader:
         """Wait until every follower has loaded its share; then hand them model's steps."""
         self._await("loaded", "load its share of the model")
         self.model = model
-        model.step_listener = self.on_step
+        model.step_listener = self
         self.sync_cache(model)
 
     def sync_cache(self, model: CausalLM) -> None:
@@ -150,14 +151,19 @@ class TensorParallelLeader:
         self.sync_cache(self.model)
         self._broadcast(Step.of(batch, all_positions))
 
+    def on_step_failed(self, exc: BaseException) -> None:
+        """Rank 0's forward raised (e.g. an expert worker gone past --worker-timeout): the
+        followers may be waiting in a collective rank 0 left, so the group is out of step for
+        good; every later step fails rather than pairing the wrong collectives."""
+        self._check_alive()
+        self._fail(f"rank 0's step failed part-way ({type(exc).__name__}: {exc}), leaving the "
+                   "followers out of step")  # fmt: skip
+
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
-        if self._closing.is_set():
-            return
-        failure = self._fail(f"tensor-parallel follower rank {rank} (pid {proc.pid}) exited "
-                             f"with status {code}")  # fmt: skip
-        if self.on_failure is not None:
-            self.on_failure(failure)
+        if not self._closing.is_set():
+            self._fail(f"tensor-parallel follower rank {rank} (pid {proc.pid}) exited "
+                       f"with status {code}")  # fmt: skip
 
     def close(self) -> None:
         self._closing.set()
@@ -215,6 +221,8 @@ class TensorParallelLeader:
                 "steps; restart it"
             )
             log.error("%s", self.failure)
+            if self.on_failure is not None:
+                self.on_failure(self.failure)
         return self.failure
 
     def _await(self, key: str, doing: str) -> None:

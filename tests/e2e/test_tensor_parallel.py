@@ -12,6 +12,7 @@ import torch
 
 from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
 from gpu_service.engine import FinishReason, SamplingParams
+from gpu_service.engine.errors import ExpertsUnavailable
 from gpu_service.models import Batch, SeqInput
 from gpu_service.models.parallel import RowParallelLinear
 from gpu_service.service import build_gpu_service, check_model_fits
@@ -54,14 +55,14 @@ def checkpoints(tmp_path_factory, seed):
 
 
 def service_for(path, worker: ExpertProcess, tp_size: int, timeout_s: float = 60.0,
-                gpu_weight_format: str = "auto"):  # fmt: skip
+                gpu_weight_format: str = "auto", worker_timeout_s: float = 20):  # fmt: skip
     config = GPUServiceConfig(
         model_dir=str(path), device=DEVICE, dtype="float32", kv_cache_tokens=512,
         gpu_weight_format=gpu_weight_format,
         tensor_parallel_size=tp_size, tensor_parallel_timeout_s=timeout_s,
         scheduler=SchedulerConfig(max_model_len=64),
         experts=ExpertClientConfig((worker.address,), token=worker.token, wire_dtype="float32",
-                                   worker_timeout_s=20),
+                                   worker_timeout_s=worker_timeout_s),
     )  # fmt: skip
     return build_gpu_service(config)
 
@@ -194,6 +195,28 @@ def test_killed_follower_fails_the_service_clearly(checkpoints, seed):
         last = service.engine.generate(ps[0], params, timeout=60)[-1]
         assert last.finish_reason == FinishReason.ERROR
         assert "tensor-parallel follower rank 1" in str(last.error)
+    finally:
+        if service is not None:
+            service.close()
+        worker.close()
+
+
+def test_a_step_failing_on_rank_zero_fails_the_group(checkpoints, seed):
+    """The expert worker gone past --worker-timeout: rank 0's step raises part-way, leaving the
+    follower inside a collective; the group is out of step, so every later step fails (naming
+    why) instead of pairing the wrong collectives."""
+    path = checkpoints["mixtral"]
+    worker = ExpertProcess("--model", str(path), "--format", "bf16")
+    service = None
+    try:
+        service = service_for(path, worker, 2, worker_timeout_s=1)
+        ps = prompts(seed + 10, lengths=(4,))
+        greedy_steps(service, ps, 1)
+        worker.kill()
+        with pytest.raises(ExpertsUnavailable):
+            greedy_steps(service, ps, 1)
+        with pytest.raises(TensorParallelFailed, match="rank 0's step failed part-way .* out of"):
+            greedy_steps(service, ps, 1)
     finally:
         if service is not None:
             service.close()
