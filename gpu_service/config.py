@@ -241,6 +241,26 @@ class GPUServiceConfig:
         help="largest decode batch run with CUDA graphs; larger ones run eagerly (default "
         "%(default)s)",
     )
+    tensor_parallel_size: int = flag(
+        1,
+        metavar="N",
+        help="split the GPU part over N GPUs of this host (cuda:0..N-1 from --device's index; "
+        "on the CPU, N processes joined by gloo): each rank holds 1/N of the attention heads "
+        "and of the dense and shared-expert MLPs (embedding, head, norms, routers and MLA's "
+        "latent cache stay whole on every rank), partial outputs are summed by all-reduce; "
+        "rank 0 (this process) schedules, serves HTTP and makes the one expert call per MoE "
+        "layer and step, ranks 1..N-1 are follower processes it starts and stops. N must "
+        "divide the attention heads; decode CUDA graphs are off with N > 1 (default "
+        "%(default)s)",
+    )
+    tensor_parallel_timeout_s: float = flag(
+        120.0,
+        name="--tensor-parallel-timeout",
+        metavar="SECONDS",
+        help="with --tensor-parallel-size > 1: how long rank 0 waits for a follower to start, "
+        "load its share and join a collective before the service fails (a follower that exits "
+        "is noticed at once) (default %(default)s)",
+    )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     experts: ExpertClientConfig = field(default_factory=ExpertClientConfig)
 
@@ -290,6 +310,23 @@ class GPUServiceConfig:
             raise ValueError(
                 "--max-deferred-experts-per-token needs 3 slots per expert channel (a deferred "
                 f"call, the next layer's two), got num_slots={self.experts.num_slots}"
+            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}"
+            )
+        if self.tensor_parallel_timeout_s <= 0:
+            raise ValueError(
+                f"--tensor-parallel-timeout must be positive, got {self.tensor_parallel_timeout_s}"
+            )
+        if self.tensor_parallel_size > 1 and self.kv_host_cache_gib:
+            raise ValueError(
+                "--kv-host-cache-gib is not supported with --tensor-parallel-size > 1 yet (the "
+                "followers' caches would need the same copies between tiers)"
+            )
+        if self.tensor_parallel_size > 1 and self.stream_prefill != "off":
+            raise ValueError(
+                "--stream-prefill is not supported with --tensor-parallel-size > 1 yet"
             )
         if self.cuda_graph_max_batch < 1:
             raise ValueError(

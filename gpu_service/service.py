@@ -21,11 +21,13 @@ from gpu_service.memory_plan import MemoryPlan, cpu_plan, cuda_plan
 from gpu_service.models import KVCache, fused_ops, load_model
 from gpu_service.models.config import model_max_len
 from gpu_service.models.linear import fp8_matmul_supported
+from gpu_service.models.parallel import SINGLE, TensorParallel
 from gpu_service.models.registry import default_device
 from gpu_service.models.weight_formats import LinearQuantConfig
 from gpu_service.moe_client import ShmExperts
 from gpu_service.stream_prefill.backend import StreamingExperts
 from gpu_service.stream_prefill.build import build_streaming
+from gpu_service.tensor_parallel.leader import LeaderConfig, TensorParallelLeader, check_devices
 from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec
 from ktserve.names import float_dtype
 
@@ -52,11 +54,14 @@ class GPUService:
     refresher: HotExpertRefresher | None = None
     memory_plan: MemoryPlan | None = None
     streaming: StreamingExperts | None = None  # prefill through the GPU (--stream-prefill)
+    tensor_parallel: TensorParallelLeader | None = None  # its followers (--tensor-parallel-size)
 
     def close(self) -> None:
         if self.refresher is not None:
             self.refresher.stop()
         self.engine.stop()
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
         if self.streaming is not None:
             self.streaming.close()
         self.experts.close()
@@ -71,13 +76,21 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
     dtype = resolve_dtype(config.dtype, device)
     fused_ops.ENABLED[0] = config.fused_kernels
     scheduler = config.scheduler
-    check_model_fits(config, spec)
+    check_model_fits(config, spec, hf)
     experts = ShmExperts(
         config.experts, hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok,
         max_tokens=max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs), device=device,
     )  # fmt: skip
-    streaming = None
+    streaming = leader = None
     try:
+        tp = SINGLE
+        if config.tensor_parallel_size > 1:
+            leader = TensorParallelLeader(LeaderConfig(
+                config.tensor_parallel_size, config.model_dir, device, dtype,
+                resolve_linear_quant(config, spec, device), config.fused_kernels,
+                config.tensor_parallel_timeout_s,
+            ))  # fmt: skip
+            tp = leader.start()  # NOTE: the followers load their shares while rank 0 does
         backend = experts
         if config.gpu_experts or config.expert_placement:
             backend = _hybrid(config, spec, experts, device, dtype)
@@ -92,7 +105,9 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         model = load_model(config.model_dir, device, dtype, experts=backend,
                            max_num_tokens_in_cache=16, hf=hf,
                            max_deferred_experts_per_token=deferred,
-                           linear_quant=linear_quant)  # fmt: skip
+                           linear_quant=linear_quant, tp=tp)  # fmt: skip
+        if leader is not None:
+            leader.ready(model)  # NOTE: before the memory plan: its profiling steps are theirs too
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
         max_graph_batch = min(config.cuda_graph_max_batch, scheduler.max_num_seqs)
         if device.type == "cuda":
@@ -113,6 +128,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
                                enable_prefix_caching=config.prefix_caching,
                                max_num_host_tokens=host_tokens)  # fmt: skip
         model.kv_cache = KVCache(cache_config, kv_dtype, device)
+        if leader is not None:
+            leader.sync_cache(model)
         log.info("KV cache: %d tokens (%.2f GiB, %s), prefix caching %s%s", tokens,
                  tokens * per_token / 2**30, str(kv_dtype).removeprefix("torch."),
                  "on" if config.prefix_caching else "off",
@@ -123,7 +140,10 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         log.info("context: %d tokens (model max %d; the KV cache holds %d tokens in total)",
                  max_model_len, model_max, tokens)  # fmt: skip
         graphs = None
-        if device.type == "cuda" and config.cuda_graphs:
+        if device.type == "cuda" and config.cuda_graphs and leader is not None:
+            log.info("CUDA graphs: off with --tensor-parallel-size %d (decode steps run eagerly)",
+                     config.tensor_parallel_size)  # fmt: skip
+        elif device.type == "cuda" and config.cuda_graphs:
             graphs = DecodeGraphConfig(max_batch=max_graph_batch,
                                        experts_in_graph=config.graph_expert_calls)  # fmt: skip
         metrics = EngineMetrics(max_model_len=max_model_len)
@@ -140,11 +160,14 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
             refresher = HotExpertRefresher(hybrid, config.gpu_experts,
                                            config.gpu_experts_refresh_s).start()  # fmt: skip
     except BaseException:
+        if leader is not None:
+            leader.close()
         if streaming is not None:
             streaming.close()
         experts.close()
         raise
-    return GPUService(config, engine, experts, metrics, max_model_len, refresher, plan, streaming)
+    return GPUService(config, engine, experts, metrics, max_model_len, refresher, plan, streaming,
+                      leader)  # fmt: skip
 
 
 def resolve_linear_quant(config: GPUServiceConfig, spec: ModelSpec,
@@ -186,8 +209,19 @@ def context_length(requested: int | None, model_max: int, cache_tokens: int) -> 
     return requested
 
 
-def check_model_fits(config: GPUServiceConfig, spec: ModelSpec) -> None:
-    """Raises ValueError for settings this model cannot take (before anything is loaded)."""
+def check_model_fits(config: GPUServiceConfig, spec: ModelSpec,
+                     hf: HFConfig | None = None) -> None:  # fmt: skip
+    """Raises ValueError for settings this model cannot take (before anything is loaded);
+    hf: the checkpoint's config.json, for the checks that need more than spec."""
+    size = config.tensor_parallel_size
+    if size > 1:
+        hf = hf or HFConfig.from_dir(config.model_dir)
+        tp = TensorParallel(0, size)
+        heads = hf.int("num_attention_heads")
+        tp.local(heads, "attention heads")
+        if not spec.family.startswith("deepseek"):  # NOTE: MLA's latent is not split by heads
+            tp.kv_heads(hf.int("num_key_value_heads", heads))
+        check_devices(size, torch.device(config.device or default_device()))
     deferred = config.max_deferred_experts_per_token
     if deferred >= spec.num_experts_per_tok:
         raise ValueError(

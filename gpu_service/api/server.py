@@ -73,7 +73,7 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
         tokenizer = load_tokenizer(config.model_dir)
         hf = HFConfig.from_dir(config.model_dir)
         spec = ModelSpec.from_hf(hf)
-        check_model_fits(config.gpu, spec)
+        check_model_fits(config.gpu, spec, hf)
         parser, reasoning = chat_parsers(config.chat, tokenizer, hf)
         workers = _workers(config, spec)
         workers.start(config.workers.worker_start_timeout_s)
@@ -129,8 +129,14 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
             ctx,
             http.shutdown_timeout_s,
         )
+        leader = service.tensor_parallel
+        if leader is not None:  # NOTE: a follower gone: every step would fail, so stop serving
+            leader.on_failure = lambda failure: setattr(server, "should_exit", True)
         on_ready(url_of(sock), config)
         server.run(sockets=[sock])
+        if leader is not None and leader.failure is not None:
+            log.error("stopped serving: %s", leader.failure)
+            return 1
         return 0 if server.started else 1
     finally:
         _ignore_signals()

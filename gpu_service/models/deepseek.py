@@ -8,8 +8,11 @@ W_uk [h, nope, r] and W_uv [h, v, r] its two halves (same math, reassociated):
     q_nope . k_nope = (W_uk^T q_nope) . c    -> queries [W_uk^T q_nope | q_rot] vs keys [c | k_rot]
     sum_k p_k v_k   = W_uv (sum_k p_k c_k)   -> values are c; W_uv applied once per query
 so attention is MQA with one (kv_lora_rank + rope)-wide kv head and nothing per head is built for
-the cached tokens. Softmax scale: qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2
-when the config asks for YaRN.
+the cached tokens. Tensor parallelism (parallel.py) splits the heads: q_b (or q_proj), kv_b's
+W_uk / W_uv and o_proj's inputs per head; q_a, kv_a and the latent cache are replicated, since the
+latent is one kv head every query head reads (splitting it would cost an all-gather per layer to
+save (kv_lora_rank + rope) values per token and layer). Softmax scale: qk_head_dim^-0.5, times
+YaRN's mscale(factor, mscale_all_dim)^2 when the config asks for YaRN.
 
 MoE layers (spec.moe_layers: i >= first_k_dense_replace and i % moe_layer_freq == 0) route with
 GroupedSigmoidRouter (V3) or SoftmaxRouter (V2) and add n_shared_experts shared experts.
@@ -33,6 +36,7 @@ from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM, DecoderLayer
 from gpu_service.models.moe import GroupedSigmoidRouter, MoE, SoftmaxRouter
 from gpu_service.models.paged_attention import paged_attention
+from gpu_service.models.parallel import RowParallelLinear
 from gpu_service.models.rope import RopeConfig, Rotary, apply_rotary
 from ktserve.checkpoint import HFConfig, InvalidConfig, ModelSpec
 
@@ -115,25 +119,27 @@ class MLAttention(nn.Module):
             cfg.base.hidden_size,
             cfg.base.num_heads,
         )
-        bias = cfg.attention_bias
-        self.cfg, self.layer, self.num_heads = cfg, layer, heads
+        bias, tp = cfg.attention_bias, loader.tp
+        self.cfg, self.layer, self.num_heads = cfg, layer, tp.local(heads, "attention heads")
         q_out = heads * cfg.qk_head_dim
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear.load(loader, f"{p}.q_proj", hidden, q_out)
+            self.q_proj = Linear.load(loader, f"{p}.q_proj", hidden, q_out, shard=tp.column())
         else:
             self.q_a_proj = Linear.load(loader, f"{p}.q_a_proj", hidden, cfg.q_lora_rank, bias=bias)
             self.q_a_norm = RMSNorm.load(loader, f"{p}.q_a_layernorm", cfg.q_lora_rank, 1e-6)
-            self.q_b_proj = Linear.load(loader, f"{p}.q_b_proj", cfg.q_lora_rank, q_out)
+            self.q_b_proj = Linear.load(loader, f"{p}.q_b_proj", cfg.q_lora_rank, q_out,
+                                        shard=tp.column())  # fmt: skip
         latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         self.kv_a_proj = Linear.load(loader, f"{p}.kv_a_proj_with_mqa", hidden, latent, bias=bias)
         self.kv_a_norm = RMSNorm.load(loader, f"{p}.kv_a_layernorm", cfg.kv_lora_rank, 1e-6)
         kv_out = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-        kv_b = loader.get(f"{p}.kv_b_proj.weight", (kv_out, cfg.kv_lora_rank))
-        kv_b = kv_b.view(heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        kv_b = loader.get(f"{p}.kv_b_proj.weight", (kv_out, cfg.kv_lora_rank), shard=tp.column())
+        kv_b = kv_b.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
         self.register_buffer("w_uk", w_uk.contiguous())  # [h, nope, r]
         self.register_buffer("w_uv", w_uv.contiguous())  # [h, v, r]
-        self.o_proj = Linear.load(loader, f"{p}.o_proj", heads * cfg.v_head_dim, hidden, bias=bias)
+        self.o_proj = RowParallelLinear.load(loader, f"{p}.o_proj", heads * cfg.v_head_dim,
+                                             hidden, bias=bias)  # fmt: skip
         self.scale = cfg.qk_head_dim**-0.5 * cfg.rope.softmax_scale_multiplier
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -204,8 +210,10 @@ def build(
             shared = None
             if cfg.num_shared_experts:
                 inter = cfg.moe_intermediate_size * cfg.num_shared_experts
-                shared = DenseMLP.load(loader, f"{p}.mlp.shared_experts", hidden, inter)
-            mlp: nn.Module = MoE(i, _router(cfg, loader, f"{p}.mlp.gate"), experts, shared)
+                shared = DenseMLP.load(loader, f"{p}.mlp.shared_experts", hidden, inter,
+                                       reduce=not loader.tp.sharded)  # fmt: skip
+            router = _router(cfg, loader, f"{p}.mlp.gate")
+            mlp: nn.Module = MoE(i, router, experts, shared, tp=loader.tp)
         else:
             mlp = DenseMLP.load(
                 loader, f"{p}.mlp", hidden, cfg.intermediate_size, bias=cfg.mlp_bias

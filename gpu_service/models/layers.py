@@ -11,6 +11,7 @@ from torch import nn
 from gpu_service.models import fused_ops
 from gpu_service.models.linear import Linear
 from gpu_service.models.loader import WeightLoader
+from gpu_service.models.parallel import RowParallelLinear
 
 __all__ = ["DenseMLP", "Linear", "RMSNorm"]
 
@@ -49,12 +50,18 @@ class DenseMLP(nn.Module):
         inter: int,
         names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
         bias: bool = False,
+        reduce: bool = True,
     ) -> DenseMLP:
+        """With tensor parallelism (loader.tp) gate/up are column-parallel and down
+        row-parallel: reduce=False leaves the rank's partial output unsummed (parallel.py)."""
         gate, up, down = names
+        column = loader.tp.column()
         return cls(
-            Linear.load(loader, f"{prefix}.{gate}", hidden, inter, bias=bias),
-            Linear.load(loader, f"{prefix}.{up}", hidden, inter, bias=bias),
-            Linear.load(loader, f"{prefix}.{down}", inter, hidden, bias=bias),
+            Linear.load(loader, f"{prefix}.{gate}", hidden, inter, bias=bias, shard=column),
+            Linear.load(loader, f"{prefix}.{up}", hidden, inter, bias=bias, shard=column),
+            RowParallelLinear.load(
+                loader, f"{prefix}.{down}", inter, hidden, bias=bias, reduce=reduce
+            ),  # fmt: skip
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

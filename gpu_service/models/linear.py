@@ -47,6 +47,7 @@ TRITON_INT8_MAX_ROWS = 128  # above, dequantizing once and one cuBLAS matmul is 
 
 if TYPE_CHECKING:
     from gpu_service.models.loader import WeightLoader
+    from gpu_service.models.parallel import Shard
 
 
 class Linear(nn.Module):
@@ -67,14 +68,19 @@ class Linear(nn.Module):
         *,
         bias: bool = False,
         quantize: bool = True,
+        shard: Shard | None = None,
     ) -> nn.Module:
         """`prefix`.weight [out, in] (and .bias) in the loader's GPU weight format, or in the
-        model dtype when quantize=False (routers' and gates' linears)."""
+        model dtype when quantize=False (routers' and gates' linears); with `shard`, only that
+        part of the weight (and of the bias, when the shard splits the outputs): quantized
+        formats quantize the part."""
         fmt = loader.linear_quant.format if quantize else "bf16"
-        b = loader.get(f"{prefix}.bias", (out_features,)) if bias else None
+        bias_shard = shard if shard is not None and shard.dim == 0 else None
+        b = loader.get(f"{prefix}.bias", (out_features,), shard=bias_shard) if bias else None
+        shape = (out_features, in_features)
         if fmt == "bf16":
-            return cls(loader.get(f"{prefix}.weight", (out_features, in_features)), b)
-        weight = loader.get(f"{prefix}.weight", (out_features, in_features), torch.float32)
+            return cls(loader.get(f"{prefix}.weight", shape, shard=shard), b)
+        weight = loader.get(f"{prefix}.weight", shape, torch.float32, shard=shard)
         return make_linear(weight, b, fmt, loader.dtype)
 
     kernel_name = "linear"

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from gpu_service.models.parallel import SINGLE, Shard, TensorParallel, take_shard
 from gpu_service.models.weight_formats import LinearQuantConfig
 from ktserve.checkpoint import (
     DEFAULT_FP8_BLOCK,
@@ -34,7 +35,8 @@ class MissingTensor(CheckpointError):
 
 class WeightLoader:
     """Reads named tensors, checks their shape, and places them as `dtype` on `device`;
-    linear_quant: the format the families' linear layers take (Linear.load)."""
+    linear_quant: the format the families' linear layers take (Linear.load); tp: the rank's
+    place in the tensor-parallel group, whose shards the families ask for (parallel.py)."""
 
     def __init__(
         self,
@@ -43,12 +45,14 @@ class WeightLoader:
         dtype: torch.dtype,
         fp8_block: tuple[int, int] | None = None,
         linear_quant: LinearQuantConfig | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
         self.fp8_block = fp8_block or DEFAULT_FP8_BLOCK
         self.linear_quant = linear_quant or LinearQuantConfig()
+        self.tp = tp
         self._files = index_tensors(self.model_dir)
         self._handles: dict[Path, Any] = {}
 
@@ -56,9 +60,14 @@ class WeightLoader:
         return name in self._files
 
     def get(
-        self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype | None = None,
+        shard: Shard | None = None,
     ) -> torch.Tensor:
-        """Tensor `name` of `shape`, as `dtype` (default: the model dtype) on the device."""
+        """Tensor `name` of `shape`, as `dtype` (default: the model dtype) on the device; with
+        `shard`, only that part of it (cut on the host: the device never holds the rest)."""
         if name not in self._files:
             raise MissingTensor(self.model_dir, name)
         tensor_slice = self._handle(name).get_slice(name)
@@ -75,6 +84,7 @@ class WeightLoader:
                 tensor = dequantize_fp8_blocks(tensor, scale, self.fp8_block)
             except ValueError as exc:
                 raise InvalidConfig(self.model_dir, f"{scale_name}: {exc}") from exc
+        tensor = take_shard(tensor, shard, name)
         return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
     def _handle(self, name: str) -> Any:

@@ -61,7 +61,9 @@ def build(
             norm_topk_prob=True,
         )
         attn = load_gqa(loader, i, base, cfg.num_kv_heads, cfg.head_dim, window=cfg.sliding_window)
-        layers.append(DecoderLayer.load(loader, i, attn, MoE(i, router, experts), hidden, eps))
+        layers.append(
+            DecoderLayer.load(loader, i, attn, MoE(i, router, experts, tp=loader.tp), hidden, eps)
+        )
     kv_cache = gqa_cache(
         base, cfg.num_kv_heads, cfg.head_dim, loader, max_num_tokens_in_cache, block_size
     )

@@ -19,6 +19,8 @@ combine, logits): the engine's decode graphs run the same methods segment by seg
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -31,6 +33,12 @@ from gpu_service.models.linear import make_linear
 from gpu_service.models.loader import WeightLoader
 from gpu_service.models.moe import MoE
 from gpu_service.models.rope import Rotary
+
+
+class StepListener(Protocol):
+    def on_step(self, batch: Batch, all_positions: bool) -> None: ...
+
+    def on_step_failed(self, exc: BaseException) -> None: ...
 
 
 class DecoderLayer(nn.Module):
@@ -88,6 +96,9 @@ class CausalLM(nn.Module):
                                        quantize=quant.quantize_lm_head)  # fmt: skip
         self.rotary = rotary
         self.kv_cache = kv_cache
+        # told of each checked forward before it runs, and of its failure: a tensor-parallel
+        # rank 0 hands the step to its followers (gpu_service/tensor_parallel/leader.py)
+        self.step_listener: StepListener | None = None
 
     @property
     def moes(self) -> list[MoE]:
@@ -152,6 +163,21 @@ class CausalLM(nn.Module):
         """float32 logits: [B, V] at each sequence's last new token, or [T, V] for every new token
         (flat, sequence after sequence; batch.cu_seqlens splits them) with all_positions=True."""
         self.check_batch(batch)
+        listener = self.step_listener
+        if listener is None:
+            return self.run(batch, all_positions)
+        listener.on_step(batch, all_positions)
+        try:
+            return self.run(batch, all_positions)
+        except BaseException as exc:
+            listener.on_step_failed(exc)
+            raise
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, all_positions: bool = False,
+            logits: bool = True) -> torch.Tensor | None:  # fmt: skip
+        """forward without its checks (a tensor-parallel follower runs what rank 0 checked);
+        logits=False stops after the last layer (None)."""
         meta = AttentionMetadata.build(batch, self.device)
         ctx = self.context(meta)
         tokens = torch.tensor(
@@ -178,6 +204,8 @@ class CausalLM(nn.Module):
                 backend.end_step()
         for s in batch.seqs:
             s.cache.num_tokens = s.end_pos
+        if not logits:
+            return None
         if not all_positions:
             h = h[meta.last_index]  # [B, H]
         return self.logits(h)

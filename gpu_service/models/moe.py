@@ -17,6 +17,12 @@ they join (the CPU computes them while the GPU runs on):
                                                                            before l, if it defers)
 Each call holds all k columns, the other call's experts as ids -1 (weights 0). The last MoE
 layer defers nothing, so every deferred output joins within the step.
+
+Tensor parallelism (tp, parallel.py): only rank 0 routes and calls the experts, so the workers
+see one call per layer and step whatever the group's size. Each rank's shared expert output is a
+partial sum (its share of the intermediate columns); rank 0 adds the routed output to its own,
+and one all-reduce gives every rank shared + routed. Without a shared expert rank 0 broadcasts
+the routed output instead. Either way: one collective per MoE layer.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from torch import nn
 from gpu_service.models import fused_ops
 from gpu_service.models.experts import PendingExperts, RoutedExperts, abandon
 from gpu_service.models.layers import DenseMLP, Linear
+from gpu_service.models.parallel import SINGLE, TensorParallel
 
 
 class GroupedSigmoidRouter(nn.Module):
@@ -124,10 +131,13 @@ class MoE(nn.Module):
         experts: RoutedExperts,
         shared: DenseMLP | None = None,
         shared_gate: Linear | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
+        """With tp sharded, `shared` must leave its output partial (DenseMLP reduce=False)."""
         super().__init__()
         self.layer, self.router, self.shared, self.shared_gate = layer, router, shared, shared_gate
         self.experts = experts
+        self.tp = tp
         self.num_deferred = 0  # experts per token whose output joins at the next MoE layer
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,6 +180,8 @@ class MoE(nn.Module):
              ) -> tuple[torch.Tensor, PendingExperts | None]:  # fmt: skip
         """The layer's output [T, H], the previous MoE layer's deferred call joined in, and this
         layer's own deferred call (None without deferral), for the next MoE layer to join."""
+        if not self.tp.is_leader:
+            return self._follower_step(x), None
         ids, weights = self.route(x)
         now, later = self.split(ids, weights)
         pending = self.experts.submit(self.layer, x, *now)
@@ -184,7 +196,17 @@ class MoE(nn.Module):
             abandon(pending)  # NOTE: `deferred` stays the caller's to abandon
             abandon(pending_later)
             raise
-        return self.combine(routed, shared, x.dtype, joined), pending_later
+        out = self.combine(routed, shared, x.dtype, joined)
+        if self.tp.sharded:
+            out = self.tp.all_reduce(out) if self.shared is not None else self.tp.broadcast(out)
+        return out, pending_later
+
+    def _follower_step(self, x: torch.Tensor) -> torch.Tensor:
+        """A rank > 0's side of the layer's one collective (see the module docstring)."""
+        shared = self.shared_out(x)
+        if shared is None:
+            return self.tp.broadcast(torch.empty_like(x))
+        return self.tp.all_reduce(shared.to(x.dtype).contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.num_deferred:

@@ -23,6 +23,7 @@ from gpu_service.models.layers import DenseMLP, Linear, RMSNorm
 from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM, DecoderLayer
 from gpu_service.models.moe import MoE, SoftmaxRouter
+from gpu_service.models.parallel import RowParallelLinear
 from gpu_service.models.rope import RopeConfig, Rotary
 from ktserve.checkpoint import HFConfig, ModelSpec
 
@@ -92,20 +93,26 @@ def load_gqa(
     qk_norm: bool = False,
     window: int | None = None,
 ) -> GQAAttention:
-    """The `model.layers.{layer}.self_attn` GQA block (also Mixtral's)."""
+    """The `model.layers.{layer}.self_attn` GQA block (also Mixtral's): with tensor
+    parallelism (loader.tp) the rank's share of the query heads and the kv heads they use."""
     p, hidden, heads = f"model.layers.{layer}.self_attn", base.hidden_size, base.num_heads
+    tp = loader.tp
     q_norm = k_norm = None
     if qk_norm:
         q_norm = RMSNorm.load(loader, f"{p}.q_norm", head_dim, base.rms_norm_eps)
         k_norm = RMSNorm.load(loader, f"{p}.k_norm", head_dim, base.rms_norm_eps)
+    local_kv_heads, kv_shard = tp.kv_heads(num_kv_heads)
+    kv_out = num_kv_heads * head_dim
     return GQAAttention(
         layer,
-        Linear.load(loader, f"{p}.q_proj", hidden, heads * head_dim, bias=qkv_bias),
-        Linear.load(loader, f"{p}.k_proj", hidden, num_kv_heads * head_dim, bias=qkv_bias),
-        Linear.load(loader, f"{p}.v_proj", hidden, num_kv_heads * head_dim, bias=qkv_bias),
-        Linear.load(loader, f"{p}.o_proj", heads * head_dim, hidden, bias=o_bias),
-        heads,
-        num_kv_heads,
+        Linear.load(
+            loader, f"{p}.q_proj", hidden, heads * head_dim, bias=qkv_bias, shard=tp.column()
+        ),  # fmt: skip
+        Linear.load(loader, f"{p}.k_proj", hidden, kv_out, bias=qkv_bias, shard=kv_shard),
+        Linear.load(loader, f"{p}.v_proj", hidden, kv_out, bias=qkv_bias, shard=kv_shard),
+        RowParallelLinear.load(loader, f"{p}.o_proj", heads * head_dim, hidden, bias=o_bias),
+        tp.local(heads, "attention heads"),
+        local_kv_heads,
         head_dim,
         q_norm,
         k_norm,
@@ -121,7 +128,8 @@ def gqa_cache(
     tokens: int,
     block: int,
 ) -> KVCache:
-    entry = (num_kv_heads, head_dim)
+    """Keys and values of the rank's kv heads only (loader.tp)."""
+    entry = (loader.tp.kv_heads(num_kv_heads)[0], head_dim)
     return KVCache(
         KVCacheConfig(base.num_layers, (entry, entry), tokens, block), loader.dtype, loader.device
     )
@@ -151,11 +159,12 @@ def build(
             shared = shared_gate = None
             if cfg.shared_expert_intermediate_size:
                 inter = cfg.shared_expert_intermediate_size
-                shared = DenseMLP.load(loader, f"{p}.mlp.shared_expert", hidden, inter)
+                shared = DenseMLP.load(loader, f"{p}.mlp.shared_expert", hidden, inter,
+                                       reduce=not loader.tp.sharded)  # fmt: skip
                 shared_gate = Linear.load(
                     loader, f"{p}.mlp.shared_expert_gate", hidden, 1, quantize=False
                 )
-            mlp: nn.Module = MoE(i, router, experts, shared, shared_gate)
+            mlp: nn.Module = MoE(i, router, experts, shared, shared_gate, loader.tp)
         else:
             mlp = DenseMLP.load(loader, f"{p}.mlp", hidden, cfg.intermediate_size)
         attn = load_gqa(

@@ -11,6 +11,7 @@ from gpu_service.models import deepseek, mixtral, qwen_moe
 from gpu_service.models.experts import RoutedExperts
 from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM
+from gpu_service.models.parallel import SINGLE, TensorParallel
 from gpu_service.models.weight_formats import LinearQuantConfig
 from ktserve.checkpoint import HFConfig, ModelSpec, UnsupportedArchitecture
 
@@ -44,12 +45,14 @@ def load_model(
     hf: HFConfig | None = None,
     max_deferred_experts_per_token: int = 0,
     linear_quant: LinearQuantConfig | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> CausalLM:
     """The model's non-expert part on `device` (default: cuda when available) as `dtype`, with a
     paged KV cache of `max_num_tokens_in_cache` token slots; routed experts go to `experts`.
     hf: the checkpoint's config.json when the caller has read it already.
     max_deferred_experts_per_token: expert deferral (CausalLM.defer_experts; 0: off).
-    linear_quant: the GPU weight format of the linear layers (default: the model dtype)."""
+    linear_quant: the GPU weight format of the linear layers (default: the model dtype).
+    tp: this rank's share of a tensor-parallel model (models/parallel.py; default: all of it)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"model dtype {dtype} is not supported; use float32, bfloat16 or float16")
     hf = hf or HFConfig.from_dir(model_dir)
@@ -57,7 +60,8 @@ def load_model(
         raise UnsupportedArchitecture(hf.source, hf.model_type, SUPPORTED_MODEL_TYPES)
     spec = ModelSpec.from_hf(hf)
     loader = WeightLoader(model_dir, device or default_device(), dtype,
-                          fp8_block=spec.weight_block_size, linear_quant=linear_quant)  # fmt: skip
+                          fp8_block=spec.weight_block_size, linear_quant=linear_quant,
+                          tp=tp)  # fmt: skip
     build = MODEL_BUILDERS[hf.model_type]
     model = build(hf, spec, loader, experts, max_num_tokens_in_cache, block_size)
     model.defer_experts(max_deferred_experts_per_token)
