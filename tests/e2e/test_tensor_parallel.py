@@ -10,12 +10,12 @@ import re
 import pytest
 import torch
 
-from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
+from gpu_service.config import GPUServiceConfig
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.engine.errors import ExpertsUnavailable
 from gpu_service.models import Batch, SeqInput
 from gpu_service.models.parallel import RowParallelLinear
-from gpu_service.service import build_gpu_service, check_model_fits
+from gpu_service.service import check_model_fits
 from gpu_service.tensor_parallel.leader import TensorParallelFailed
 from ktserve.checkpoint import HFConfig, ModelSpec
 from ktserve.protocol import expert_pb2 as pb
@@ -41,8 +41,8 @@ from tests.support.expert_procs import (  # noqa: F401 - no_segments_left_behind
     no_segments_left_behind,
     shm_entries,
 )
+from tests.support.worker_services import DEVICE, worker_service
 
-DEVICE = os.environ.get("KTSERVE_TEST_DEVICE", "cpu")
 if DEVICE == "cuda" and torch.cuda.device_count() < 2:
     pytest.skip("tensor parallelism on CUDA needs 2 GPUs", allow_module_level=True)
 NUM_DECODE = 6
@@ -56,15 +56,10 @@ def checkpoints(tmp_path_factory, seed):
 
 def service_for(path, worker: ExpertProcess, tp_size: int, timeout_s: float = 60.0,
                 gpu_weight_format: str = "auto", worker_timeout_s: float = 20):  # fmt: skip
-    config = GPUServiceConfig(
-        model_dir=str(path), device=DEVICE, dtype="float32", kv_cache_tokens=512,
-        gpu_weight_format=gpu_weight_format,
-        tensor_parallel_size=tp_size, tensor_parallel_timeout_s=timeout_s,
-        scheduler=SchedulerConfig(max_model_len=64),
-        experts=ExpertClientConfig((worker.address,), token=worker.token, wire_dtype="float32",
-                                   worker_timeout_s=worker_timeout_s),
-    )  # fmt: skip
-    return build_gpu_service(config)
+    return worker_service(path, worker, max_model_len=64, worker_timeout_s=worker_timeout_s,
+                          dtype="float32", kv_cache_tokens=512,
+                          gpu_weight_format=gpu_weight_format, tensor_parallel_size=tp_size,
+                          tensor_parallel_timeout_s=timeout_s)  # fmt: skip
 
 
 def worker_calls(worker: ExpertProcess) -> int:

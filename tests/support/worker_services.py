@@ -17,12 +17,14 @@ def worker_service(
     *workers: ExpertProcess,
     wire_dtype: str = "float32",
     max_model_len: int = 128,
+    worker_timeout_s: float = 20,
     **config,
 ) -> GPUService:
     """build_gpu_service on the checkpoint at `path`, its experts on `workers` (one token for
     all: the first worker's); float32 on the wire, a 128-token context and DEVICE unless told."""
-    experts = ExpertClientConfig(tuple(w.address for w in workers), token=workers[0].token,
-                                 wire_dtype=wire_dtype, worker_timeout_s=20)  # fmt: skip
+    addresses = tuple(w.address for w in workers)
+    experts = ExpertClientConfig(addresses, token=workers[0].token, wire_dtype=wire_dtype,
+                                 worker_timeout_s=worker_timeout_s)  # fmt: skip
     config.setdefault("device", DEVICE)
     return build_gpu_service(GPUServiceConfig(
         model_dir=str(path), scheduler=SchedulerConfig(max_model_len=max_model_len),
