@@ -152,6 +152,7 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             bookkeeping_seconds=self.worker.phase_seconds[3],
             idle_seconds=self.worker.idle_seconds,
             idle_gaps=self.worker.idle_gaps,
+            call_timings=_call_timings_pb(self.worker.call_timing_parts()),
             activations=[
                 pb.ExpertCount(layer=layer, expert=expert, count=count)
                 for layer, expert, count in m.activations.nonzero()
@@ -202,6 +203,12 @@ def worker_info(worker: ExpertWorker) -> pb.WorkerInfo:
         if shard.store is not None:
             info.store.CopyFrom(_store_pb(shard.store))
     return info
+
+
+def _call_timings_pb(parts: dict | None) -> pb.CallTimings | None:
+    if parts is None:
+        return None
+    return pb.CallTimings(**{f"{name}_ns": values.tolist() for name, values in parts.items()})
 
 
 def _store_pb(store) -> pb.PackedStore:

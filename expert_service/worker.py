@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 import ktshm
+from expert_service.call_timing import PARTS, CallTimings
 from expert_service.config import WorkerConfig
 from expert_service.expert_shard import ExpertShard, LoadProgress
 from expert_service.kernels import MoEKernel
@@ -58,6 +59,7 @@ class _Attached:
     channel: ktshm.Channel
     thread: threading.Thread
     stop: threading.Event
+    timings: CallTimings | None
 
 
 class ExpertWorker:
@@ -71,6 +73,7 @@ class ExpertWorker:
         self._lock = threading.Lock()  # state, shard, channels
         self._kernel_lock = threading.Lock()
         self._channels: dict[str, _Attached] = {}
+        self._call_timings: dict[str, CallTimings] = {}  # by channel name, kept after detach
         self._idle = threading.Condition()
         self._in_flight = 0
         self.calls_completed = 0
@@ -150,10 +153,15 @@ class ExpertWorker:
                 return current.channel.epoch
             channel = ktshm.Channel.attach(name, ktshm.ChannelConfig(spin_us=self.config.spin_us))
             stop = threading.Event()
+            samples = self.config.call_timing_samples
+            timings = CallTimings(samples) if samples else None
             thread = threading.Thread(
-                target=self._serve_channel, args=(channel, stop), name=f"ktshm-{name}", daemon=True
-            )
-            self._channels[name] = _Attached(channel, thread, stop)
+                target=self._serve_channel, args=(channel, stop, timings), name=f"ktshm-{name}",
+                daemon=True,
+            )  # fmt: skip
+            self._channels[name] = _Attached(channel, thread, stop, timings)
+            if timings is not None:
+                self._call_timings[name] = timings
             thread.start()
         log.info("attached channel %s (epoch %d)", name, channel.epoch)
         return channel.epoch
@@ -170,7 +178,22 @@ class ExpertWorker:
         with self._lock:
             return sorted(n for n, a in self._channels.items() if a.thread.is_alive())
 
-    def _serve_channel(self, channel: ktshm.Channel, stop: threading.Event) -> None:
+    def call_timing_parts(self) -> dict[str, np.ndarray] | None:
+        """The recorded calls' parts (call_timing.PARTS, ns), channel after channel; None when
+        the worker keeps none (--call-timing-samples 0)."""
+        if not self.config.call_timing_samples:
+            return None
+        with self._lock:
+            rings = list(self._call_timings.values())
+        per_ring = [ring.parts() for ring in rings]
+        return {
+            part: np.concatenate([p[part] for p in per_ring] or [np.zeros(0, np.int64)])
+            for part in PARTS
+        }
+
+    def _serve_channel(
+        self, channel: ktshm.Channel, stop: threading.Event, timings: CallTimings | None
+    ) -> None:
         replied = None  # when this channel's last call was answered
         producer_died = False
         try:
@@ -204,7 +227,7 @@ class ExpertWorker:
                     if gap < IDLE_GAP_S:
                         self.idle_seconds += gap
                         self.idle_gaps += 1
-                self._execute(channel, req)
+                self._execute(channel, req, timings)
                 replied = time.perf_counter()
         finally:
             # NOTE: a killed GPU service cannot unlink its segments: the consumer does, once the
@@ -238,16 +261,20 @@ class ExpertWorker:
         return False
 
     # ------------------------------------------------------------------------------ calls
-    def _execute(self, channel: ktshm.Channel, req: ktshm.Message) -> None:
+    def _execute(
+        self, channel: ktshm.Channel, req: ktshm.Message, timings: CallTimings | None
+    ) -> None:
         with self._idle:
             self._in_flight += 1
         self.metrics.in_flight.inc()
         start = time.perf_counter()
+        recorded = False
         try:
             if req.kind == wire.KIND_PING:
                 channel.reply(req, [])
                 return
-            self._moe_call(channel, req, start)
+            self._moe_call(channel, req, start, timings)
+            recorded = timings is not None
         except BadCall as exc:
             self.metrics.errors.labels(status=wire.STATUS_NAMES[exc.status]).inc()
             channel.reply_error(req, exc.status, str(exc))
@@ -256,13 +283,21 @@ class ExpertWorker:
             self.metrics.errors.labels(status="INTERNAL").inc()
             channel.reply_error(req, wire.STATUS_INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
+            if timings is not None and not recorded:
+                timings.skip()
             self.metrics.in_flight.dec()
             with self._idle:
                 self._in_flight -= 1
                 self.calls_completed += 1
                 self._idle.notify_all()
 
-    def _moe_call(self, channel: ktshm.Channel, req: ktshm.Message, start: float) -> None:
+    def _moe_call(
+        self,
+        channel: ktshm.Channel,
+        req: ktshm.Message,
+        start: float,
+        timings: CallTimings | None,
+    ) -> None:
         if req.kind not in (wire.KIND_MOE, wire.KIND_MOE_BF16_OUT):
             raise BadCall(wire.STATUS_BAD_REQUEST, f"unknown message kind {req.kind}")
         shard = self.shard
@@ -292,8 +327,11 @@ class ExpertWorker:
                 _check_ids(ids, num_experts)
                 raise
             kernel_end = time.perf_counter()
+            kernel_ns = self.kernel.last_forward_ns() if timings is not None else None
         channel.commit_reply(req)
         published = time.perf_counter()
+        if timings is not None:
+            timings.record(channel.call_stamps(), kernel_ns)
         with self._stats_cv:
             self._replied += 1
         # NOTE: counted after the reply is out, while the caller computes its next layer; a

@@ -213,6 +213,10 @@ cdef class Channel:
     cdef uint64_t _peer_timeout_ns
     cdef int _owner_pid
     cdef bint _closed
+    # consumer, CLOCK_MONOTONIC ns of its last call (call_stamps): when the producer published
+    # the request, when this end first looked for it, found it, and published the reply
+    cdef uint64_t _request_ns, _ready_ns, _awake_ns, _published_ns
+    cdef bint _took          # consumer: a request was taken since _ready_ns was stamped
     cdef dict _inflight      # producer: seq -> epoch stamp, requests not yet released
     cdef set _abandoned      # producer: seqs given up on while the consumer held them
     cdef object __weakref__
@@ -595,6 +599,7 @@ cdef class Channel:
             self._known_epoch = kt_current_epoch(self._base)
         slot.seq = seq
         slot.epoch = self._known_epoch
+        slot.request_ns = kt_now_ns()
         self._inflight[seq] = self._known_epoch
         kt_store_release(&slot.word, kt_word(seq, self._known_epoch, KT_SLOT_REQUEST))
         kt_notify(&self._hdr.consumer_sleeping, self._sem_req)
@@ -712,6 +717,7 @@ cdef class Channel:
                 kt_store_release(&slot.word, kt_word(seq, 0, KT_SLOT_FREE))
                 continue
             slot.epoch = epoch
+            slot.request_ns = kt_now_ns()
             self._inflight[seq] = epoch
             kt_store_release(&slot.word, kt_word(seq, epoch, KT_SLOT_REQUEST))
             resent.append(seq)
@@ -899,6 +905,9 @@ cdef class Channel:
         cdef int st
         cdef kt_slot_header* slot
         cdef uint64_t busy
+        if self._took or self._ready_ns == 0:
+            self._ready_ns = kt_now_ns()  # NOTE: only the first look after a call: not a retry
+            self._took = False
         while True:
             with nogil:
                 st = kt_wait(&a)
@@ -912,6 +921,9 @@ cdef class Channel:
             busy = kt_word(kt_word_seq32(a.found_word), kt_word_epoch(a.found_word), KT_SLOT_BUSY)
             if kt_cas(&slot.word, a.found_word, busy):
                 break  # else: the producer abandoned or re-stamped it meanwhile
+        self._awake_ns = kt_now_ns()
+        self._request_ns = 0 if self.device else slot.request_ns
+        self._took = True
         if self.device:
             self._device_calls += 1
             seq = self._device_calls
@@ -927,6 +939,13 @@ cdef class Channel:
         msg = Message(seq, index, slot.request.kind, slot.request.layer,
                       slot.request.num_tokens, KT_OK, arrays, names)
         return msg
+
+    def call_stamps(self):
+        """Consumer: CLOCK_MONOTONIC nanoseconds (time.monotonic_ns's clock, shared by every
+        process of the host) of its last call: (request published by the producer, 0 when not
+        stamped (a device channel); this end ready for it, i.e. its first recv_request after
+        the previous call; request found; reply published (its word stored, before a sleeping producer is woken))."""
+        return self._request_ns, self._ready_ns, self._awake_ns, self._published_ns
 
     def begin_reply(self, request, specs):
         """Lay out reply arrays [(shape, dtype name)] for `request`; returns writable views."""
@@ -981,10 +1000,12 @@ cdef class Channel:
             if kt_current_epoch(self._base) != self._known_epoch:
                 return False  # superseded: the call was handed to the next consumer
             kt_bell_store(&slot.reply_bell, 1)
+            self._published_ns = kt_now_ns()
             kt_notify(&self._hdr.producer_sleeping, self._sem_rep)
             return True
         cdef uint64_t busy = kt_word(seq, self._known_epoch, KT_SLOT_BUSY)
         ok = kt_cas(&slot.word, busy, kt_word(seq, self._known_epoch, KT_SLOT_REPLY))
+        self._published_ns = kt_now_ns()  # NOTE: before the notify: a spinning peer has it now
         kt_notify(&self._hdr.producer_sleeping, self._sem_rep)
         return bool(ok)
 

@@ -1,7 +1,7 @@
 # cython: language_level=3
 """Thin Cython layer over ktk.h: raw addresses in, status codes turned into exceptions here."""
 
-from libc.stdint cimport int32_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 
 
 cdef extern from "ktk.h":
@@ -55,6 +55,7 @@ cdef extern from "ktk.h":
     ktk_kernel* ktk_kernel_create(int num_threads, int isa, int pin) nogil
     void ktk_kernel_destroy(ktk_kernel* kern) nogil
     int ktk_forward(ktk_kernel* kern, const ktk_forward_args* a) nogil
+    void ktk_last_forward_ns(const ktk_kernel* kern, int64_t* start_ns, int64_t* end_ns) nogil
     int ktk_stream_read(ktk_kernel* kern, const void* buf, size_t nbytes, uint64_t* xor_out) nogil
 
 
@@ -157,6 +158,12 @@ cdef class Kernel:
         with nogil:
             status = ktk_forward(self._k, &a)
         _check(status)
+
+    def last_forward_ns(self) -> tuple:
+        cdef int64_t start = 0, end = 0
+        if self._k != NULL:
+            ktk_last_forward_ns(self._k, &start, &end)
+        return start, end
 
     def stream_read(self, uintptr_t buf, size_t nbytes) -> int:
         if self._k == NULL:

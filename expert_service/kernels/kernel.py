@@ -92,6 +92,13 @@ class MoEKernel:
             rout.ptr, _ACT_DTYPES[rout.kind],
         )  # fmt: skip
 
+    def last_forward_ns(self) -> tuple[int, int]:
+        """CLOCK_MONOTONIC nanoseconds (time.monotonic_ns's clock) at the start and the end of
+        the last forward call's C part: routing, then the pool's run ((0, 0) before one)."""
+        if self._k is None:
+            raise ValueError("MoEKernel is closed")
+        return self._k.last_forward_ns()
+
     def stream_read(self, buf: Any) -> int:
         """Reads buf (a C-contiguous CPU array, size a multiple of 8 bytes) on the kernel's threads,
         each a contiguous slice, as a forward call streams weights; returns the xor of its 64-bit

@@ -98,6 +98,8 @@ typedef struct {
 ktk_kernel* ktk_kernel_create(int num_threads, int isa, int pin);
 void ktk_kernel_destroy(ktk_kernel* kern);
 int ktk_forward(ktk_kernel* kern, const ktk_forward_args* a);
+/* CLOCK_MONOTONIC ns at the start and the end of the kernel's last forward call (0 before one). */
+void ktk_last_forward_ns(const ktk_kernel* kern, int64_t* start_ns, int64_t* end_ns);
 /* Every pool thread reads one contiguous slice of buf[0, bytes) (as a forward call streams its
  * weights); *xor_out = the xor of all 64-bit words. bytes must be a multiple of 8. */
 int ktk_stream_read(ktk_kernel* kern, const void* buf, size_t bytes, uint64_t* xor_out);
