@@ -46,7 +46,9 @@ def test_parts_are_ordered_and_lie_within_the_callers_round_trip(checkpoint, cha
         trips = []
         for i in range(10):  # more than the ring holds: the last 8 are kept
             x = rng.standard_normal((1 + i % 3, spec.hidden_size), dtype=np.float32)
-            ids = np.stack([rng.permutation(spec.num_experts)[: spec.num_experts_per_tok] for _ in x])
+            ids = np.stack(
+                [rng.permutation(spec.num_experts)[: spec.num_experts_per_tok] for _ in x]
+            )
             w = rng.random(ids.shape, dtype=np.float32)
             t0 = time.monotonic_ns()
             moe_call(channel, spec.moe_layers[i % len(spec.moe_layers)], x, ids, w)
