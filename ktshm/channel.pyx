@@ -61,6 +61,7 @@ import numpy as np
 import posix_ipc
 
 from libc.errno cimport errno
+from libc.string cimport memcpy
 from libc.stdint cimport int32_t, uint32_t, uint64_t
 from posix.fcntl cimport O_CREAT, O_EXCL
 
@@ -219,6 +220,11 @@ cdef class Channel:
     cdef bint _took          # consumer: a request was taken since _ready_ns was stamped
     cdef dict _inflight      # producer: seq -> epoch stamp, requests not yet released
     cdef set _abandoned      # producer: seqs given up on while the consumer held them
+    # consumer, per slot: (request metadata bytes, arrays, dtype names) and (reply specs,
+    # reply metadata bytes, views) of its last call: a call laid out as the last one in that
+    # slot (every decode step's) reuses its views instead of building them again
+    cdef list _request_layouts
+    cdef list _reply_layouts
     cdef object __weakref__
 
     def __cinit__(self):
@@ -332,6 +338,8 @@ cdef class Channel:
         self._owner_pid = os.getpid()
         self._inflight = {}
         self._abandoned = set()
+        self._request_layouts = []
+        self._reply_layouts = []
         self._closed = False
         _live_channels.add(self)
 
@@ -407,6 +415,8 @@ cdef class Channel:
             self._sem_rep = NULL
         self._base = NULL
         self._hdr = NULL
+        self._request_layouts = []  # NOTE: their views hold the mapping open
+        self._reply_layouts = []
         self._mv = None
         try:
             self._mm.close()
@@ -930,12 +940,22 @@ cdef class Channel:
         else:
             seq = slot.seq
         index = a.found_index
-        try:
-            arrays, names = self._views(&slot.request, self._region_offset(index, False),
-                                        f"request {seq}")
-        except errors.MalformedMessage as exc:
-            self._publish_error(index, seq, errors.EBADMSG, str(exc))
-            raise
+        if not self._request_layouts:
+            self._request_layouts = [None] * self.num_slots
+            self._reply_layouts = [None] * self.num_slots
+        meta = (<char*>&slot.request)[:sizeof(kt_meta)]
+        layout = self._request_layouts[index]
+        if layout is not None and layout[0] == meta:
+            arrays, names = list(layout[1]), layout[2]  # NOTE: a list the caller may change
+        else:
+            try:
+                arrays, names = self._views(&slot.request, self._region_offset(index, False),
+                                            f"request {seq}")
+            except errors.MalformedMessage as exc:
+                self._request_layouts[index] = None
+                self._publish_error(index, seq, errors.EBADMSG, str(exc))
+                raise
+            self._request_layouts[index] = (meta, list(arrays), names)
         msg = Message(seq, index, slot.request.kind, slot.request.layer,
                       slot.request.num_tokens, KT_OK, arrays, names)
         return msg
@@ -952,9 +972,19 @@ cdef class Channel:
         self._check_open()
         cdef uint32_t index = request.slot
         cdef kt_slot_header* slot = kt_slot(&self._map, index)
-        return self._lay_out(&slot.reply, [_dtype_code(dt) for _, dt in specs],
-                             [s for s, _ in specs], self._region_offset(index, True),
-                             f"reply to request {request.seq}")
+        cdef bytes meta
+        layout = self._reply_layouts[index] if self._reply_layouts else None
+        if layout is not None and layout[0] == specs:
+            meta = layout[1]
+            memcpy(&slot.reply, <const char*>meta, sizeof(kt_meta))
+            return layout[2]
+        views = self._lay_out(&slot.reply, [_dtype_code(dt) for _, dt in specs],
+                              [s for s, _ in specs], self._region_offset(index, True),
+                              f"reply to request {request.seq}")
+        if self._reply_layouts:
+            self._reply_layouts[index] = (list(specs), (<char*>&slot.reply)[:sizeof(kt_meta)],
+                                          views)
+        return views
 
     def commit_reply(self, request, int32_t status=KT_OK):
         """Publish the reply laid out by begin_reply. Returns False when the request was
