@@ -29,51 +29,42 @@ before it ends (then it shows as that request's queued).
 
 from __future__ import annotations
 
-import threading
+from collections import deque
 
 import numpy as np
 
 PARTS = ("queued", "wake", "dispatch", "kernel", "publish", "bookkeeping")
-_VISIBLE, _READY, _AWAKE, _KSTART, _KEND, _PUBLISHED, _READY_NEXT = range(7)
+_VISIBLE, _READY, _AWAKE, _KSTART, _KEND, _PUBLISHED, _CHAINED = range(7)
 
 
 class CallTimings:
-    """The stamps of one channel's last `capacity` kernel calls (a ring; oldest overwritten)."""
+    """The stamps of one channel's last `capacity` kernel calls (oldest dropped). Its thread
+    records; anyone reads (NOTE: deque append and list(deque) are atomic under the GIL)."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
-        self._rows = np.full((capacity, 7), -1, dtype=np.int64)
-        self._count = 0  # calls recorded, all time
-        self._chained = False  # the previous call on the channel is the last row
-        self._lock = threading.Lock()
+        self._rows: deque[tuple[int, ...]] = deque(maxlen=capacity)
+        self._chained = 0  # 1: the previous call on the channel is the last row
 
     def record(self, stamps: tuple[int, int, int, int], kernel_ns: tuple[int, int]) -> None:
-        """A kernel call: stamps from Channel.call_stamps(), kernel_ns from last_forward_ns()."""
+        """A kernel call: stamps from Channel.call_stamps(), kernel_ns from the kernel's
+        last_forward()[:2]."""
         visible, ready, awake, published = stamps
-        with self._lock:
-            if self._chained:
-                self._rows[(self._count - 1) % self.capacity, _READY_NEXT] = ready
-            self._rows[self._count % self.capacity] = (
-                visible, ready, awake, kernel_ns[0], kernel_ns[1], published, -1,
-            )  # fmt: skip
-            self._count += 1
-            self._chained = True
+        self._rows.append((visible, ready, awake, kernel_ns[0], kernel_ns[1], published,
+                           self._chained))  # fmt: skip
+        self._chained = 1
 
     def skip(self) -> None:
         """A call that is not recorded (a ping, an error reply) ran after the last row: that
         row's bookkeeping ends at a ready this ring never sees."""
-        self._chained = False
+        self._chained = 0
 
     def parts(self) -> dict[str, np.ndarray]:
         """Each part's nanoseconds per recorded call, oldest first (PARTS; bookkeeping -1 where
         not known)."""
-        with self._lock:
-            n = min(self._count, self.capacity)
-            start = self._count - n
-            order = (np.arange(n) + start) % self.capacity
-            rows = self._rows[order].copy()
+        rows = np.array(list(self._rows), dtype=np.int64).reshape(-1, 7)
         return parts_of(rows)
 
 
@@ -81,7 +72,10 @@ def parts_of(rows: np.ndarray) -> dict[str, np.ndarray]:
     """PARTS of stamp rows [N, 7] (see CallTimings)."""
     visible, ready, awake = rows[:, _VISIBLE], rows[:, _READY], rows[:, _AWAKE]
     kstart, kend, published = rows[:, _KSTART], rows[:, _KEND], rows[:, _PUBLISHED]
-    ready_next = rows[:, _READY_NEXT]
+    # a call's bookkeeping ends where the next call's ready is, when that call followed it
+    ready_next = np.full(len(rows), -1, dtype=np.int64)
+    follows = rows[1:, _CHAINED] == 1
+    ready_next[:-1] = np.where(follows, ready[1:], -1)
     stamped = visible > 0
     start = np.where(stamped, np.maximum(visible, ready), ready)
     return {
