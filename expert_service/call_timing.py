@@ -2,7 +2,7 @@
 
 Each call leaves six CLOCK_MONOTONIC stamps (ns; time.monotonic_ns's clock, shared by the
 processes of a host), taken in C where they happen (ktshm Channel.call_stamps, MoEKernel
-.last_forward_ns)::
+.last_forward)::
 
     visible     the producer published the request (its commit; 0: not stamped)
     ready       the channel thread first looked for it (its first recv_request after its last call)
