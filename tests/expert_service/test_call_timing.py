@@ -73,16 +73,3 @@ def test_parts_are_ordered_and_lie_within_the_callers_round_trip(checkpoint, cha
         assert after["kernel"][:-1] == parts["kernel"][1:] and after["bookkeeping"][-2] == -1
     finally:
         worker.close()
-
-
-def test_no_timings_are_kept_by_default(checkpoint, channel):
-    spec = ModelSpec.from_config_dir(checkpoint)
-    worker = ExpertProcess("--model", str(checkpoint))
-    try:
-        worker.attach(channel)
-        x = np.ones((1, spec.hidden_size), np.float32)
-        moe_call(channel, spec.moe_layers[0], x, np.zeros((1, 1), np.int32), np.ones((1, 1)))
-        stats = worker.stub.GetStats(pb.StatsRequest(), timeout=10)
-        assert stats.calls == 1 and not stats.HasField("call_timings")
-    finally:
-        worker.close()
