@@ -25,4 +25,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 bench/bench_moe_kernel.py --threads 15 2>&1 | tee "$out/bench-kernel.log"
   python3 bench/bench_quality.py --device cuda --threads 8 2>&1 | tee "$out/bench-quality.log"
   python3 bench/bench_ktshm.py --iters 5000 2>&1 | tee "$out/bench-ktshm.log"
+  # the worker side of a call: its parts back to back, then with the GPU's time between layers
+  python3 bench/bench_worker_call.py --threads 15 --layers 48 --format int4 --tokens 1,4,16 \
+    2>&1 | tee "$out/bench-worker-call.log"
+  python3 bench/bench_worker_call.py --threads 15 --layers 48 --format int4 --tokens 1 \
+    --gap-us 300 2>&1 | tee "$out/bench-worker-call-gap.log"
+  python3 bench/bench_worker_dispatch.py --rounds 5 2>&1 | tee "$out/bench-worker-dispatch.log"
 fi

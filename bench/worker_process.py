@@ -16,21 +16,27 @@ from tests.support.watched_process import WatchedProcess
 
 @contextlib.contextmanager
 def expert_worker(model: Path | str, fmt: str, threads: int, spin_us: float | None = None,
-                  timeout: float = 600.0) -> Iterator[str]:  # fmt: skip
+                  timeout: float = 600.0, extra_args: tuple[str, ...] = (),
+                  tree: Path | str | None = None) -> Iterator[str]:  # fmt: skip
     """The gRPC address of a worker serving `model` (waited for up to `timeout` s), stopped when
     the block ends: a Unix socket in a private (0700) directory, so it takes calls without a
     token. spin_us: how long its channel thread and its kernel pool spin before they sleep
-    (default: the worker's). A checkpoint of synthetic experts (bench/real_checkpoint.py
-    --experts synthetic) is let through: this is a benchmark."""
-    extra, env = [], {}
+    (default: the worker's). extra_args: more `ktserve expert` flags. tree: run the worker's
+    code from that source tree (its built extensions included), e.g. an older commit's. A
+    checkpoint of synthetic experts (bench/real_checkpoint.py --experts synthetic) is let
+    through: this is a benchmark."""
+    extra, env, python = list(extra_args), {}, [sys.executable]
     if synthetic_experts.is_synthetic_dir(Path(model)):
         env[synthetic_experts.ENV] = "1"
     if spin_us is not None:
-        extra = ["--spin-us", str(spin_us)]
+        extra += ["--spin-us", str(spin_us)]
         env["KTSERVE_KERNEL_SPIN_US"] = str(int(spin_us))
+    if tree is not None:
+        python.append("-P")  # NOTE: else the working directory (this tree) comes first
+        env["PYTHONPATH"] = str(Path(tree).resolve())
     socket_dir = tempfile.TemporaryDirectory(prefix="ktserve-bench-")  # mode 0700
     proc = WatchedProcess(
-        [sys.executable, "-m", "ktserve", "expert", "--model", str(model), "--format", fmt,
+        [*python, "-m", "ktserve", "expert", "--model", str(model), "--format", fmt,
          "--threads", str(threads), "--listen", f"unix:{socket_dir.name}/worker.sock", *extra],
         env,
     )  # fmt: skip

@@ -126,6 +126,12 @@ class WorkerConfig:
         help="how long a channel thread spins for work before it sleeps, in microseconds "
         "(default %(default)s)",
     )
+    call_timing_samples: int = flag(
+        0,
+        help="keep the per-part timings (wake-up, dispatch, kernel, publish, bookkeeping) of "
+        "each channel's last N MoE calls for GetStats (bench/bench_worker_call.py prints them; "
+        "about 1.5 us a call while on; default %(default)s: off)",
+    )
     drain_timeout_s: float = flag(
         30.0,
         name="--drain-timeout",
@@ -150,6 +156,8 @@ class WorkerConfig:
             raise ValueError(f"--numa-node must be >= 0, got {self.numa_node}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
+        if self.call_timing_samples < 0:
+            raise ValueError(f"--call-timing-samples must be >= 0, got {self.call_timing_samples}")
         if self.drain_timeout_s <= 0:
             raise ValueError(f"--drain-timeout must be positive, got {self.drain_timeout_s}")
 

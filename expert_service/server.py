@@ -141,20 +141,22 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
     def GetStats(self, request, context):
         self.worker.wait_for_stats()
         m = self.worker.metrics
+        phases = m.phase_seconds()
         return pb.WorkerStats(
-            calls=m.num_calls,
-            tokens=m.num_tokens,
-            weight_bytes_read=m.num_bytes,
+            calls=m.total("calls"),
+            tokens=m.total("tokens"),
+            weight_bytes_read=m.total("weight_bytes"),
             errors=int(sum(s.value for metric in m.errors.collect() for s in metric.samples
                            if s.name.endswith("_total"))),
             calls_in_flight=self.worker.in_flight,
-            busy_seconds=m.busy_seconds,
-            dispatch_seconds=self.worker.phase_seconds[0],
-            kernel_seconds=self.worker.phase_seconds[1],
-            publish_seconds=self.worker.phase_seconds[2],
-            bookkeeping_seconds=self.worker.phase_seconds[3],
-            idle_seconds=self.worker.idle_seconds,
-            idle_gaps=self.worker.idle_gaps,
+            busy_seconds=m.total("busy_seconds"),
+            dispatch_seconds=phases[0],
+            kernel_seconds=phases[1],
+            publish_seconds=phases[2],
+            bookkeeping_seconds=phases[3],
+            idle_seconds=m.total("idle_seconds"),
+            idle_gaps=m.total("idle_gaps"),
+            call_timings=_call_timings_pb(self.worker.call_timing_parts()),
             activations=[
                 pb.ExpertCount(layer=layer, expert=expert, count=count)
                 for layer, expert, count in m.activations.nonzero()
@@ -209,6 +211,12 @@ def worker_info(worker: ExpertWorker) -> pb.WorkerInfo:
         if shard.store is not None:
             info.store.CopyFrom(_store_pb(shard.store))
     return info
+
+
+def _call_timings_pb(parts: dict | None) -> pb.CallTimings | None:
+    if parts is None:
+        return None
+    return pb.CallTimings(**{f"{name}_ns": values.tolist() for name, values in parts.items()})
 
 
 def _store_pb(store) -> pb.PackedStore:

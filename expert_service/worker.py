@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 
 import ktshm
+from expert_service.call_timing import PARTS, CallTimings
 from expert_service.config import WorkerConfig
 from expert_service.expert_shard import ExpertShard, LoadProgress
 from expert_service.kernels import MoEKernel
-from expert_service.metrics import WorkerMetrics
+from expert_service.metrics import CallCounts, WorkerMetrics
 from expert_service.shard import load_shard
 from ktserve import shared_store, wire
 
@@ -54,10 +55,23 @@ class BadCall(Exception):
 
 
 @dataclass
+class _Serving:
+    """What one channel thread keeps about its calls; written by that thread only."""
+
+    counts: CallCounts
+    timings: CallTimings | None
+    replied: int = 0  # replies published (counts.calls catches up once they are counted)
+    in_flight: int = 0
+    calls_completed: int = 0
+    answered_at: float = 0.0  # perf_counter when the last call (of any kind) was answered
+
+
+@dataclass
 class _Attached:
     channel: ktshm.Channel
     thread: threading.Thread
     stop: threading.Event
+    serving: _Serving
 
 
 class ExpertWorker:
@@ -71,18 +85,14 @@ class ExpertWorker:
         self._lock = threading.Lock()  # state, shard, channels
         self._kernel_lock = threading.Lock()
         self._channels: dict[str, _Attached] = {}
-        self._idle = threading.Condition()
-        self._in_flight = 0
-        self.calls_completed = 0
-        # seconds summed over MoE calls: dispatch, kernel, publish, bookkeeping (WorkerStats)
-        self.phase_seconds = [0.0, 0.0, 0.0, 0.0]
-        # Replies committed, and of those the ones already in the metrics (GetStats waits for the
-        # second to catch up with the first, so stats include every call a client has seen).
+        self._activations: dict[int, np.ndarray] = {}  # layer -> its counts, the kernel adds
+        self._serving: dict[str, _Serving] = {}  # by channel name, kept after detach
+        # GetStats waits for every published reply to be counted; a channel thread notifies
+        # only while someone waits (NOTE: it counts, then reads the waiters; a waiter registers,
+        # then checks the counts: under the GIL one of the two sees the other).
         self._stats_cv = threading.Condition()
-        self._replied = 0
-        self._counted = 0
-        # the gaps between a reply and the next request on the same channel, under IDLE_GAP_S
-        self.idle_seconds, self.idle_gaps = 0.0, 0
+        self._stats_waiters = 0
+        self.metrics.in_flight.set_function(lambda: self.in_flight)
         self.drained = threading.Event()
         self._parent = os.getppid()
         self.exit_requested = threading.Event()
@@ -116,10 +126,11 @@ class ExpertWorker:
             with self._lock:
                 self.state = WorkerState.EMPTY
             raise
+        self.metrics.set_shard(shard)
+        self._activations = self.metrics.activations.layer_rows()
         with self._lock:
             self.shard = shard
             self.state = WorkerState.SERVING
-        self.metrics.set_shard(shard)
         log.info("loaded %s", self._describe())
         return shard
 
@@ -158,10 +169,15 @@ class ExpertWorker:
                 return current.channel.epoch
             channel = ktshm.Channel.attach(name, ktshm.ChannelConfig(spin_us=self.config.spin_us))
             stop = threading.Event()
+            samples = self.config.call_timing_samples
+            serving = _Serving(self.metrics.new_call_counts(),
+                               CallTimings(samples) if samples else None)  # fmt: skip
             thread = threading.Thread(
-                target=self._serve_channel, args=(channel, stop), name=f"ktshm-{name}", daemon=True
-            )
-            self._channels[name] = _Attached(channel, thread, stop)
+                target=self._serve_channel, args=(channel, stop, serving), name=f"ktshm-{name}",
+                daemon=True,
+            )  # fmt: skip
+            self._channels[name] = _Attached(channel, thread, stop, serving)
+            self._serving[f"{name}#{channel.epoch}"] = serving
             thread.start()
         log.info("attached channel %s (epoch %d)", name, channel.epoch)
         return channel.epoch
@@ -178,8 +194,22 @@ class ExpertWorker:
         with self._lock:
             return sorted(n for n, a in self._channels.items() if a.thread.is_alive())
 
-    def _serve_channel(self, channel: ktshm.Channel, stop: threading.Event) -> None:
-        replied = None  # when this channel's last call was answered
+    def call_timing_parts(self) -> dict[str, np.ndarray] | None:
+        """The recorded calls' parts (call_timing.PARTS, ns), channel after channel; None when
+        the worker keeps none (--call-timing-samples 0)."""
+        if not self.config.call_timing_samples:
+            return None
+        with self._lock:
+            rings = [s.timings for s in self._serving.values() if s.timings is not None]
+        per_ring = [ring.parts() for ring in rings]
+        return {
+            part: np.concatenate([p[part] for p in per_ring] or [np.zeros(0, np.int64)])
+            for part in PARTS
+        }
+
+    def _serve_channel(
+        self, channel: ktshm.Channel, stop: threading.Event, serving: _Serving
+    ) -> None:
         producer_died = False
         try:
             while True:
@@ -207,13 +237,8 @@ class ExpertWorker:
                     self.metrics.errors.labels(status="BAD_MESSAGE").inc()
                     log.warning("channel %s: %s", channel.name, exc)
                     continue
-                if replied is not None:
-                    gap = time.perf_counter() - replied
-                    if gap < IDLE_GAP_S:
-                        self.idle_seconds += gap
-                        self.idle_gaps += 1
-                self._execute(channel, req)
-                replied = time.perf_counter()
+                self.kernel.wake()  # NOTE: sleeping pool threads wake while we dispatch
+                self._execute(channel, req, serving)
         finally:
             # NOTE: a killed GPU service cannot unlink its segments: the consumer does, once the
             # producer's heartbeat shows it gone (waited for when our parent died with it).
@@ -229,8 +254,6 @@ class ExpertWorker:
                 mine = self._channels.get(channel.name)
                 if mine is not None and mine.channel is channel:
                     del self._channels[channel.name]
-            with self._idle:
-                self._idle.notify_all()
 
     @staticmethod
     def _producer_comes_back(channel: ktshm.Channel, stop: threading.Event) -> bool:
@@ -246,16 +269,16 @@ class ExpertWorker:
         return False
 
     # ------------------------------------------------------------------------------ calls
-    def _execute(self, channel: ktshm.Channel, req: ktshm.Message) -> None:
-        with self._idle:
-            self._in_flight += 1
-        self.metrics.in_flight.inc()
+    def _execute(self, channel: ktshm.Channel, req: ktshm.Message, serving: _Serving) -> None:
         start = time.perf_counter()
+        serving.in_flight = 1
+        kernel_ran = False
         try:
             if req.kind == wire.KIND_PING:
                 channel.reply(req, [])
                 return
-            self._moe_call(channel, req, start)
+            self._moe_call(channel, req, start, serving)
+            kernel_ran = True
         except BadCall as exc:
             self.metrics.errors.labels(status=wire.STATUS_NAMES[exc.status]).inc()
             channel.reply_error(req, exc.status, str(exc))
@@ -264,13 +287,15 @@ class ExpertWorker:
             self.metrics.errors.labels(status="INTERNAL").inc()
             channel.reply_error(req, wire.STATUS_INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
-            self.metrics.in_flight.dec()
-            with self._idle:
-                self._in_flight -= 1
-                self.calls_completed += 1
-                self._idle.notify_all()
+            if serving.timings is not None and not kernel_ran:
+                serving.timings.skip()
+            serving.in_flight = 0
+            serving.calls_completed += 1
+            serving.answered_at = time.perf_counter()
 
-    def _moe_call(self, channel: ktshm.Channel, req: ktshm.Message, start: float) -> None:
+    def _moe_call(
+        self, channel: ktshm.Channel, req: ktshm.Message, start: float, serving: _Serving
+    ) -> None:
         if req.kind not in (wire.KIND_MOE, wire.KIND_MOE_BF16_OUT):
             raise BadCall(wire.STATUS_BAD_REQUEST, f"unknown message kind {req.kind}")
         shard = self.shard
@@ -290,41 +315,54 @@ class ExpertWorker:
         else:
             _check_ids(ids, num_experts)
             local = shard.localize(ids)
-        out_dtype = wire.OUT_DTYPES[req.kind]
-        (out,) = channel.begin_reply(req, [(x.shape, out_dtype)])
+        (out,) = channel.begin_reply(req, [(x.shape, wire.OUT_DTYPES[req.kind])])
         with self._kernel_lock:
             kernel_start = time.perf_counter()
             try:
-                self.kernel.forward(packed, x, local, weights, out)
+                self.kernel.forward(packed, x, local, weights, out, self._activations[req.layer])
             except ValueError:
                 _check_ids(ids, num_experts)
                 raise
             kernel_end = time.perf_counter()
+            forward = self.kernel.last_forward()  # (start ns, end ns, experts run)
         channel.commit_reply(req)
         published = time.perf_counter()
-        with self._stats_cv:
-            self._replied += 1
-        # NOTE: counted after the reply is out, while the caller computes its next layer; a
-        # thread of its own was tried: it held the GIL when the next request came (GPU host).
-        try:
-            self.metrics.observe_call(shard, req.layer, local, published - start)
-        finally:
-            phases = self.phase_seconds
-            phases[0] += kernel_start - start
-            phases[1] += kernel_end - kernel_start
-            phases[2] += published - kernel_end
-            phases[3] += time.perf_counter() - published
+        serving.replied += 1
+        # NOTE: what follows is counted after the reply is out, while the caller computes its
+        # next layer: a few additions (a thread of its own was tried: it held the GIL when the
+        # next request came, on the GPU host).
+        if serving.timings is not None:
+            serving.timings.record(channel.call_stamps(), forward[:2])
+        counts = serving.counts
+        gap = start - serving.answered_at
+        if gap < IDLE_GAP_S:  # the caller's time between two layers' calls, hand-off included
+            counts.idle_seconds += gap
+            counts.idle_gaps += 1
+        counts.add(req.layer, x.shape[0], forward[2] * shard.expert_nbytes, published - start)
+        phases = counts.phase_seconds
+        phases[0] += kernel_start - start
+        phases[1] += kernel_end - kernel_start
+        phases[2] += published - kernel_end
+        phases[3] += time.perf_counter() - published
+        if self._stats_waiters:
             with self._stats_cv:
-                self._counted += 1
                 self._stats_cv.notify_all()
 
     def wait_for_stats(self, timeout: float = 1.0) -> bool:
         """Returns once every call replied so far is in the metrics (a client may ask for stats
         right after its last reply, before the serving thread has counted that call); False if
         that took longer than timeout."""
+        with self._lock:
+            serving = list(self._serving.values())
+        targets = [(s, s.replied) for s in serving]
         with self._stats_cv:
-            target = self._replied
-            return self._stats_cv.wait_for(lambda: self._counted >= target, timeout)
+            self._stats_waiters += 1
+            try:
+                return self._stats_cv.wait_for(
+                    lambda: all(s.counts.calls >= n for s, n in targets), timeout
+                )
+            finally:
+                self._stats_waiters -= 1
 
     # ------------------------------------------------------------------------------ drain
     def drain(self, timeout: float | None = None) -> int:
@@ -357,7 +395,13 @@ class ExpertWorker:
 
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        with self._lock:
+            return sum(s.in_flight for s in self._serving.values())
+
+    @property
+    def calls_completed(self) -> int:
+        with self._lock:
+            return sum(s.calls_completed for s in self._serving.values())
 
     @property
     def pid(self) -> int:

@@ -67,6 +67,7 @@ cdef extern from "ktshm.h" nogil:
         kt_meta reply
         uint32_t request_bell
         uint32_t reply_bell
+        uint64_t request_ns
 
     ctypedef struct kt_header:
         uint64_t magic

@@ -61,6 +61,7 @@ import numpy as np
 import posix_ipc
 
 from libc.errno cimport errno
+from libc.string cimport memcpy
 from libc.stdint cimport int32_t, uint32_t, uint64_t
 from posix.fcntl cimport O_CREAT, O_EXCL
 
@@ -213,8 +214,17 @@ cdef class Channel:
     cdef uint64_t _peer_timeout_ns
     cdef int _owner_pid
     cdef bint _closed
+    # consumer, CLOCK_MONOTONIC ns of its last call (call_stamps): when the producer published
+    # the request, when this end first looked for it, found it, and published the reply
+    cdef uint64_t _request_ns, _ready_ns, _awake_ns, _published_ns
+    cdef bint _took          # consumer: a request was taken since _ready_ns was stamped
     cdef dict _inflight      # producer: seq -> epoch stamp, requests not yet released
     cdef set _abandoned      # producer: seqs given up on while the consumer held them
+    # consumer, per slot: (request metadata bytes, arrays, dtype names) and (reply specs,
+    # reply metadata bytes, views) of its last call: a call laid out as the last one in that
+    # slot (every decode step's) reuses its views instead of building them again
+    cdef list _request_layouts
+    cdef list _reply_layouts
     cdef object __weakref__
 
     def __cinit__(self):
@@ -328,6 +338,8 @@ cdef class Channel:
         self._owner_pid = os.getpid()
         self._inflight = {}
         self._abandoned = set()
+        self._request_layouts = []
+        self._reply_layouts = []
         self._closed = False
         _live_channels.add(self)
 
@@ -403,6 +415,8 @@ cdef class Channel:
             self._sem_rep = NULL
         self._base = NULL
         self._hdr = NULL
+        self._request_layouts = []  # NOTE: their views hold the mapping open
+        self._reply_layouts = []
         self._mv = None
         try:
             self._mm.close()
@@ -595,6 +609,7 @@ cdef class Channel:
             self._known_epoch = kt_current_epoch(self._base)
         slot.seq = seq
         slot.epoch = self._known_epoch
+        slot.request_ns = kt_now_ns()
         self._inflight[seq] = self._known_epoch
         kt_store_release(&slot.word, kt_word(seq, self._known_epoch, KT_SLOT_REQUEST))
         kt_notify(&self._hdr.consumer_sleeping, self._sem_req)
@@ -712,6 +727,7 @@ cdef class Channel:
                 kt_store_release(&slot.word, kt_word(seq, 0, KT_SLOT_FREE))
                 continue
             slot.epoch = epoch
+            slot.request_ns = kt_now_ns()
             self._inflight[seq] = epoch
             kt_store_release(&slot.word, kt_word(seq, epoch, KT_SLOT_REQUEST))
             resent.append(seq)
@@ -899,6 +915,9 @@ cdef class Channel:
         cdef int st
         cdef kt_slot_header* slot
         cdef uint64_t busy
+        if self._took or self._ready_ns == 0:
+            self._ready_ns = kt_now_ns()  # NOTE: only the first look after a call: not a retry
+            self._took = False
         while True:
             with nogil:
                 st = kt_wait(&a)
@@ -912,30 +931,60 @@ cdef class Channel:
             busy = kt_word(kt_word_seq32(a.found_word), kt_word_epoch(a.found_word), KT_SLOT_BUSY)
             if kt_cas(&slot.word, a.found_word, busy):
                 break  # else: the producer abandoned or re-stamped it meanwhile
+        self._awake_ns = kt_now_ns()
+        self._request_ns = 0 if self.device else slot.request_ns
+        self._took = True
         if self.device:
             self._device_calls += 1
             seq = self._device_calls
         else:
             seq = slot.seq
         index = a.found_index
-        try:
-            arrays, names = self._views(&slot.request, self._region_offset(index, False),
-                                        f"request {seq}")
-        except errors.MalformedMessage as exc:
-            self._publish_error(index, seq, errors.EBADMSG, str(exc))
-            raise
+        if not self._request_layouts:
+            self._request_layouts = [None] * self.num_slots
+            self._reply_layouts = [None] * self.num_slots
+        meta = (<char*>&slot.request)[:sizeof(kt_meta)]
+        layout = self._request_layouts[index]
+        if layout is not None and layout[0] == meta:
+            arrays, names = list(layout[1]), layout[2]  # NOTE: a list the caller may change
+        else:
+            try:
+                arrays, names = self._views(&slot.request, self._region_offset(index, False),
+                                            f"request {seq}")
+            except errors.MalformedMessage as exc:
+                self._request_layouts[index] = None
+                self._publish_error(index, seq, errors.EBADMSG, str(exc))
+                raise
+            self._request_layouts[index] = (meta, list(arrays), names)
         msg = Message(seq, index, slot.request.kind, slot.request.layer,
                       slot.request.num_tokens, KT_OK, arrays, names)
         return msg
+
+    def call_stamps(self):
+        """Consumer: CLOCK_MONOTONIC nanoseconds (time.monotonic_ns's clock, shared by every
+        process of the host) of its last call: (request published by the producer, 0 when not
+        stamped (a device channel); this end ready for it, i.e. its first recv_request after
+        the previous call; request found; reply published (its word stored, before a sleeping producer is woken))."""
+        return self._request_ns, self._ready_ns, self._awake_ns, self._published_ns
 
     def begin_reply(self, request, specs):
         """Lay out reply arrays [(shape, dtype name)] for `request`; returns writable views."""
         self._check_open()
         cdef uint32_t index = request.slot
         cdef kt_slot_header* slot = kt_slot(&self._map, index)
-        return self._lay_out(&slot.reply, [_dtype_code(dt) for _, dt in specs],
-                             [s for s, _ in specs], self._region_offset(index, True),
-                             f"reply to request {request.seq}")
+        cdef bytes meta
+        layout = self._reply_layouts[index] if self._reply_layouts else None
+        if layout is not None and layout[0] == specs:
+            meta = layout[1]
+            memcpy(&slot.reply, <const char*>meta, sizeof(kt_meta))
+            return layout[2]
+        views = self._lay_out(&slot.reply, [_dtype_code(dt) for _, dt in specs],
+                              [s for s, _ in specs], self._region_offset(index, True),
+                              f"reply to request {request.seq}")
+        if self._reply_layouts:
+            self._reply_layouts[index] = (list(specs), (<char*>&slot.reply)[:sizeof(kt_meta)],
+                                          views)
+        return views
 
     def commit_reply(self, request, int32_t status=KT_OK):
         """Publish the reply laid out by begin_reply. Returns False when the request was
@@ -981,10 +1030,12 @@ cdef class Channel:
             if kt_current_epoch(self._base) != self._known_epoch:
                 return False  # superseded: the call was handed to the next consumer
             kt_bell_store(&slot.reply_bell, 1)
+            self._published_ns = kt_now_ns()
             kt_notify(&self._hdr.producer_sleeping, self._sem_rep)
             return True
         cdef uint64_t busy = kt_word(seq, self._known_epoch, KT_SLOT_BUSY)
         ok = kt_cas(&slot.word, busy, kt_word(seq, self._known_epoch, KT_SLOT_REPLY))
+        self._published_ns = kt_now_ns()  # NOTE: before the notify: a spinning peer has it now
         kt_notify(&self._hdr.producer_sleeping, self._sem_rep)
         return bool(ok)
 

@@ -112,6 +112,9 @@ typedef struct {
     kt_meta reply;
     _Atomic uint32_t request_bell; /* device channels only (enum kt_bell) */
     _Atomic uint32_t reply_bell;
+    /* CLOCK_MONOTONIC when the producer published the request (0: not stamped, e.g. a device
+     * channel); written before the word's store-release, like the metadata. For timing only. */
+    uint64_t request_ns;
 } kt_slot_header;
 
 typedef struct {
@@ -141,6 +144,7 @@ typedef struct {
 _Static_assert(sizeof(kt_slot_header) <= KT_SLOT_HEADER_BYTES, "slot header too large");
 _Static_assert(sizeof(kt_header) <= KT_HEADER_BYTES, "header too large");
 _Static_assert(offsetof(kt_slot_header, request_bell) == 448, "bells moved");
+_Static_assert(offsetof(kt_slot_header, request_ns) == 456, "request_ns moved");
 _Static_assert(offsetof(kt_header, device_done) == 320, "device_done moved");
 
 static inline uint64_t kt_now_ns(void) {

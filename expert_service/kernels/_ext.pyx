@@ -1,7 +1,9 @@
 # cython: language_level=3
 """Thin Cython layer over ktk.h: raw addresses in, status codes turned into exceptions here."""
 
-from libc.stdint cimport int32_t, uint64_t, uintptr_t
+from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release,
+                             PyObject_GetBuffer)
+from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 
 
 cdef extern from "ktk.h":
@@ -49,13 +51,49 @@ cdef extern from "ktk.h":
         const float* weights
         void* out
         int out_dtype
+        int64_t* expert_counts
 
     int ktk_isa_supported(int isa) nogil
     int ktk_pack(const ktk_pack_args* a) nogil
     ktk_kernel* ktk_kernel_create(int num_threads, int isa, int pin) nogil
     void ktk_kernel_destroy(ktk_kernel* kern) nogil
     int ktk_forward(ktk_kernel* kern, const ktk_forward_args* a) nogil
+    void ktk_last_forward(const ktk_kernel* kern, int64_t* start_ns, int64_t* end_ns,
+                          int* experts) nogil
+    void ktk_kernel_wake(ktk_kernel* kern) nogil
     int ktk_stream_read(ktk_kernel* kern, const void* buf, size_t nbytes, uint64_t* xor_out) nogil
+
+
+cdef struct _Buf:
+    void* ptr
+    char kind  # the buffer's struct format letter: f (float32), H (uint16: bf16), i, q, ...
+    int ndim
+    Py_ssize_t rows, cols
+
+
+cdef bint _buffer(object obj, _Buf* b, bint writable):
+    """A C-contiguous buffer's address, format letter and first two dims; False if obj is
+    not one (NOTE: released at once: the caller holds obj for the call)."""
+    cdef Py_buffer view
+    cdef int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (PyBUF_WRITABLE if writable else 0)
+    try:
+        PyObject_GetBuffer(obj, &view, flags)
+    except (BufferError, TypeError, ValueError):
+        return False
+    cdef const char* f = view.format
+    if f[0] in (b"<", b"=", b"@"):
+        f += 1
+    b.kind = f[0] if f[1] == 0 else 0
+    if b.kind == b"l" and view.itemsize == 8:
+        b.kind = b"q"
+    if b.kind == b"l" and view.itemsize == 4:
+        b.kind = b"i"
+    b.ptr = view.buf
+    b.ndim = view.ndim
+    b.rows = view.shape[0] if view.ndim > 0 else 0
+    b.cols = view.shape[1] if view.ndim > 1 else 0
+    PyBuffer_Release(&view)
+    return True
 
 
 cdef int _check(int status) except -1:
@@ -153,10 +191,74 @@ cdef class Kernel:
         a.weights = <const float*>weights
         a.out = <void*>out
         a.out_dtype = out_dtype
+        a.expert_counts = NULL
         cdef int status
         with nogil:
             status = ktk_forward(self._k, &a)
         _check(status)
+
+    def forward_arrays(self, int fmt, int E, int H, int I, uintptr_t w13, uintptr_t w2,
+                       uintptr_t s13, uintptr_t s2, uintptr_t r13, uintptr_t r2, object x,
+                       object ids, object weights, object out, object expert_counts) -> bool:
+        """forward() on buffers (numpy arrays): x [T,H] f32/bf16 (uint16), ids [T,k] int32,
+        weights [T,k] f32, out [T,H] f32/bf16, expert_counts None or [E] int64 (writable).
+        False, with nothing run, when an argument is not such a buffer (the caller's checks
+        then say what is wrong); kernel errors raise."""
+        if self._k == NULL:
+            raise RuntimeError("kernel is closed")
+        cdef _Buf bx, bids, bw, bout, bcounts
+        if not (_buffer(x, &bx, 0) and _buffer(ids, &bids, 0) and _buffer(weights, &bw, 0)
+                and _buffer(out, &bout, 1)):
+            return False
+        bcounts.ptr = NULL
+        if expert_counts is not None:
+            if not _buffer(expert_counts, &bcounts, 1) or bcounts.kind != b"q":
+                return False
+            if bcounts.ndim != 1 or bcounts.rows != E:
+                return False
+        if (bx.ndim != 2 or bx.cols != H or bids.ndim != 2 or bids.rows != bx.rows
+                or bw.ndim != 2 or bw.rows != bx.rows or bw.cols != bids.cols
+                or bout.ndim != 2 or bout.rows != bx.rows or bout.cols != H
+                or bids.kind != b"i" or bw.kind != b"f"
+                or (bx.kind != b"f" and bx.kind != b"H") or (bout.kind != b"f" and bout.kind != b"H")):
+            return False
+        cdef ktk_forward_args a
+        a.fmt = fmt
+        a.E = E
+        a.H = H
+        a.I = I
+        a.w13 = <const void*>w13
+        a.w2 = <const void*>w2
+        a.s13 = <const void*>s13
+        a.s2 = <const void*>s2
+        a.r13 = <const int32_t*>r13
+        a.r2 = <const int32_t*>r2
+        a.T = <int>bx.rows
+        a.k = <int>bids.cols
+        a.x = bx.ptr
+        a.x_dtype = 0 if bx.kind == b"f" else 1
+        a.ids = <const int32_t*>bids.ptr
+        a.weights = <const float*>bw.ptr
+        a.out = bout.ptr
+        a.out_dtype = 0 if bout.kind == b"f" else 1
+        a.expert_counts = <int64_t*>bcounts.ptr
+        cdef int status
+        with nogil:
+            status = ktk_forward(self._k, &a)
+        _check(status)
+        return True
+
+    def last_forward(self) -> tuple:
+        cdef int64_t start = 0, end = 0
+        cdef int experts = 0
+        if self._k != NULL:
+            ktk_last_forward(self._k, &start, &end, &experts)
+        return start, end, experts
+
+    def wake(self) -> None:
+        if self._k != NULL:
+            with nogil:
+                ktk_kernel_wake(self._k)
 
     def stream_read(self, uintptr_t buf, size_t nbytes) -> int:
         if self._k == NULL:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from expert_service.kernels import _ext
 from expert_service.kernels.arrays import DT_BF16, DT_F32, raw
 from expert_service.kernels.isa import ISA_CODES, check_isa, default_isa
@@ -54,14 +56,36 @@ class MoEKernel:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def forward(self, packed: PackedExperts, x: Any, ids: Any, weights: Any, out: Any) -> None:
+    def forward(
+        self,
+        packed: PackedExperts,
+        x: Any,
+        ids: Any,
+        weights: Any,
+        out: Any,
+        expert_counts: np.ndarray | None = None,
+    ) -> None:
         """x [T,H] f32/bf16, ids [T,k] int32 (-1 skips), weights [T,k] f32 -> out [T,H] f32/bf16.
 
         With bf16 weights, float32 x selects the exact fp32 mode, bf16 x bf16 math (see the
-        module docstring).
+        module docstring). expert_counts: [E] int64, each expert's tokens in the call added.
         """
         if self._k is None:
             raise ValueError("MoEKernel is closed")
+        w13, w2, s13, s2, r13, r2 = packed.pointers
+        # NOTE: numpy arrays (the worker's slot views) take a path checked in C; anything else,
+        # and whatever that path refuses, is checked here, then run or explained.
+        if self._k.forward_arrays(
+            FORMAT_CODES[packed.fmt], packed.num_experts, packed.hidden_size,
+            packed.intermediate_size, w13, w2, s13, s2, r13, r2, x, ids, weights, out,
+            expert_counts,
+        ):  # fmt: skip
+            return
+        if expert_counts is not None:
+            raise ValueError(
+                f"expert_counts must be a C-contiguous [{packed.num_experts}] int64 numpy array "
+                "(and x, ids, weights, out numpy arrays)"
+            )
         H = packed.hidden_size
         rx, rids, rw, rout = raw(x, "x"), raw(ids, "ids"), raw(weights, "weights"), raw(out, "out")
         if len(rx.shape) != 2 or rx.shape[1] != H:
@@ -84,13 +108,26 @@ class MoEKernel:
             raise ValueError(f"ids must be int32, got {rids.kind}")
         if rw.kind != "f32":
             raise ValueError(f"weights must be float32, got {rw.kind}")
-        w13, w2, s13, s2, r13, r2 = packed.pointers
         # NOTE: ids outside [-1, E) are rejected in C before any memory is written.
         self._k.forward(
             FORMAT_CODES[packed.fmt], packed.num_experts, H, packed.intermediate_size,
             w13, w2, s13, s2, r13, r2, T, k, rx.ptr, _ACT_DTYPES[rx.kind], rids.ptr, rw.ptr,
             rout.ptr, _ACT_DTYPES[rout.kind],
         )  # fmt: skip
+
+    def last_forward(self) -> tuple[int, int, int]:
+        """The last forward call: CLOCK_MONOTONIC nanoseconds (time.monotonic_ns's clock) at
+        the start and the end of its C part (routing, then the pool's run), and how many
+        distinct experts it ran ((0, 0, 0) before one)."""
+        if self._k is None:
+            raise ValueError("MoEKernel is closed")
+        return self._k.last_forward()
+
+    def wake(self) -> None:
+        """Wake pool threads that sleep (they spin again for their spin time): called when a
+        call is known to be coming, their wake-up overlaps what precedes it."""
+        if self._k is not None:
+            self._k.wake()
 
     def stream_read(self, buf: Any) -> int:
         """Reads buf (a C-contiguous CPU array, size a multiple of 8 bytes) on the kernel's threads,

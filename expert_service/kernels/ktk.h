@@ -93,11 +93,18 @@ typedef struct {
   const float* weights;
   void* out;
   int out_dtype;
+  int64_t* expert_counts; /* optional [E]: each expert's tokens of the call are added to it */
 } ktk_forward_args;
 
 ktk_kernel* ktk_kernel_create(int num_threads, int isa, int pin);
 void ktk_kernel_destroy(ktk_kernel* kern);
 int ktk_forward(ktk_kernel* kern, const ktk_forward_args* a);
+/* The kernel's last forward call: CLOCK_MONOTONIC ns at its start and its end, and how many
+ * distinct experts it ran (all 0 before one). */
+void ktk_last_forward(const ktk_kernel* kern, int64_t* start_ns, int64_t* end_ns, int* experts);
+/* Wakes pool threads that sleep, so they spin when the next forward call comes: a caller that
+ * knows a call is coming (a request arrived) overlaps their wake-up with its own preparation. */
+void ktk_kernel_wake(ktk_kernel* kern);
 /* Every pool thread reads one contiguous slice of buf[0, bytes) (as a forward call streams its
  * weights); *xor_out = the xor of all 64-bit words. bytes must be a multiple of 8. */
 int ktk_stream_read(ktk_kernel* kern, const void* buf, size_t bytes, uint64_t* xor_out);

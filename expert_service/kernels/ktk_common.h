@@ -4,6 +4,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 static inline float ktk_bf16_to_f32(uint16_t v) {
   uint32_t u = uint32_t(v) << 16;
@@ -41,6 +42,12 @@ static inline float ktk_f16_to_f32(uint16_t h) {
   float f;
   memcpy(&f, &u, 4);
   return f;
+}
+
+static inline int64_t ktk_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
 static inline int64_t ktk_round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }

@@ -42,6 +42,8 @@ struct ktk_kernel {
   ktk_pool* pool = nullptr;
   const ktk_ops* ops = nullptr;
   int num_threads = 1;
+  int64_t last_start_ns = 0, last_end_ns = 0;  // of the last forward call (ktk_last_forward)
+  int last_experts = 0;
   Buffer counts, group_expert, group_off, slot_token, slot_weight, token_slot;
   Buffer xt, xa, xs, xg, h, ha, hs, hg, thread_tmp, slot_out;
 };
@@ -369,6 +371,7 @@ void ktk_kernel_destroy(ktk_kernel* k) {
 }
 
 int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
+  k->last_start_ns = ktk_now_ns();
   if (a->fmt < KTK_FMT_BF16 || a->fmt > KTK_FMT_INT4 || a->T < 0 || a->k < 0 || a->E <= 0)
     return KTK_ERR_BAD_ARG;
   if ((a->x_dtype != KTK_DT_F32 && a->x_dtype != KTK_DT_BF16) ||
@@ -387,6 +390,8 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
     ++counts[e];
     ++P;
   }
+  if (a->expert_counts)
+    for (int e = 0; e < E; ++e) a->expert_counts[e] += counts[e];
   Call c;
   c.a = a;
   c.ops = k->ops;
@@ -464,8 +469,18 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
   c.hg = k->hg.as<int32_t>();
   c.thread_tmp = k->thread_tmp.as<float>();
   ktk_pool_run(k->pool, forward_task, &c);
+  k->last_end_ns = ktk_now_ns();
+  k->last_experts = G;
   return KTK_OK;
 }
+
+void ktk_last_forward(const ktk_kernel* k, int64_t* start_ns, int64_t* end_ns, int* experts) {
+  *start_ns = k->last_start_ns;
+  *end_ns = k->last_end_ns;
+  *experts = k->last_experts;
+}
+
+void ktk_kernel_wake(ktk_kernel* k) { ktk_pool_wake(k->pool); }
 
 int ktk_stream_read(ktk_kernel* k, const void* buf, size_t bytes, uint64_t* xor_out) {
   if (bytes % 8) return KTK_ERR_BAD_ARG;

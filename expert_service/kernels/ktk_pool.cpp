@@ -23,6 +23,7 @@ struct alignas(64) ktk_pool {
   pthread_t* threads = nullptr;
   alignas(64) std::atomic<uint32_t> gen{0};
   alignas(64) std::atomic<int> sleepers{0};
+  alignas(64) std::atomic<uint32_t> wake{0};  // the futex word sleepers wait on
   alignas(64) std::atomic<int> done{0};
   alignas(64) std::atomic<int> bar_count{0};
   alignas(64) std::atomic<uint32_t> bar_gen{0};
@@ -86,9 +87,13 @@ void* worker_main(void* raw) {
       if (++polls < 64) continue;
       polls = 0;
       if (now_ns() < deadline) continue;
+      // NOTE: sleepers before the re-check of gen, and the waker's gen before its read of
+      // sleepers (all seq_cst): either this sees the job or the waker sees a sleeper to wake.
       p->sleepers.fetch_add(1, std::memory_order_seq_cst);
-      while (p->gen.load(std::memory_order_seq_cst) == seen) futex(&p->gen, FUTEX_WAIT_PRIVATE, seen);
+      uint32_t w = p->wake.load(std::memory_order_seq_cst);
+      if (p->gen.load(std::memory_order_seq_cst) == seen) futex(&p->wake, FUTEX_WAIT_PRIVATE, w);
       p->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      deadline = now_ns() + int64_t(p->spin_us) * 1000;  // woken (job, wake-up or spurious): spin
     }
     seen = p->gen.load(std::memory_order_acquire);
     if (p->stop) return nullptr;
@@ -119,7 +124,8 @@ void ktk_pool_destroy(ktk_pool* p) {
   if (!p) return;
   p->stop = true;
   p->gen.fetch_add(1, std::memory_order_seq_cst);
-  futex(&p->gen, FUTEX_WAKE_PRIVATE, INT_MAX);
+  p->wake.fetch_add(1, std::memory_order_seq_cst);
+  futex(&p->wake, FUTEX_WAKE_PRIVATE, INT_MAX);
   for (int t = 1; t < p->n; ++t) pthread_join(p->threads[t], nullptr);
   delete[] p->threads;
   delete p;
@@ -134,7 +140,7 @@ void ktk_pool_run(ktk_pool* p, ktk_task_fn fn, void* ctx) {
   p->ctx = ctx;
   p->done.store(0, std::memory_order_relaxed);
   p->gen.fetch_add(1, std::memory_order_seq_cst);
-  if (p->sleepers.load(std::memory_order_seq_cst) > 0) futex(&p->gen, FUTEX_WAKE_PRIVATE, INT_MAX);
+  ktk_pool_wake(p);
   fn(ctx, 0, p->n);
   int spins = 0;
   while (p->done.load(std::memory_order_acquire) != p->n - 1) relax(&spins);
@@ -153,3 +159,9 @@ void ktk_pool_barrier(ktk_pool* p) {
 }
 
 int ktk_pool_size(const ktk_pool* p) { return p->n; }
+
+void ktk_pool_wake(ktk_pool* p) {
+  if (p->n == 1 || p->sleepers.load(std::memory_order_seq_cst) == 0) return;
+  p->wake.fetch_add(1, std::memory_order_seq_cst);
+  futex(&p->wake, FUTEX_WAKE_PRIVATE, INT_MAX);
+}

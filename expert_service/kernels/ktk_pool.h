@@ -1,5 +1,6 @@
 /* A persistent thread pool: num_threads counts the calling thread, which runs as worker 0.
- * Workers spin on a generation word for spin_us after each job, then sleep on it (futex).
+ * Workers spin on a generation word for spin_us after each job (or wake-up), then sleep on a
+ * wake word (futex) that a job or ktk_pool_wake bumps.
  * Used only by the generic translation units (never by an ISA-specific one). */
 #ifndef KTK_POOL_H
 #define KTK_POOL_H
@@ -14,5 +15,7 @@ void ktk_pool_run(ktk_pool* pool, ktk_task_fn fn, void* ctx);
 /* A barrier among the threads of the running job; every thread must reach it. */
 void ktk_pool_barrier(ktk_pool* pool);
 int ktk_pool_size(const ktk_pool* pool);
+/* Wakes sleeping workers without a job: they spin for spin_us again (no-op when none sleeps). */
+void ktk_pool_wake(ktk_pool* pool);
 
 #endif

@@ -22,6 +22,8 @@ Error bounds (normalized Frobenius error ||y - y_ref|| / ||y_ref||, y_ref = the 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -411,3 +413,39 @@ def test_packing_experts_where_they_lie_refuses_what_it_cannot_pack() -> None:
         pack_expert_list([fp8], "int4")
     with pytest.raises(ValueError, match="scales must be"):
         pack_expert_list([fp8], "int4", scales=[(torch.ones(1, 1),) * 3], block=(16, 16))
+
+
+def test_expert_counts_and_last_forward_report_the_routing(seed, experts, packed):
+    x, ids, w = make_inputs(seed, 9)
+    ref = reference(experts, x, ids, w)
+    counts = np.full(E, 5, np.int64)  # added to, not overwritten
+    with MoEKernel(2) as kern:
+        out = np.empty((9, H), np.float32)
+        before = time.monotonic_ns()
+        kern.forward(packed["bf16"], x.numpy(), ids.numpy(), w.numpy(), out, counts)
+        after = time.monotonic_ns()
+        start, end, experts_run = kern.last_forward()
+    used = ids[ids >= 0].numpy()
+    np.testing.assert_array_equal(counts - 5, np.bincount(used, minlength=E))
+    assert experts_run == len(np.unique(used))
+    assert before <= start <= end <= after
+    assert rel_err(torch.from_numpy(out), ref) < BOUNDS["bf16"]
+    with MoEKernel(1) as kern, pytest.raises(ValueError, match="expert_counts must be"):
+        kern.forward(packed["bf16"], x, ids, w, torch.empty(9, H), counts)  # torch: no counts
+
+
+def test_pool_woken_early_or_asleep_computes_the_same(seed, packed, monkeypatch):
+    """Pool threads that went to sleep (a 0 us spin), woken by wake() before a call or by the
+    call itself, give the bits of a single-threaded call."""
+    x, ids, w = (t.numpy() for t in make_inputs(seed, 5))
+    monkeypatch.setenv("KTSERVE_KERNEL_SPIN_US", "0")
+    with MoEKernel(1) as one:
+        want = np.empty((5, H), np.float32)
+        one.forward(packed["int8"], x, ids, w, want)
+    with MoEKernel(3) as kern:
+        for woken in (True, False, True, True):
+            if woken:
+                kern.wake()
+            got = np.empty((5, H), np.float32)
+            kern.forward(packed["int8"], x, ids, w, got)
+            np.testing.assert_array_equal(got, want)

@@ -256,6 +256,7 @@ def test_info_stats_health_and_metrics(checkpoints, procs, channel):
     moe_call(channel, spec.moe_layers[0], x, ids, np.ones((2, 3), np.float32))
     stats = stats_after_calls(worker, 1)
     assert stats.tokens == 2
+    assert not stats.HasField("call_timings")  # kept only with --call-timing-samples
     counts = {(a.layer, a.expert): a.count for a in stats.activations}
     assert counts == {(spec.moe_layers[0], 2): 2, (spec.moe_layers[0], 3): 1}
     assert stats.weight_bytes_read == 2 * info.weight_bytes // (8 * len(spec.moe_layers))

@@ -74,6 +74,62 @@ def test_round_trip_in_one_process(producer, rng):
         consumer.close()
 
 
+def test_a_slot_reused_with_other_layouts_carries_each_call_as_sent(rng):
+    """One slot, calls whose layouts repeat and change (the consumer reuses a repeated
+    layout's views): every request and reply arrives as it was written."""
+    config = ktshm.ChannelConfig(num_slots=1, region_bytes=1 << 16, spin_us=50)
+    with ktshm.Channel.create(config) as producer:
+        consumer = ktshm.Channel.attach(producer.name, config)
+        try:
+            calls = [(1, "float32"), (1, "float32"), (3, "float32"), (1, "bfloat16"),
+                     (1, "float32"), (2, "float32")]  # fmt: skip
+            for num_tokens, out_dtype in calls:
+                arrays = random_arrays(rng, num_tokens)
+                seq = producer.send(5, num_tokens, arrays, num_tokens=num_tokens)
+                req = consumer.recv_request(timeout=5)
+                assert req.layer == num_tokens and req.dtypes == ["float32", "int32", "float32"]
+                for got, sent in zip(req.arrays, arrays):
+                    np.testing.assert_array_equal(got, sent)
+                want = rng.integers(0, 1 << 15, size=(num_tokens, 96)).astype(np.float32)
+                (y,) = consumer.begin_reply(req, [((num_tokens, 96), out_dtype)])
+                y[...] = want if out_dtype == "float32" else want.astype(np.uint16)
+                assert consumer.commit_reply(req)
+                reply = producer.recv(seq, timeout=5)
+                assert reply.dtypes == [out_dtype] and reply.arrays[0].shape == (num_tokens, 96)
+                np.testing.assert_array_equal(reply.arrays[0].astype(np.float32), want)
+                producer.release(seq)
+        finally:
+            consumer.close()
+
+
+def test_garbage_metadata_after_a_good_call_in_the_same_slot_is_refused(rng):
+    config = ktshm.ChannelConfig(num_slots=1, region_bytes=1 << 16, spin_us=50)
+    with ktshm.Channel.create(config) as producer:
+        consumer = ktshm.Channel.attach(producer.name, config)
+        raw = raw_segment(producer.name)
+        try:
+            for corrupt in (False, True):
+                msg = producer.begin(0, 0, [((4,), "float32")])
+                msg.arrays[0][...] = np.arange(4)
+                if corrupt:  # request meta at 4096 + 80; array 0's nbytes at +24+32
+                    raw[4096 + 80 + 56] = 255
+                seq = producer.commit(msg)
+                if corrupt:
+                    with pytest.raises(ktshm.MalformedMessage, match="claims"):
+                        consumer.recv_request(timeout=5)
+                    with pytest.raises(ktshm.RemoteError, match="claims"):
+                        producer.recv(seq, timeout=5)
+                    continue
+                req = consumer.recv_request(timeout=5)
+                np.testing.assert_array_equal(req.arrays[0], np.arange(4))
+                consumer.reply(req, req.arrays)
+                producer.recv(seq, 5)
+                producer.release(seq)
+        finally:
+            raw.close()
+            consumer.close()
+
+
 def test_payload_views_are_zero_copy(producer):
     consumer = ktshm.Channel.attach(producer.name, FAST)
     try:
