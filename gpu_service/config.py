@@ -54,7 +54,7 @@ class SchedulerConfig:
         "factor, and works with --mixed-step-time-factor 0)",
     )
     min_prefill_chunk_tokens: int = flag(
-        32,
+        8,
         help="beside decodes, a step carries at least this many prompt tokens (at most "
         "--max-num-batched-tokens) whatever the predicted time, so a prompt always progresses "
         "(default %(default)s)",

@@ -19,6 +19,7 @@ from gpu_service.models.kv_cache import KVCache, KVCacheConfig
 
 LAW = StepCostFit(fixed_s=0.05, per_token_s=0.002, per_pair_s=2e-7)
 BLOCK = 4
+FLOOR = SchedulerConfig().min_prefill_chunk_tokens
 
 
 def make_scheduler(cache_tokens: int = 8192, prefix_caching: bool = False,
@@ -121,9 +122,9 @@ def test_a_prompt_beside_decodes_gets_the_chunk_the_time_bound_allows(seed):
         bound = 3.0 * LAW.seconds(decode_shape)
         assert step.time_bound_s == pytest.approx(bound, rel=1e-6)
         want = largest_chunk(decode_shape, chunk.start_pos, bound, 2048 - 6)
-        want = min(max(want, 32), 1500 - chunk.start_pos)
+        want = min(max(want, FLOOR), 1500 - chunk.start_pos)
         assert abs(len(chunk.token_ids) - want) <= 1, (chunk.start_pos, want)
-        assert LAW.seconds(StepShape.of(step.seqs)) <= bound * 1.001 or want == 32
+        assert LAW.seconds(StepShape.of(step.seqs)) <= bound * 1.001 or want == FLOOR
         chunks.append(len(chunk.token_ids))
     assert sum(chunks) == 1500 and len(chunks) > 3
     assert chunks[0] > chunks[-2]  # later chunks attend over more: smaller
@@ -207,7 +208,7 @@ def test_a_cached_prefix_moves_the_chunk_to_where_its_prefill_starts(seed):
     assert chunk.start_pos == 800 == second.num_cached_prompt_tokens
     decode_shape = StepShape.of(s for s in step.seqs if s.request is not second)
     want = largest_chunk(decode_shape, 800, step.time_bound_s, 2048 - 4)
-    assert abs(len(chunk.token_ids) - max(want, 32)) <= 1
+    assert abs(len(chunk.token_ids) - max(want, FLOOR)) <= 1
     while not second.output:
         sim.step()
     assert sim.fed[second.request_id] == second.prompt_ids
