@@ -222,6 +222,6 @@ class _ChunkSizer:
         if self.config.mixed_step_time_ms is not None:
             self.bound_s = self.config.mixed_step_time_ms / 1e3
         else:
-            decode_s = self.cost_model.seconds(StepShape.of(seqs))  # None: no fit, the floor
+            decode_s = self.cost_model.decode_seconds(StepShape.of(seqs))  # None: the floor
             factor = self.config.mixed_step_time_factor
             self.bound_s = 0.0 if decode_s is None else factor * decode_s

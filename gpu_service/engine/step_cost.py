@@ -4,9 +4,10 @@
 
 tokens: the rows the step runs through the model; attention_pairs: the (query, key) pairs its
 attention scores, sum over sequences of n * start + n * (n + 1) / 2 for n new tokens after start
-cached ones (one decode row at context c: c + 1). The engine feeds every eagerly run step
-(`observe`); the scheduler asks how many prompt tokens fit beside its decode rows in a time
-(`prompt_tokens_within`).
+cached ones (one decode row at context c: c + 1). The engine feeds every step (`observe`); the
+scheduler asks what its decode rows alone would take (`decode_seconds`: the fit, times an EMA of
+measured decode-only steps over it, so CUDA-graph decode steps count as what they cost) and how
+many prompt tokens fit beside them in a time (`prompt_tokens_within`).
 
 The fit is robust to a busy machine: samples are kept per size class of tokens (powers of two,
 the last SAMPLES_PER_CLASS each), so the many decode steps never push out the few chunk steps that
@@ -28,6 +29,7 @@ MIN_SAMPLES = 3
 OUTLIER_MADS = 4.0  # a relative residual this many deviations from the median is dropped
 OUTLIER_FLOOR = 0.1  # ... and only if it is also over 10% (exact data has no spread)
 MAX_CONDITION = 1e8
+DECODE_RATIO_WEIGHT = 0.1  # of each decode-only step in decode_seconds' calibration
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,18 @@ class StepCostModel:
         self._samples: dict[int, deque[tuple[StepShape, float]]] = {}
         self._fit: StepCostFit | None = None
         self._stale = False
+        self._decode_ratio = 1.0  # measured decode-only steps over the fit's prediction (EMA)
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
-        """One measured step (run eagerly: CUDA-graph steps cost less than this model says)."""
+    def observe(self, shape: StepShape, seconds: float, *, decode_only: bool = False,
+                graphed: bool = False) -> None:  # fmt: skip
+        """One measured step. A decode-only step also moves `decode_seconds`' calibration; one
+        replayed as CUDA graphs (cheaper than the eager steps the fit models) does only that."""
         if shape.num_tokens < 1 or not seconds > 0:
+            return
+        if decode_only and self._fit is not None:  # NOTE: the last fit: no refit per decode
+            ratio = seconds / self._fit.seconds(shape)
+            self._decode_ratio += DECODE_RATIO_WEIGHT * (ratio - self._decode_ratio)
+        if graphed:
             return
         size_class = shape.num_tokens.bit_length()
         window = self._samples.setdefault(size_class, deque(maxlen=SAMPLES_PER_CLASS))
@@ -99,6 +109,12 @@ class StepCostModel:
     def seconds(self, shape: StepShape) -> float | None:
         fit = self.fit
         return fit.seconds(shape) if fit is not None else None
+
+    def decode_seconds(self, shape: StepShape) -> float | None:
+        """A decode-only step's predicted time, calibrated by the decode-only steps measured
+        lately (on CUDA they replay as graphs, quicker than the eager fit says)."""
+        fit = self.fit
+        return fit.seconds(shape) * self._decode_ratio if fit is not None else None
 
     def prompt_tokens_within(self, base: StepShape, start_pos: int, seconds: float,
                              limit: int) -> int:  # fmt: skip

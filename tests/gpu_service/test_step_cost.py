@@ -108,3 +108,20 @@ def test_prompt_tokens_within_is_the_largest_chunk_that_fits(seed):
         n = model.prompt_tokens_within(base, start, bound, limit)
         fits = [k for k in range(limit + 1) if LAW.seconds(base.plus_seq(start, k)) <= bound]
         assert n == pytest.approx(max(fits), abs=1)  # the fit's last digits
+
+
+def test_decode_steps_calibrate_what_decode_rows_alone_take(seed):
+    """Decode steps replayed as CUDA graphs at 40% of the eager law: what decode rows alone take
+    converges there, while mixed steps are still predicted by the eager law."""
+    g = random.Random(seed + 5)
+    model = StepCostModel()
+    for _ in range(30):
+        shape = random_shape(g)
+        model.observe(shape, LAW.seconds(shape))
+    decode = StepShape().plus_seq(40, 1).plus_seq(90, 1)
+    assert model.decode_seconds(decode) == pytest.approx(LAW.seconds(decode), rel=1e-6)
+    for _ in range(100):
+        model.observe(decode, 0.4 * LAW.seconds(decode), decode_only=True, graphed=True)
+    assert model.decode_seconds(decode) == pytest.approx(0.4 * LAW.seconds(decode), rel=1e-3)
+    mixed = decode.plus_seq(300, 64)
+    assert model.seconds(mixed) == pytest.approx(LAW.seconds(mixed), rel=1e-6)
