@@ -11,7 +11,8 @@ leaves), --repeats times:
   2. --decodes requests decoding (greedy, ignore_eos): their ITL over --window tokens each;
   3. a prompt of the same length submitted while they decode: its seconds to first token, and
      the decodes' ITL over the gaps that overlap it.
-The table shows each value's median over the repeats (the ratios: medians of each repeat's).
+The table shows each value's median over the repeats (the ratios: medians of each repeat's);
+steps: the decodes' tokens while the prompt was prefilled, per decode (the steps it took).
 Targets (issue 14): joined <= 1.5x alone; ITL p99 during <= 3x undisturbed p99.
 
     python bench/bench_mixed_step.py [--model demo_model] [--prompt-tokens 2000] [--decodes 8]
@@ -110,7 +111,13 @@ def measure(service, args, rng: random.Random) -> dict:
     for k in keys:
         before.extend(np.diff([t for t in arrivals.times[k][warm:] if t <= submitted]))
     during = [g for k in keys for g in gaps(arrivals.times[k], submitted, done)]
-    return {"alone": alone, "joined": joined, "before": before, "during": during}
+    return {
+        "alone": alone,
+        "joined": joined,
+        "before": before,
+        "during": during,
+        "num_decodes": len(keys),
+    }
 
 
 def summary(runs: list[dict]) -> dict:
@@ -120,7 +127,8 @@ def summary(runs: list[dict]) -> dict:
         b50, b99 = np.percentile(m["before"], [50, 99]) * 1e3
         d50, d99 = np.percentile(m["during"], [50, 99]) * 1e3
         per_run.append(dict(alone=m["alone"], joined=m["joined"], slow=m["joined"] / m["alone"],
-                            b50=b50, b99=b99, d50=d50, d99=d99, spike=d99 / b99))  # fmt: skip
+                            b50=b50, b99=b99, d50=d50, d99=d99, spike=d99 / b99,
+                            steps=len(m["during"]) / m["num_decodes"]))  # fmt: skip
     return {key: float(np.median([r[key] for r in per_run])) for key in per_run[0]}
 
 
@@ -199,14 +207,16 @@ def main() -> None:
     columns = [Column("tree", 12, "<"), Column("batched tokens", 14), Column("time bound", 10),
                Column("alone s", 8), Column("joined s", 8), Column("x", 5),
                Column("ITL p50 ms", 10), Column("p99 ms", 7), Column("during p50", 10),
-               Column("p99 ms", 7), Column("x p99", 6), Column("", 6, "<")]  # fmt: skip
+               Column("p99 ms", 7), Column("x p99", 6), Column("steps", 5),
+               Column("", 6, "<")]  # fmt: skip
     cells = []
     for budget, factor, m in rows:
         ok = m["slow"] <= JOINED_TARGET and m["spike"] <= ITL_TARGET
         cells.append([args.label, budget, policy_name(factor), f"{m['alone']:.2f}",
                       f"{m['joined']:.2f}", f"{m['slow']:.2f}", f"{m['b50']:.1f}",
                       f"{m['b99']:.1f}", f"{m['d50']:.1f}", f"{m['d99']:.1f}",
-                      f"{m['spike']:.1f}", "ok" if ok else "MISSED"])  # fmt: skip
+                      f"{m['spike']:.1f}", f"{m['steps']:.0f}",
+                      "ok" if ok else "MISSED"])  # fmt: skip
     print_table(columns, cells)
 
 
