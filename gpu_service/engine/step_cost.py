@@ -5,9 +5,12 @@
 tokens: the rows the step runs through the model; attention_pairs: the (query, key) pairs its
 attention scores, sum over sequences of n * start + n * (n + 1) / 2 for n new tokens after start
 cached ones (one decode row at context c: c + 1). The engine feeds every step (`observe`); the
-scheduler asks what its decode rows alone would take (`decode_seconds`: the fit, times an EMA of
-measured decode-only steps over it, so CUDA-graph decode steps count as what they cost) and how
-many prompt tokens fit beside them in a time (`prompt_tokens_within`).
+scheduler asks what its decode rows alone would take (`decode_seconds`) and how many prompt
+tokens fit beside them in a time (`prompt_tokens_within`). Both predictions are the fit times an
+EMA of measured decode-only steps over it: the eager ones for eager steps, all of them for
+`decode_seconds` (on CUDA decode steps replay as graphs, quicker than the eager fit says); with
+eager decodes the two are one factor, and the bound FACTOR x decode_seconds leaves the prompt
+chunk (FACTOR - 1) x the decode step as measured, whatever level the fit has.
 
 The fit is robust to a busy machine: samples are kept per size class of tokens (powers of two,
 the last SAMPLES_PER_CLASS each), so the many decode steps never push out the few chunk steps that
@@ -67,17 +70,24 @@ class StepCostModel:
         self._samples: dict[int, deque[tuple[StepShape, float]]] = {}
         self._fit: StepCostFit | None = None
         self._stale = False
-        self._decode_ratio = 1.0  # measured decode-only steps over the fit's prediction (EMA)
+        # measured decode-only steps over the fit's prediction (EMAs): all, and the eager ones
+        self._decode_ratio = 1.0
+        self._eager_ratio = 1.0
+        self._last_decode: StepShape | None = None
 
     def observe(self, shape: StepShape, seconds: float, *, decode_only: bool = False,
                 graphed: bool = False) -> None:  # fmt: skip
-        """One measured step. A decode-only step also moves `decode_seconds`' calibration; one
-        replayed as CUDA graphs (cheaper than the eager steps the fit models) does only that."""
+        """One measured step. A decode-only step also calibrates the predictions (`seconds` by
+        the eager ones, `decode_seconds` by all); one replayed as CUDA graphs (cheaper than the
+        eager steps the fit models) does only that."""
         if shape.num_tokens < 1 or not seconds > 0:
             return
         if decode_only and self._fit is not None:  # NOTE: the last fit: no refit per decode
             ratio = seconds / self._fit.seconds(shape)
+            self._last_decode = shape
             self._decode_ratio += DECODE_RATIO_WEIGHT * (ratio - self._decode_ratio)
+            if not graphed:
+                self._eager_ratio += DECODE_RATIO_WEIGHT * (ratio - self._eager_ratio)
         if graphed:
             return
         size_class = shape.num_tokens.bit_length()
@@ -93,8 +103,13 @@ class StepCostModel:
     def fit(self) -> StepCostFit | None:
         """The current fit; None until the samples pin a positive cost per token or pair."""
         if self._stale:
-            self._fit = _fit([s for w in self._samples.values() for s in w])
+            old, self._fit = self._fit, _fit([s for w in self._samples.values() for s in w])
             self._stale = False
+            if old is not None and self._fit is not None and self._last_decode is not None:
+                # NOTE: the ratios were measured against the old fit: keep what they predict
+                rescale = old.seconds(self._last_decode) / self._fit.seconds(self._last_decode)
+                self._decode_ratio *= rescale
+                self._eager_ratio *= rescale
         return self._fit
 
     @property
@@ -107,8 +122,10 @@ class StepCostModel:
         return self.fit is not None
 
     def seconds(self, shape: StepShape) -> float | None:
+        """An eager step's predicted time: the fit, calibrated by the eager decode-only steps
+        measured lately (the fit's samples span loads and sizes; these are the latest)."""
         fit = self.fit
-        return fit.seconds(shape) if fit is not None else None
+        return fit.seconds(shape) * self._eager_ratio if fit is not None else None
 
     def decode_seconds(self, shape: StepShape) -> float | None:
         """A decode-only step's predicted time, calibrated by the decode-only steps measured
@@ -126,7 +143,7 @@ class StepCostModel:
         lo, hi = 0, limit  # NOTE: the prediction grows with n (every term >= 0): bisect
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if fit.seconds(base.plus_seq(start_pos, mid)) <= seconds:
+            if fit.seconds(base.plus_seq(start_pos, mid)) * self._eager_ratio <= seconds:
                 lo = mid
             else:
                 hi = mid - 1

@@ -125,3 +125,24 @@ def test_decode_steps_calibrate_what_decode_rows_alone_take(seed):
     assert model.decode_seconds(decode) == pytest.approx(0.4 * LAW.seconds(decode), rel=1e-3)
     mixed = decode.plus_seq(300, 64)
     assert model.seconds(mixed) == pytest.approx(LAW.seconds(mixed), rel=1e-6)
+
+
+def test_a_slower_machine_moves_both_predictions_alike(seed):
+    """Every step 1.5x slower from some point on (the machine got busier): both predictions
+    follow, so the chunk a bound of FACTOR x the decode step allows stays what it was."""
+    g = random.Random(seed + 6)
+    model = StepCostModel()
+    decode = StepShape().plus_seq(40, 1).plus_seq(90, 1).plus_seq(7, 1)
+    for slowdown in (1.0, 1.5):
+        for _ in range(60):
+            shape = random_shape(g)
+            model.observe(shape, slowdown * LAW.seconds(shape))
+            model.observe(decode, slowdown * LAW.seconds(decode), decode_only=True)
+        if slowdown == 1.0:
+            before = model.prompt_tokens_within(decode, 500, 3 * model.decode_seconds(decode),
+                                                2048)  # fmt: skip
+    assert model.decode_seconds(decode) == pytest.approx(1.5 * LAW.seconds(decode), rel=1e-3)
+    mixed = decode.plus_seq(300, 64)
+    assert model.seconds(mixed) == pytest.approx(1.5 * LAW.seconds(mixed), rel=1e-3)
+    after = model.prompt_tokens_within(decode, 500, 3 * model.decode_seconds(decode), 2048)
+    assert abs(after - before) <= 1 and after > 0
