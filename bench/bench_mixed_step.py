@@ -3,16 +3,21 @@ inter-token latency (ITL) undisturbed and while it is prefilled, in one run.
 
 An in-process GPU service (the model's GPU part, its engine and scheduler as `ktserve serve`
 builds them) on one `ktserve expert` worker subprocess, prefix caching off and every prompt fresh
-random tokens. Per --max-num-batched-tokens value (a service each):
+random tokens. Per pair of --max-num-batched-tokens and --mixed-step-time-factor values (a
+service each, on the same worker; factor 0: the time bound off, chunks are what the token budget
+leaves), --repeats times:
   1. the prompt alone: seconds to its first token (its whole prefill, chunked as the scheduler
      chunks it);
   2. --decodes requests decoding (greedy, ignore_eos): their ITL over --window tokens each;
   3. a prompt of the same length submitted while they decode: its seconds to first token, and
      the decodes' ITL over the gaps that overlap it.
+The table shows each value's median over the repeats (the ratios: medians of each repeat's);
+steps: the decodes' tokens while the prompt was prefilled, per decode (the steps it took).
 Targets (issue 14): joined <= 1.5x alone; ITL p99 during <= 3x undisturbed p99.
 
     python bench/bench_mixed_step.py [--model demo_model] [--prompt-tokens 2000] [--decodes 8]
-        [--max-num-batched-tokens 2048,256] [--label NAME]
+        [--max-num-batched-tokens 2048] [--mixed-step-time-factor 0,3] [--repeats 3]
+        [--label NAME]
 """
 
 from __future__ import annotations
@@ -106,7 +111,53 @@ def measure(service, args, rng: random.Random) -> dict:
     for k in keys:
         before.extend(np.diff([t for t in arrivals.times[k][warm:] if t <= submitted]))
     during = [g for k in keys for g in gaps(arrivals.times[k], submitted, done)]
-    return {"alone": alone, "joined": joined, "before": before, "during": during}
+    return {
+        "alone": alone,
+        "joined": joined,
+        "before": before,
+        "during": during,
+        "num_decodes": len(keys),
+    }
+
+
+def summary(runs: list[dict]) -> dict:
+    """Medians over repeats: each run's times, percentiles and ratios."""
+    per_run = []
+    for m in runs:
+        b50, b99 = np.percentile(m["before"], [50, 99]) * 1e3
+        d50, d99 = np.percentile(m["during"], [50, 99]) * 1e3
+        per_run.append(dict(alone=m["alone"], joined=m["joined"], slow=m["joined"] / m["alone"],
+                            b50=b50, b99=b99, d50=d50, d99=d99, spike=d99 / b99,
+                            steps=len(m["during"]) / m["num_decodes"]))  # fmt: skip
+    return {key: float(np.median([r[key] for r in per_run])) for key in per_run[0]}
+
+
+def measure_service(address: str, args, budget: int, factor: float,
+                    rng: random.Random) -> list[dict]:  # fmt: skip
+    """--repeats measurements on a service of this token budget and time-bound factor."""
+    scheduler = SchedulerConfig(max_num_seqs=args.decodes + 2, max_num_batched_tokens=budget,
+                                mixed_step_time_factor=factor,
+                                min_prefill_chunk_tokens=args.min_prefill_chunk_tokens)  # fmt: skip
+    config = GPUServiceConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
+                              prefix_caching=False, scheduler=scheduler,
+                              experts=ExpertClientConfig((address,)))  # fmt: skip
+    service = build_gpu_service(config)
+    runs = []
+    try:
+        for repeat in range(args.repeats):
+            m = measure(service, args, rng)
+            runs.append(m)
+            b99, d99 = (np.percentile(m[k], 99) * 1e3 for k in ("before", "during"))
+            print(f"measured: {budget} batched tokens, {policy_name(factor)}, repeat "
+                  f"{repeat + 1}: alone {m['alone']:.2f} s, joined {m['joined']:.2f} s, ITL p99 "
+                  f"{b99:.0f} -> {d99:.0f} ms", file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        service.close()
+    return runs
+
+
+def policy_name(factor: float) -> str:
+    return "off" if factor == 0 else f"x{factor:g}"
 
 
 def main() -> None:
@@ -120,8 +171,16 @@ def main() -> None:
     parser.add_argument("--decodes", type=int, default=8)
     parser.add_argument("--decode-prompt-tokens", type=int, default=32)
     parser.add_argument("--window", type=int, default=40, help="undisturbed tokens per decode")
-    parser.add_argument("--max-num-batched-tokens", default="2048,256",
-                        help="comma-separated: one service per value")  # fmt: skip
+    parser.add_argument("--max-num-batched-tokens", default="2048",
+                        help="comma-separated: a service per value (and factor)")  # fmt: skip
+    parser.add_argument("--mixed-step-time-factor", default="0,3",
+                        help="comma-separated: a service per value (and token budget); 0: the "
+                        "time bound off")  # fmt: skip
+    parser.add_argument("--min-prefill-chunk-tokens", type=int,
+                        default=SchedulerConfig().min_prefill_chunk_tokens,
+                        help="chunks beside decodes: at least (default %(default)s)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measurements per service; the table shows medians")  # fmt: skip
     parser.add_argument("--label", default=Path(__file__).resolve().parent.parent.name,
                         help="this tree's name in the table (default: its directory)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
@@ -133,40 +192,31 @@ def main() -> None:
         torch.set_num_threads(args.torch_threads)
     rng = random.Random(args.seed)
     budgets = [int(b) for b in args.max_num_batched_tokens.split(",")]
+    factors = [float(f) for f in args.mixed_step_time_factor.split(",")]
     rows = []
     with expert_worker(args.model, args.format, args.threads) as address:
         for budget in budgets:
-            config = GPUServiceConfig(
-                model_dir=args.model, device=args.device, dtype=args.dtype, prefix_caching=False,
-                scheduler=SchedulerConfig(max_num_seqs=args.decodes + 2,
-                                          max_num_batched_tokens=budget),
-                experts=ExpertClientConfig((address,)),
-            )  # fmt: skip
-            service = build_gpu_service(config)
-            try:
-                rows.append((budget, measure(service, args, rng)))
-            finally:
-                service.close()
-            m = rows[-1][1]
-            print(f"measured: {budget} batched tokens, alone {m['alone']:.2f} s, joined "
-                  f"{m['joined']:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
+            for factor in factors:
+                runs = measure_service(address, args, budget, factor, rng)
+                rows.append((budget, factor, summary(runs)))
 
     print(f"a {args.prompt_tokens}-token prompt joining {args.decodes} decodes: "
           f"{Path(args.model).name}, {args.format} experts, GPU part on {args.device} "
-          f"({torch.get_num_threads()} torch threads), tree {args.label}")  # fmt: skip
-    columns = [Column("tree", 12, "<"), Column("batched tokens", 14), Column("alone s", 8),
-               Column("joined s", 8), Column("x", 5), Column("ITL p50 ms", 10),
-               Column("p99 ms", 7), Column("during p50", 10), Column("p99 ms", 7),
-               Column("x p99", 6), Column("", 6, "<")]  # fmt: skip
+          f"({torch.get_num_threads()} torch threads), tree {args.label}, medians of "
+          f"{args.repeats} repeat(s)")  # fmt: skip
+    columns = [Column("tree", 12, "<"), Column("batched tokens", 14), Column("time bound", 10),
+               Column("alone s", 8), Column("joined s", 8), Column("x", 5),
+               Column("ITL p50 ms", 10), Column("p99 ms", 7), Column("during p50", 10),
+               Column("p99 ms", 7), Column("x p99", 6), Column("steps", 5),
+               Column("", 6, "<")]  # fmt: skip
     cells = []
-    for budget, m in rows:
-        b50, b99 = np.percentile(m["before"], [50, 99]) * 1e3
-        d50, d99 = np.percentile(m["during"], [50, 99]) * 1e3
-        slow, spike = m["joined"] / m["alone"], d99 / b99
-        verdict = "ok" if slow <= JOINED_TARGET and spike <= ITL_TARGET else "MISSED"
-        cells.append([args.label, budget, f"{m['alone']:.2f}", f"{m['joined']:.2f}",
-                      f"{slow:.2f}", f"{b50:.1f}", f"{b99:.1f}", f"{d50:.1f}", f"{d99:.1f}",
-                      f"{spike:.1f}", verdict])  # fmt: skip
+    for budget, factor, m in rows:
+        ok = m["slow"] <= JOINED_TARGET and m["spike"] <= ITL_TARGET
+        cells.append([args.label, budget, policy_name(factor), f"{m['alone']:.2f}",
+                      f"{m['joined']:.2f}", f"{m['slow']:.2f}", f"{m['b50']:.1f}",
+                      f"{m['b99']:.1f}", f"{m['d50']:.1f}", f"{m['d99']:.1f}",
+                      f"{m['spike']:.1f}", f"{m['steps']:.0f}",
+                      "ok" if ok else "MISSED"])  # fmt: skip
     print_table(columns, cells)
 
 

@@ -36,6 +36,29 @@ class SchedulerConfig:
         "max_position_embeddings or YaRN's original_max_position_embeddings x factor, bounded by "
         "what the KV cache holds)",
     )
+    mixed_step_time_factor: float = flag(
+        3.0,
+        metavar="FACTOR",
+        help="while requests decode, the prompt chunks that join their step are sized so that "
+        "the step's predicted time stays within FACTOR x that of its decode rows alone (a cost "
+        "model fitted online from measured steps: fixed + per token + per attention pair), so a "
+        "long prompt's prefill slows the decodes' inter-token latency by about FACTOR at most; "
+        "with no decodes running a prompt gets all of --max-num-batched-tokens. 0: off, a chunk "
+        "is whatever --max-num-batched-tokens leaves (default %(default)s)",
+    )
+    mixed_step_time_ms: float | None = flag(
+        None,
+        metavar="MS",
+        help="the bound of --mixed-step-time-factor as a fixed time instead: a step with decode "
+        "rows carries the prompt tokens predicted to fit in MS milliseconds (replaces the "
+        "factor, and works with --mixed-step-time-factor 0)",
+    )
+    min_prefill_chunk_tokens: int = flag(
+        8,
+        help="beside decodes, a step carries at least this many prompt tokens (at most "
+        "--max-num-batched-tokens) whatever the predicted time, so a prompt always progresses "
+        "(default %(default)s)",
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -46,6 +69,26 @@ class SchedulerConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.mixed_step_time_factor != 0 and not self.mixed_step_time_factor >= 1:
+            raise ValueError(
+                "--mixed-step-time-factor must be 0 (off) or >= 1 (a step with prompt chunks "
+                f"takes longer than its decode rows alone), got {self.mixed_step_time_factor}"
+            )
+        if self.mixed_step_time_ms is not None and not self.mixed_step_time_ms > 0:
+            raise ValueError(f"--mixed-step-time-ms must be > 0, got {self.mixed_step_time_ms}")
+        if self.min_prefill_chunk_tokens < 1:
+            raise ValueError(
+                f"--min-prefill-chunk-tokens must be >= 1, got {self.min_prefill_chunk_tokens}"
+            )
+
+    @property
+    def time_budgeted(self) -> bool:
+        """Whether prompt chunks beside decodes are sized by predicted step time."""
+        return self.mixed_step_time_ms is not None or self.mixed_step_time_factor > 0
+
+    @property
+    def min_chunk_tokens(self) -> int:
+        return min(self.min_prefill_chunk_tokens, self.max_num_batched_tokens)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from gpu_service.engine.request import FinishReason, Request, RequestState, Toke
 from gpu_service.engine.runner import Runner
 from gpu_service.engine.sampling import SamplingParams
 from gpu_service.engine.scheduler import Scheduler, SchedulerConfig
+from gpu_service.engine.step_cost import StepShape
 from gpu_service.engine.validation import RequestLimits
 from gpu_service.models.model import CausalLM
 
@@ -199,6 +200,12 @@ class Engine:
             return
         transfer, wait = (b - a for a, b in zip(moe_before, self._moe_seconds()))
         self.metrics.observe_step(result.seconds, transfer, wait, step.num_tokens, result.graphed)
+        cost_model = self.scheduler.cost_model
+        if cost_model is not None:
+            decode_only = all(len(s.token_ids) == 1 and s.samples for s in step.seqs)
+            cost_model.observe(StepShape.of(step.seqs), result.seconds, decode_only=decode_only,
+                               graphed=result.graphed)  # fmt: skip
+            self.metrics.observe_step_cost(cost_model.last_fit, step)
         now = time.monotonic()
         for s, token in zip(step.seqs, result.tokens):
             tracked = self._tracked.get(s.request.request_id)

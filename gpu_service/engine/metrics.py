@@ -17,6 +17,10 @@ Prefix cache, named as vLLM names them: ktserve_prefix_cache_queries (prompt tok
 admission) and ktserve_prefix_cache_hits (tokens found; label tier: gpu for the device KV cache,
 cpu for the host-RAM tier), and ktserve_{gpu,cpu}_prefix_cache_hit_rate, each tier's hits over
 all queried tokens since the start (the two add up to the overall hit rate).
+Mixed steps (gpu_service/engine/step_cost.py): ktserve_step_cost_model_seconds{term} (the fitted
+step-time model: fixed, per_token, per_attention_pair), and of the last step whose prompt chunks
+were sized beside decode rows, ktserve_mixed_step_bound_seconds (its predicted-time bound) and
+ktserve_mixed_step_prompt_tokens (the prompt tokens it carried).
 Memory (set once at start-up from the plan, gpu_service/memory_plan.py):
 ktserve_gpu_memory_plan_bytes{part} (weights, activations, cuda_graphs, non_torch, headroom,
 kv_cache; parts not measured on the device are absent) and ktserve_kv_cache_capacity_tokens.
@@ -32,6 +36,8 @@ from gpu_service.models.kv_cache import PrefixCacheStats
 
 if TYPE_CHECKING:
     from gpu_service.engine.request import Request
+    from gpu_service.engine.scheduler import ScheduledStep
+    from gpu_service.engine.step_cost import StepCostFit
     from gpu_service.memory_plan import MemoryPlan
 
 LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -154,6 +160,21 @@ class EngineMetrics:
         )  # fmt: skip
         self.kv_cache_capacity = Gauge("ktserve_kv_cache_capacity_tokens",
                                        "Tokens the KV cache holds", registry=r)  # fmt: skip
+        self.step_cost_model = Gauge(
+            "ktserve_step_cost_model_seconds",
+            "The step-time model fitted from measured steps, per term: fixed (per step), "
+            "per_token, per_attention_pair", ["term"], registry=r,
+        )  # fmt: skip
+        self.mixed_step_bound = Gauge(
+            "ktserve_mixed_step_bound_seconds",
+            "The predicted-time bound the last step with decode rows sized its prompt chunks to",
+            registry=r,
+        )
+        self.mixed_step_prompt_tokens = Gauge(
+            "ktserve_mixed_step_prompt_tokens",
+            "Prompt tokens of the last step whose chunks were sized beside decode rows",
+            registry=r,
+        )
 
     def observe_memory_plan(self, plan: MemoryPlan) -> None:
         for part, value in plan.parts.items():
@@ -192,3 +213,13 @@ class EngineMetrics:
         self.step_seconds.labels(phase="transfer").observe(transfer)
         self.step_seconds.labels(phase="expert_wait").observe(wait)
         self.step_tokens.inc(num_tokens)
+
+    def observe_step_cost(self, fit: StepCostFit | None, step: ScheduledStep) -> None:
+        if fit is not None:
+            self.step_cost_model.labels(term="fixed").set(fit.fixed_s)
+            self.step_cost_model.labels(term="per_token").set(fit.per_token_s)
+            self.step_cost_model.labels(term="per_attention_pair").set(fit.per_pair_s)
+        if step.time_bound_s is not None:
+            self.mixed_step_bound.set(step.time_bound_s)
+            prompt = sum(len(s.token_ids) for s in step.seqs if len(s.token_ids) > 1)
+            self.mixed_step_prompt_tokens.set(prompt)

@@ -8,6 +8,14 @@ and only the step that feeds its last token samples. A running request whose nex
 KV block preempts the youngest running request, which goes back to the front of the queue and
 is recomputed from its prompt and output later.
 
+Mixed steps (config.time_budgeted): while requests decode, a step's prompt chunks are sized by
+time, not only by tokens: the step's predicted time (step_cost.py's model, fitted from the times
+the engine measured) stays within mixed_step_time_factor x that of its decode rows alone, or
+mixed_step_time_ms, so a long prompt's prefill does not stall the decodes. The step's first
+chunk gets at least min_prefill_chunk_tokens whatever the prediction (and while the model has no
+fit yet: those steps are what it learns from). A step without decode rows is bounded by
+max_num_batched_tokens alone.
+
 With prefix caching (the KV cache's), a request is admitted with the longest cached prefix of its
 tokens (prompt and, after a preemption, output) and its prefill starts after it: those tokens
 never run through the model, nor through the experts. Each step first offers the blocks the last
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 from gpu_service.config import SchedulerConfig
 from gpu_service.engine.errors import EngineError
 from gpu_service.engine.request import FinishReason, Request, RequestState
+from gpu_service.engine.step_cost import StepCostModel, StepShape
 from gpu_service.models.block_pool import extend_block_hashes
 from gpu_service.models.host_tier import BlockCopy
 from gpu_service.models.kv_cache import KVCache
@@ -46,6 +55,9 @@ class ScheduledStep:
     # between cache tiers, run before the forward. NOTE: only allocate/extend queue copies, and
     # each call schedules its sequence: a step with copies always has seqs
     block_copies: tuple[BlockCopy, ...] = ()
+    # the predicted seconds its prompt chunks were sized to (None: no decode rows beside them,
+    # or no time budget)
+    time_bound_s: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +72,8 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # fed the measured steps by the engine; None: chunks by max_num_batched_tokens only
+        self.cost_model = StepCostModel() if config.time_budgeted else None
 
     def add(self, request: Request) -> None:
         """Queue a request that passed validation (it fits the context and the KV cache)."""
@@ -74,8 +88,9 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
         budget = self.config.max_num_batched_tokens
+        chunks = _ChunkSizer(self.config, self.cost_model)
         # running: the tokens not in the cache yet, decodes (one each) before prompt chunks (what
-        # the budget leaves); preempt the youngest while the cache cannot grow
+        # the budget and the time bound leave); preempt the youngest while the cache cannot grow
         for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_cached > 1):
             if request.state != RequestState.RUNNING:
                 continue
@@ -83,7 +98,9 @@ class Scheduler:
             unprocessed = request.num_tokens - start
             if unprocessed > 1 and budget <= 0:
                 continue
-            n = 1 if unprocessed == 1 else min(unprocessed, budget)
+            n = 1 if unprocessed == 1 else chunks.size(seqs, start, min(unprocessed, budget))
+            if n == 0:
+                continue
             while not self.kv_cache.can_extend(request.cache, start + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -96,7 +113,7 @@ class Scheduler:
             seqs.append(ScheduledSeq(request, request.all_ids[start : start + n], start))
             budget -= n
         # admit: the prompt (plus output after a preemption), its first chunk in this step
-        while (self.waiting and not preempted and budget > 0
+        while (self.waiting and not preempted and budget > 0 and not chunks.spent(seqs)
                and len(self.running) < self.config.max_num_seqs):  # fmt: skip
             request = self.waiting[0]
             ids = request.all_ids
@@ -110,11 +127,13 @@ class Scheduler:
             start = request.cache.num_tokens  # the cached prefix
             if request.num_cached_prompt_tokens is None:
                 request.num_cached_prompt_tokens = start
-            n = min(len(ids) - start, budget)
+            n = chunks.size(seqs, start, min(len(ids) - start, budget))
+            if n == 0:  # after its cached prefix nothing fits: running, its chunk comes next
+                break
             seqs.append(ScheduledSeq(request, ids[start : start + n], start))
             budget -= n
         copies = self.kv_cache.take_copies()
-        return ScheduledStep(tuple(seqs), tuple(preempted), copies)
+        return ScheduledStep(tuple(seqs), tuple(preempted), copies, chunks.bound_s)
 
     def _block_hashes(self, request: Request, ids: list[int] | None = None) -> list[bytes]:
         """The chained hashes of the request's full blocks (kept on it, extended as it grows)."""
@@ -161,3 +180,48 @@ class Scheduler:
     def kv_usage(self) -> float:
         cfg = self.kv_cache.config
         return 1.0 - self.kv_cache.num_free_blocks / cfg.num_blocks
+
+
+class _ChunkSizer:
+    """One step's prompt chunks under its time bound, set by the decode rows scheduled before
+    the first chunk (NOTE: schedule() takes decodes first; a step with none has no bound)."""
+
+    def __init__(self, config: SchedulerConfig, cost_model: StepCostModel | None) -> None:
+        self.config = config
+        self.cost_model = cost_model
+        self.bound_s: float | None = None
+        self.num_prompt_tokens = 0
+        self._decided = False
+
+    def size(self, seqs: list[ScheduledSeq], start: int, wanted: int) -> int:
+        """Tokens of a prompt chunk of up to `wanted` after `start` cached ones, given the
+        sequences the step holds so far."""
+        self._decide(seqs)
+        n = wanted
+        if self.bound_s is not None:
+            n = self.cost_model.prompt_tokens_within(StepShape.of(seqs), start, self.bound_s,
+                                                     wanted)  # fmt: skip
+            if self.num_prompt_tokens == 0:
+                n = max(n, min(self.config.min_chunk_tokens, wanted))
+        self.num_prompt_tokens += n
+        return n
+
+    def spent(self, seqs: list[ScheduledSeq]) -> bool:
+        """Whether the bound leaves no room for another prompt's first token."""
+        self._decide(seqs)
+        if self.bound_s is None or self.num_prompt_tokens == 0:
+            return False
+        return self.cost_model.prompt_tokens_within(StepShape.of(seqs), 0, self.bound_s, 1) == 0
+
+    def _decide(self, seqs: list[ScheduledSeq]) -> None:
+        if self._decided:
+            return
+        self._decided = True
+        if self.cost_model is None or not seqs:  # no decode rows: the token budget alone
+            return
+        if self.config.mixed_step_time_ms is not None:
+            self.bound_s = self.config.mixed_step_time_ms / 1e3
+        else:
+            decode_s = self.cost_model.decode_seconds(StepShape.of(seqs))  # None: the floor
+            factor = self.config.mixed_step_time_factor
+            self.bound_s = 0.0 if decode_s is None else factor * decode_s

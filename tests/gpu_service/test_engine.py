@@ -173,6 +173,77 @@ def test_long_prompts_are_fed_in_chunks(checkpoint, reference, seed):
     assert eng.scheduler.kv_cache.num_free_blocks == eng.scheduler.kv_cache.config.num_blocks
 
 
+def run_beside_decodes(eng: Engine, decode_prompts, long_prompts, decode_tokens: int,
+                       long_tokens: int) -> tuple[list[list[int]], list[list[int]]]:  # fmt: skip
+    """Greedy decodes first; once each has its first token, the long prompts join them. The
+    tokens of every request (decodes, then long prompts) and each step's sequence lengths."""
+    sizes: list[list[int]] = []
+    run = eng.runner.run
+
+    def recording_run(step):
+        sizes.append([len(s.token_ids) for s in step.seqs])
+        return run(step)
+
+    eng.runner.run = recording_run
+    events: list[list] = [[] for _ in range(len(decode_prompts) + len(long_prompts))]
+    started = [threading.Event() for _ in decode_prompts]
+    done = threading.Semaphore(0)
+
+    def collector(i):
+        def on_event(event):
+            events[i].append(event)
+            if event.tokens and i < len(started):
+                started[i].set()
+            if event.finish_reason is not None:
+                done.release()
+
+        return on_event
+
+    decode = SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(decode_prompts):
+        eng.add_request(prompt, decode, collector(i))
+    assert all(e.wait(120) for e in started)
+    long = SamplingParams(max_tokens=long_tokens, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(long_prompts, len(decode_prompts)):
+        eng.add_request(prompt, long, collector(i))
+    for _ in events:
+        assert done.acquire(timeout=300)
+    return [tokens_of(e) for e in events], sizes
+
+
+def test_time_bounded_chunks_beside_decodes_leave_greedy_outputs_unchanged(
+    checkpoint, reference, seed, device
+):
+    """Long prompts join running decodes in three engines: policy off (each prompt in one step
+    beside the decodes), an explicit time bound so small that every mixed step carries only
+    the floor (3 prompt tokens), and the default factor on measured step times (decode steps
+    through DecodeGraphs, captured on CUDA: they calibrate the decode step's time). Greedy
+    outputs are token for token the same, each transformers' argmax after the ones before it."""
+    graphs = DecodeGraphConfig(max_batch=4, min_kv_bucket=8, capture=device.type == "cuda")
+    decode_prompts = prompts(seed + 12, lengths=(5, 8))
+    long_prompts = prompts(seed + 13, lengths=(40, 29))
+    runs = {}
+    for name, policy in (("off", dict(mixed_step_time_factor=0)),
+                         ("floor", dict(mixed_step_time_ms=1e-3, min_prefill_chunk_tokens=3)),
+                         ("factor", {})):  # fmt: skip
+        eng = make_engine(checkpoint, graphs=graphs, device=device, max_num_batched_tokens=64,
+                          **policy)  # fmt: skip
+        try:
+            runs[name] = run_beside_decodes(eng, decode_prompts, long_prompts, 40, 4)
+        finally:
+            eng.stop()
+        cache = eng.scheduler.kv_cache
+        assert cache.num_free_blocks == cache.config.num_blocks
+        assert eng.metrics.steps.labels(mode="graph")._value.get() > 0
+    outputs, sizes = runs["off"]
+    assert runs["floor"][0] == outputs and runs["factor"][0] == outputs
+    for prompt, tokens in zip(decode_prompts + long_prompts, outputs):
+        assert_greedy_under_reference(reference, prompt, tokens)
+    assert any(1 in step and 40 in step for step in sizes)  # off: a whole prompt beside decodes
+    mixed = [step for step in runs["floor"][1] if 1 in step and max(step) > 1]
+    assert len(mixed) >= (40 + 29) // 3 and all(sum(n for n in s if n > 1) <= 3 for s in mixed)
+
+
 def test_preemption_when_the_cache_is_full_keeps_outputs_exact(checkpoint, reference, seed):
     ps = prompts(seed + 2, lengths=(9, 7, 12, 6))
     eng = make_engine(checkpoint, cache_tokens=48)  # 12 blocks of 4: not all four fit at once

@@ -60,6 +60,9 @@ SERVE_FLAGS = (
     "--dtype",
     "--wire-dtype",
     "--max-num-seqs",
+    "--mixed-step-time-factor",
+    "--mixed-step-time-ms",
+    "--min-prefill-chunk-tokens",
     "--device",
     "--worker-timeout",
     "--no-restart-workers",
@@ -204,6 +207,10 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
             "--quantize-lm-head",
             "--gpu-memory-utilization",
             "0.5",
+            "--mixed-step-time-factor",
+            "2.5",
+            "--min-prefill-chunk-tokens",
+            "8",
         ]
     )
     config = serve_config(args)
@@ -220,6 +227,8 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
     assert gpu.cuda_graph_max_batch == 4
     assert gpu.gpu_weight_format == "int4" and gpu.quantize_lm_head
     assert gpu.gpu_memory_utilization == 0.5
+    assert gpu.scheduler.mixed_step_time_factor == 2.5 and gpu.scheduler.time_budgeted
+    assert gpu.scheduler.min_prefill_chunk_tokens == 8 and gpu.scheduler.mixed_step_time_ms is None
     assert gpu.model_dir == config.model_dir == str(checkpoint)
     assert gpu.experts.workers == () and gpu.scheduler.max_model_len is None
     on_workers = gpu.with_workers(("127.0.0.1:1", "127.0.0.1:2"))
@@ -272,6 +281,8 @@ def test_no_model_serves_the_demo_or_says_how_to_pass_one(tmp_path):
         (("--gpu-memory-utilization", "1.5"), "--gpu-memory-utilization must be in (0, 1]"),
         (("--gpu-weight-format", "bf16", "--quantize-lm-head"), "--quantize-lm-head needs"),
         (("--quantize-lm-head",), "auto chose bf16 here"),
+        (("--mixed-step-time-factor", "0.5"), "--mixed-step-time-factor must be 0 (off) or >= 1"),
+        (("--mixed-step-time-ms", "-1"), "--mixed-step-time-ms must be > 0"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(checkpoint, args, message):
