@@ -18,7 +18,7 @@ from gpu_service.gpu_experts import (
     worker_activation_counts,
 )
 from gpu_service.memory_plan import MemoryPlan, cpu_plan, cuda_plan
-from gpu_service.models import KVCache, fused_ops, load_model
+from gpu_service.models import KVCache, load_model
 from gpu_service.models.config import model_max_len
 from gpu_service.models.linear import fp8_matmul_supported
 from gpu_service.models.parallel import SINGLE, TensorParallel
@@ -74,7 +74,6 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
     spec = ModelSpec.from_hf(hf)
     device = torch.device(config.device) if config.device else default_device()
     dtype = resolve_dtype(config.dtype, device)
-    fused_ops.ENABLED[0] = config.fused_kernels
     scheduler = config.scheduler
     check_model_fits(config, spec, hf)
     experts = ShmExperts(
@@ -105,7 +104,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         model = load_model(config.model_dir, device, dtype, experts=backend,
                            max_num_tokens_in_cache=16, hf=hf,
                            max_deferred_experts_per_token=deferred,
-                           linear_quant=linear_quant, tp=tp)  # fmt: skip
+                           linear_quant=linear_quant, tp=tp,
+                           fused_kernels=config.fused_kernels)  # fmt: skip
         if leader is not None:
             leader.ready(model)  # NOTE: before the memory plan: its profiling steps are theirs too
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)

@@ -13,6 +13,8 @@ from gpu_service.models.rope import apply_rotary
 
 
 class GQAAttention(nn.Module):
+    fused_kernels = True  # fused_ops where it applies (CausalLM.use_fused_kernels)
+
     """Grouped-query attention with RoPE; optional per-head q/k RMSNorm (Qwen3), qkv bias (Qwen2).
 
     Cache components of its layer: key [S, Hkv, D], value [S, Hkv, D].
@@ -49,8 +51,8 @@ class GQAAttention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, ctx.cos, ctx.sin, interleaved=False)
-        k = apply_rotary(k, ctx.cos, ctx.sin, interleaved=False)
+        q = apply_rotary(q, ctx.cos, ctx.sin, interleaved=False, fused=self.fused_kernels)
+        k = apply_rotary(k, ctx.cos, ctx.sin, interleaved=False, fused=self.fused_kernels)
         k_cache, v_cache = ctx.kv_cache.layers[self.layer]  # [S, Hkv, D] each
         write_cache(k_cache, ctx.meta.slot_mapping, k)
         write_cache(v_cache, ctx.meta.slot_mapping, v)

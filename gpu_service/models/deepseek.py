@@ -23,6 +23,7 @@ NOTE: transformers 5.24 ignores norm_topk_prob for V2; DeepSeek's own V2 code ap
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -112,6 +113,8 @@ class DeepseekConfig:
 
 
 class MLAttention(nn.Module):
+    fused_kernels = True  # fused_ops where it applies (CausalLM.use_fused_kernels)
+
     def __init__(self, cfg: DeepseekConfig, loader: WeightLoader, layer: int) -> None:
         super().__init__()
         p, hidden, heads = (
@@ -153,8 +156,10 @@ class MLAttention(nn.Module):
         c, k_rot = self.kv_a_proj(x).split([rank, rope], dim=-1)  # [T, r], [T, rope]
         c = self.kv_a_norm(c)
         interleaved = cfg.rope.interleaved
-        q_rot = apply_rotary(q_rot, ctx.cos, ctx.sin, interleaved)
-        k_rot = apply_rotary(k_rot[:, None, :], ctx.cos, ctx.sin, interleaved)[:, 0]  # [T, rope]
+        rotate = partial(apply_rotary, cos=ctx.cos, sin=ctx.sin, interleaved=interleaved,
+                         fused=self.fused_kernels)  # fmt: skip
+        q_rot = rotate(q_rot)
+        k_rot = rotate(k_rot[:, None, :])[:, 0]  # [T, rope]
         (cache,) = ctx.kv_cache.layers[self.layer]  # [S, r + rope]
         write_cache(cache, ctx.meta.slot_mapping, torch.cat((c, k_rot), dim=-1))
         latent = cache[:, None, :]  # [S, 1, r + rope]: one kv head; values its first r columns

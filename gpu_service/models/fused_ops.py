@@ -11,7 +11,8 @@ oracle): softmax_topk (Qwen-MoE, Mixtral, DeepSeek-V2 greedy: softmax in float32
 scaling) and grouped_sigmoid_topk (DeepSeek-V3: sigmoid, the bias for choosing only, top-2-sum
 group scores, the best topk_group groups, top-k, renorm, scaling). Ties go to the lower expert id.
 `supports(...)` says when a tensor can take them (CUDA, Triton importable, unit last stride);
-otherwise callers keep the torch code.
+otherwise callers keep the torch code, as they do when their model's `fused_kernels` is off
+(CausalLM.use_fused_kernels: --no-fused-kernels).
 """
 
 from __future__ import annotations
@@ -25,13 +26,8 @@ except ImportError:  # the CPU-only install: the torch code runs everywhere
     triton = None
 
 
-ENABLED = [True]  # NOTE: process-wide; build_gpu_service sets it from --no-fused-kernels
-
-
 def supports(*tensors: torch.Tensor) -> bool:
-    return (
-        triton is not None and ENABLED[0] and all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
-    )
+    return triton is not None and all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
 
 
 if triton is not None:

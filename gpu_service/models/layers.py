@@ -17,6 +17,8 @@ __all__ = ["DenseMLP", "Linear", "RMSNorm"]
 
 
 class RMSNorm(nn.Module):
+    fused_kernels = True  # fused_ops where it applies (CausalLM.use_fused_kernels)
+
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
@@ -27,7 +29,8 @@ class RMSNorm(nn.Module):
         return cls(loader.get(f"{name}.weight", (size,)), eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.dtype == x.dtype and fused_ops.supports(x, self.weight):
+        fused = self.fused_kernels and self.weight.dtype == x.dtype
+        if fused and fused_ops.supports(x, self.weight):
             return fused_ops.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

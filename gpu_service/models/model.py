@@ -115,6 +115,13 @@ class CausalLM(nn.Module):
         """Routed experts per token each MoE layer but the last defers to the next (moe.py)."""
         return max((moe.num_deferred for moe in self.moes), default=0)
 
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """fused_ops' Triton kernels (RMSNorm, RoPE, the routers) where they apply, or the torch
+        code only (--no-fused-kernels): for this model's modules, not the process's."""
+        for module in self.modules():
+            if hasattr(type(module), "fused_kernels"):
+                module.fused_kernels = enabled
+
     def defer_experts(self, num: int) -> None:
         """Defer each token's `num` lowest-weight routed experts of every MoE layer but the
         last to the next MoE layer (0: none); num must be below the experts per token."""

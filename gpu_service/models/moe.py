@@ -38,6 +38,8 @@ from gpu_service.models.parallel import SINGLE, TensorParallel
 
 
 class GroupedSigmoidRouter(nn.Module):
+    fused_kernels = True  # fused_ops where it applies (CausalLM.use_fused_kernels)
+
     def __init__(
         self,
         weight: torch.Tensor,
@@ -62,7 +64,8 @@ class GroupedSigmoidRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         e = self.weight.shape[0]
-        if fused_ops.supports(x) and fused_ops.grouped_topk_fits(e, self.num_groups):
+        if (self.fused_kernels and fused_ops.supports(x)
+                and fused_ops.grouped_topk_fits(e, self.num_groups)):  # fmt: skip
             logits = F.linear(x.float(), self.weight)  # [T, E]
             return fused_ops.grouped_sigmoid_topk(logits, self.bias, self.top_k, self.num_groups,
                                                   self.topk_groups, self.norm_topk_prob,
@@ -84,6 +87,8 @@ class GroupedSigmoidRouter(nn.Module):
 
 
 class SoftmaxRouter(nn.Module):
+    fused_kernels = True  # fused_ops where it applies (CausalLM.use_fused_kernels)
+
     def __init__(
         self,
         weight: torch.Tensor,
@@ -104,7 +109,7 @@ class SoftmaxRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float() if self.logits_fp32 else x, self.weight)  # [T, E]
-        if self.num_groups is None and fused_ops.supports(logits):
+        if self.fused_kernels and self.num_groups is None and fused_ops.supports(logits):
             return fused_ops.softmax_topk(logits, self.top_k, self.norm_topk_prob, self.scaling,
                                           self.round_to_model_dtype)  # fmt: skip
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]

@@ -46,13 +46,15 @@ def load_model(
     max_deferred_experts_per_token: int = 0,
     linear_quant: LinearQuantConfig | None = None,
     tp: TensorParallel = SINGLE,
+    fused_kernels: bool = True,
 ) -> CausalLM:
     """The model's non-expert part on `device` (default: cuda when available) as `dtype`, with a
     paged KV cache of `max_num_tokens_in_cache` token slots; routed experts go to `experts`.
     hf: the checkpoint's config.json when the caller has read it already.
     max_deferred_experts_per_token: expert deferral (CausalLM.defer_experts; 0: off).
     linear_quant: the GPU weight format of the linear layers (default: the model dtype).
-    tp: this rank's share of a tensor-parallel model (models/parallel.py; default: all of it)."""
+    tp: this rank's share of a tensor-parallel model (models/parallel.py; default: all of it).
+    fused_kernels: fused_ops' Triton kernels where they apply (False: the torch code only)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"model dtype {dtype} is not supported; use float32, bfloat16 or float16")
     hf = hf or HFConfig.from_dir(model_dir)
@@ -65,4 +67,5 @@ def load_model(
     build = MODEL_BUILDERS[hf.model_type]
     model = build(hf, spec, loader, experts, max_num_tokens_in_cache, block_size)
     model.defer_experts(max_deferred_experts_per_token)
+    model.use_fused_kernels(fused_kernels)
     return model.eval()

@@ -139,10 +139,11 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, fused: bool = True
 ) -> torch.Tensor:
-    """x [T, heads, dim] rotated by cos/sin [T, dim/2]; computed in float32, returned as x.dtype."""
-    if fused_ops.supports(x, cos, sin):
+    """x [T, heads, dim] rotated by cos/sin [T, dim/2]; computed in float32, returned as x.dtype
+    (fused: by fused_ops' one kernel where the tensors take it)."""
+    if fused and fused_ops.supports(x, cos, sin):
         return fused_ops.rotary(x, cos, sin, interleaved)
     xf = x.float()
     if interleaved:

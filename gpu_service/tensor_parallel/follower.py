@@ -23,7 +23,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from gpu_service.models import Batch, KVCache, SeqInput, fused_ops, load_model
+from gpu_service.models import Batch, KVCache, SeqInput, load_model
 from gpu_service.models.model import CausalLM
 from gpu_service.models.parallel import TensorParallel
 from gpu_service.tensor_parallel.messages import Cache, Setup, Step, Stop, read_message
@@ -45,12 +45,11 @@ def load(setup: Setup, tp: TensorParallel) -> CausalLM:
     device = torch.device(setup.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    fused_ops.ENABLED[0] = setup.fused_kernels
     if device.type == "cpu":  # NOTE: the ranks share the host's cores (rank 0 keeps its own)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // setup.world_size))
     return load_model(setup.model_dir, device, setup.dtype, experts=None,
                       max_num_tokens_in_cache=16, linear_quant=setup.linear_quant,
-                      tp=tp)  # fmt: skip
+                      tp=tp, fused_kernels=setup.fused_kernels)  # fmt: skip
 
 
 def run_step(model: CausalLM, step: Step) -> None:

@@ -425,3 +425,29 @@ def test_load_errors(cases: dict[str, Case], tmp_path: Path) -> None:
     wrong = _rewrite(path, tmp_path / "wrong", edit_config=lambda c: c.update(kv_lora_rank=17))
     with pytest.raises(TensorShapeMismatch, match="kv_a_proj_with_mqa"):
         _load(wrong)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe"])  # MLA + grouped; GQA + softmax
+def test_a_model_loaded_without_fused_kernels_runs_only_the_torch_code(cases, monkeypatch, name):
+    """--no-fused-kernels reaches this model's modules at load (not the process): with every
+    tensor made to look fused-capable, it never calls a fused kernel and keeps transformers'
+    logits, while a model loaded with them does call them."""
+    from gpu_service.models import fused_ops
+
+    case = cases[name]
+    off, on = _load(case.path, fused_kernels=False), _load(case.path)
+    flags = [m.fused_kernels for m in off.modules() if hasattr(type(m), "fused_kernels")]
+    assert flags and not any(flags)
+    assert all(m.fused_kernels for m in on.modules() if hasattr(type(m), "fused_kernels"))
+
+    def called(*args, **kwargs):
+        raise AssertionError("a fused kernel was called")
+
+    monkeypatch.setattr(fused_ops, "supports", lambda *tensors: True)
+    for kernel in ("rms_norm", "rotary", "softmax_topk", "grouped_sigmoid_topk"):
+        monkeypatch.setattr(fused_ops, kernel, called)
+    prompt = _prompt(case.seed, 9)
+    got = _prefill(off, prompt, all_positions=True)
+    assert _rel_err(got, _reference_logits(case, prompt)) < 1e-4
+    with pytest.raises(AssertionError, match="a fused kernel was called"):
+        _prefill(on, prompt)
