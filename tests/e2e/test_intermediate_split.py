@@ -7,15 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
 from gpu_service.external_workers import ExternalWorkers
-from gpu_service.service import build_gpu_service
 from gpu_service.shard_coverage import ExpertCoverageError
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.worker_token import TOKEN_ENV, new_token
-from tests.e2e.test_parity import BOUNDS, DEVICE, last_logits, prompts, relative_error
+from tests.e2e.test_parity import BOUNDS, last_logits, prompts, relative_error
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401
+from tests.support.worker_services import worker_service
 
 # Intermediate dimensions of two 64-row blocks: they split in two.
 SPLITTABLE = {
@@ -40,13 +39,7 @@ def workers(path, *shards: tuple[str, ...]) -> list[ExpertProcess]:
 
 
 def logits_on(path, procs: list[ExpertProcess], batch: list[list[int]]) -> torch.Tensor:
-    config = GPUServiceConfig(
-        model_dir=str(path), device=DEVICE, dtype="float32", kv_cache_tokens=1024,
-        scheduler=SchedulerConfig(max_model_len=128),
-        experts=ExpertClientConfig(tuple(p.address for p in procs), token=TOKEN[TOKEN_ENV],
-                                   wire_dtype="float32", worker_timeout_s=20),
-    )  # fmt: skip
-    service = build_gpu_service(config)
+    service = worker_service(path, *procs, dtype="float32", kv_cache_tokens=1024)
     try:
         return last_logits(service, batch).cpu()
     finally:
@@ -61,10 +54,12 @@ def test_intermediate_split_matches_transformers_and_the_expert_split(family, tm
     reference = load_reference_model(path)
     batch = prompts(seed, lengths=(5, 9))
     procs = workers(path, ("--intermediate-rows", "0-63"), ("--intermediate-rows", "64-127"))
+    external = ExternalWorkers(tuple(p.address for p in procs), spec, TOKEN[TOKEN_ENV])
     try:
-        ExternalWorkers(tuple(p.address for p in procs), spec, TOKEN[TOKEN_ENV]).start(30)
+        external.start(60)  # the coverage check passes: every row of every expert, once
         by_rows = logits_on(path, procs, batch)
     finally:
+        external.stop()
         for proc in procs:
             proc.close()
     procs = workers(path, ("--experts", f"0-{half - 1}"),
@@ -91,7 +86,7 @@ def test_a_missing_slice_is_refused(tmp_path, seed):
     external = ExternalWorkers((proc.address,), spec, TOKEN[TOKEN_ENV])
     try:
         with pytest.raises(ExpertCoverageError) as refused:
-            external.start(30)
+            external.start(60)
     finally:
         external.stop()
         proc.close()
