@@ -148,6 +148,22 @@ def pack(int fmt, int E, int H, int I, int src_dtype, uintptr_t gate, uintptr_t 
     _check(status)
 
 
+cdef void _set_weights(ktk_forward_args* a, int fmt, int E, int H, int I, uintptr_t w13,
+                       uintptr_t w2, uintptr_t s13, uintptr_t s2, uintptr_t r13,
+                       uintptr_t r2):
+    """The packed experts' part of a forward's arguments (both entry points share it)."""
+    a.fmt = fmt
+    a.E = E
+    a.H = H
+    a.I = I
+    a.w13 = <const void*>w13
+    a.w2 = <const void*>w2
+    a.s13 = <const void*>s13
+    a.s2 = <const void*>s2
+    a.r13 = <const int32_t*>r13
+    a.r2 = <const int32_t*>r2
+
+
 cdef class Kernel:
     """Owns the C kernel (thread pool + scratch). Not thread-safe: one call at a time."""
 
@@ -173,16 +189,7 @@ cdef class Kernel:
         if self._k == NULL:
             raise RuntimeError("kernel is closed")
         cdef ktk_forward_args a
-        a.fmt = fmt
-        a.E = E
-        a.H = H
-        a.I = I
-        a.w13 = <const void*>w13
-        a.w2 = <const void*>w2
-        a.s13 = <const void*>s13
-        a.s2 = <const void*>s2
-        a.r13 = <const int32_t*>r13
-        a.r2 = <const int32_t*>r2
+        _set_weights(&a, fmt, E, H, I, w13, w2, s13, s2, r13, r2)
         a.T = T
         a.k = k
         a.x = <const void*>x
@@ -223,16 +230,7 @@ cdef class Kernel:
                 or (bx.kind != b"f" and bx.kind != b"H") or (bout.kind != b"f" and bout.kind != b"H")):
             return False
         cdef ktk_forward_args a
-        a.fmt = fmt
-        a.E = E
-        a.H = H
-        a.I = I
-        a.w13 = <const void*>w13
-        a.w2 = <const void*>w2
-        a.s13 = <const void*>s13
-        a.s2 = <const void*>s2
-        a.r13 = <const int32_t*>r13
-        a.r2 = <const int32_t*>r2
+        _set_weights(&a, fmt, E, H, I, w13, w2, s13, s2, r13, r2)
         a.T = <int>bx.rows
         a.k = <int>bids.cols
         a.x = bx.ptr
