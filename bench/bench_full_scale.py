@@ -85,10 +85,10 @@ def worker_rss_gib(server_pid: int) -> list[float]:
         except OSError:
             continue
         children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], list(children.get(server_pid, []))
-    while todo:
-        pid = todo.pop()
-        todo.extend(children.get(pid, []))
+    found, pending = [], list(children.get(server_pid, []))
+    while pending:
+        pid = pending.pop()
+        pending.extend(children.get(pid, []))
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             status = Path(f"/proc/{pid}/status").read_text()
