@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import subprocess
 import sys
@@ -33,7 +34,11 @@ def expert_worker(model: Path | str, fmt: str, threads: int, spin_us: float | No
         env["KTSERVE_KERNEL_SPIN_US"] = str(int(spin_us))
     if tree is not None:
         python.append("-P")  # NOTE: else the working directory (this tree) comes first
-        env["PYTHONPATH"] = str(Path(tree).resolve())
+        # the tree first, then what else the path held (carried wheels) but this tree
+        here = Path(__file__).resolve().parent.parent
+        rest = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                if e and Path(e).resolve() != here]  # fmt: skip
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(tree).resolve()), *rest])
     socket_dir = tempfile.TemporaryDirectory(prefix="ktserve-bench-")  # mode 0700
     proc = WatchedProcess(
         [*python, "-m", "ktserve", "expert", "--model", str(model), "--format", fmt,

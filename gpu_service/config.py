@@ -42,7 +42,10 @@ class SchedulerConfig:
         help="while requests decode, the prompt chunks that join their step are sized so that "
         "the step's predicted time stays within FACTOR x that of its decode rows alone (a cost "
         "model fitted online from measured steps: fixed + per token + per attention pair), so a "
-        "long prompt's prefill slows the decodes' inter-token latency by about FACTOR at most; "
+        "long prompt's prefill slows the decodes' inter-token latency by about FACTOR at most "
+        "(where decode steps replay as CUDA graphs, a mixed step, being eager, may also take "
+        "the eager-over-graphed gap of its decode rows twice: a smaller chunk would pay that gap "
+        "again in every one of many steps); "
         "with no decodes running a prompt gets all of --max-num-batched-tokens. 0: off, a chunk "
         "is whatever --max-num-batched-tokens leaves (default %(default)s)",
     )

@@ -10,8 +10,10 @@ is recomputed from its prompt and output later.
 
 Mixed steps (config.time_budgeted): while requests decode, a step's prompt chunks are sized by
 time, not only by tokens: the step's predicted time (step_cost.py's model, fitted from the times
-the engine measured) stays within mixed_step_time_factor x that of its decode rows alone, or
-mixed_step_time_ms, so a long prompt's prefill does not stall the decodes. The step's first
+the engine measured) stays within mixed_step_time_factor x that of its decode rows alone (on
+CUDA, where decode steps replay as graphs, the rows' eager step plus the larger of
+(factor - 1) decode steps and that eager step's gap over the graphed one: `_mixed_step_bound`),
+or mixed_step_time_ms, so a long prompt's prefill does not stall the decodes. The step's first
 chunk gets at least min_prefill_chunk_tokens whatever the prediction (and while the model has no
 fit yet: those steps are what it learns from). A step without decode rows is bounded by
 max_num_batched_tokens alone.
@@ -222,6 +224,21 @@ class _ChunkSizer:
         if self.config.mixed_step_time_ms is not None:
             self.bound_s = self.config.mixed_step_time_ms / 1e3
         else:
-            decode_s = self.cost_model.decode_seconds(StepShape.of(seqs))  # None: the floor
-            factor = self.config.mixed_step_time_factor
-            self.bound_s = 0.0 if decode_s is None else factor * decode_s
+            self.bound_s = _mixed_step_bound(self.cost_model, StepShape.of(seqs),
+                                             self.config.mixed_step_time_factor)  # fmt: skip
+
+
+def _mixed_step_bound(cost_model: StepCostModel, decodes: StepShape, factor: float) -> float:
+    """A step's time bound for decode rows `decodes` and prompt chunks beside them: the rows'
+    eager step plus the larger of (factor - 1) decode steps and what running eagerly costs the
+    rows over their decode step (0.0, the floor, before the model has a fit).
+
+    On the CPU decode steps run eagerly too, and the bound is factor x the decode step. On CUDA
+    they replay as graphs, several times quicker than any eager step; a mixed step is eager, so
+    it costs the decodes that gap whatever its chunk, and a chunk smaller than the gap would
+    pay it again and again: the prompt would take hundreds of floor-sized steps, each nearly as
+    long as one that carried far more of it."""
+    decode_s, eager_s = cost_model.decode_seconds(decodes), cost_model.seconds(decodes)
+    if decode_s is None or eager_s is None:
+        return 0.0
+    return eager_s + max((factor - 1.0) * decode_s, eager_s - decode_s)

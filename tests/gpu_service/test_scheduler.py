@@ -131,6 +131,44 @@ def test_a_prompt_beside_decodes_gets_the_chunk_the_time_bound_allows(seed):
     assert sim.fed[prompt.request_id] == prompt.prompt_ids
 
 
+def test_with_graphed_decodes_a_chunk_pays_at_least_the_eager_steps_gap(seed):
+    """Decode steps replayed as CUDA graphs at 10% of the eager law (as on a GPU, where eager
+    launches dominate small steps): FACTOR x the graphed decode step is less than the decode rows'
+    own eager step, so it would leave every chunk at the floor. The bound is the rows' eager step
+    plus the larger of (FACTOR - 1) graphed decode steps and the eager-over-graphed gap."""
+    g = random.Random(seed + 7)
+    print(f"seed {seed + 7}")
+    scheduler = make_scheduler(max_num_seqs=16)
+    teach(scheduler, g)
+    model = scheduler.cost_model
+    assert model.ready
+    sim = Simulation(scheduler, g)
+    decodes = start_decodes(sim, 6)
+    for _ in range(200):
+        shape = StepShape()
+        for r in decodes:
+            shape = shape.plus_seq(r.num_tokens - 1, 1)
+        model.observe(shape, 0.1 * LAW.seconds(shape), decode_only=True, graphed=True)
+    prompt = sim.add(1500, 1)
+    chunks = []
+    while not prompt.output:
+        step = sim.step()
+        [chunk] = [s for s in step.seqs if s.request is prompt]
+        decode_shape = StepShape.of(s for s in step.seqs if s.request is not prompt)
+        graphed, eager = model.decode_seconds(decode_shape), model.seconds(decode_shape)
+        assert graphed == pytest.approx(0.1 * eager, rel=0.02)
+        assert eager == pytest.approx(LAW.seconds(decode_shape), rel=1e-6)
+        bound = eager + max(2.0 * graphed, eager - graphed)
+        assert step.time_bound_s == pytest.approx(bound, rel=1e-6)
+        want = largest_chunk(decode_shape, chunk.start_pos, bound, 2048 - 6)
+        want = min(want, 1500 - chunk.start_pos)
+        assert want > FLOOR or want == 1500 - chunk.start_pos
+        assert abs(len(chunk.token_ids) - want) <= 1, (chunk.start_pos, want)
+        chunks.append(len(chunk.token_ids))
+    assert sum(chunks) == 1500
+    assert sim.fed[prompt.request_id] == prompt.prompt_ids
+
+
 def test_without_decodes_a_prompt_gets_the_whole_token_budget(seed):
     g = random.Random(seed + 1)
     scheduler = make_scheduler(max_num_batched_tokens=512)
