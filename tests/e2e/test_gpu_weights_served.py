@@ -5,16 +5,14 @@ model's eager forward over prompt + tokens, and the memory plan is made, logged 
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from prometheus_client import generate_latest
 
-from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.memory_plan import PARTS
 from gpu_service.models import Batch, SeqInput
 from gpu_service.models.linear import FP8Linear, Int4Linear, Int8Linear
+from tests.e2e.test_parity import greedy_together
 from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
 from tests.support.worker_services import DEVICE, worker_service
@@ -30,24 +28,6 @@ ARGMAX_SLACK = {"cpu": 1e-4, "cuda": 0.05}
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, seed):
     return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("gw") / "ds", seed=seed)
-
-
-def engine_greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-    outputs: list[list[int]] = [[] for _ in prompts]
-    done = threading.Semaphore(0)
-    for i, prompt in enumerate(prompts):
-
-        def on_event(event, i=i):
-            outputs[i].extend(t.token_id for t in event.tokens)
-            if event.finish_reason is not None:
-                assert event.finish_reason == FinishReason.LENGTH, event.error
-                done.release()
-
-        engine.add_request(prompt, params, on_event)
-    for _ in prompts:
-        assert done.acquire(timeout=300)
-    return outputs
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
@@ -73,7 +53,7 @@ def test_served_quantized_gpu_part(checkpoint, seed, fmt):
         weights = float(plan.parts["weights"])
         assert f'ktserve_gpu_memory_plan_bytes{{part="weights"}} {weights}' in metrics
 
-        outputs = engine_greedy(service.engine, prompts, NUM_TOKENS)
+        outputs = greedy_together(service, prompts, NUM_TOKENS)
         service.engine.stop()  # the eager forwards below run on this thread
         for prompt, tokens in zip(prompts, outputs):
             seq = prompt + tokens

@@ -5,7 +5,9 @@ tensor copies)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from contextlib import closing
 from functools import partial
 from pathlib import Path
 
@@ -63,10 +65,10 @@ def prompts(seed: int, lengths=STREAM_LENGTHS) -> list[list[int]]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_streamed_prefill_matches_the_worker_path(family, fmt, checkpoints, seed):
     path = checkpoints[family]
-    worker = ExpertProcess("--model", str(path), "--format", fmt)
-    streamed = on_cpu = None
-    try:
-        streamed, on_cpu = service(path, worker, "on"), service(path, worker, "off")
+    with contextlib.ExitStack() as stack:  # NOTE: closes the services, then the worker
+        worker = stack.enter_context(closing(ExpertProcess("--model", str(path), "--format", fmt)))
+        streamed, on_cpu = (stack.enter_context(closing(service(path, worker, mode)))
+                            for mode in ("on", "off"))  # fmt: skip
         assert on_cpu.streaming is None
         if DEVICE == "cuda":
             assert streamed.streaming.stager.pinned  # the mappings registered as pinned memory
@@ -95,11 +97,6 @@ def test_streamed_prefill_matches_the_worker_path(family, fmt, checkpoints, seed
                 assert row[token] >= row.max() - tol, (i, token, int(row.argmax()))
             if fmt == "bf16":
                 reference_greedy_check(reference, prompt, tokens)
-    finally:
-        for s in (streamed, on_cpu):
-            if s is not None:
-                s.close()
-        worker.close()
 
 
 def stream_prompts(family: str, fmt: str, on_cpu, seed: int) -> list[list[int]]:
@@ -148,11 +145,12 @@ def test_a_step_splits_decode_rows_to_the_worker(deferred, checkpoints, seed):
     stream, the decode rows go to the worker (its stats count them), the logits are the CPU
     path's. With expert deferral too (two calls per MoE layer, one joined at the next)."""
     path = checkpoints["deepseek_v3"]
-    worker = ExpertProcess("--model", str(path), "--format", "bf16")
-    services = []
-    try:
-        for mode in ("off", "on"):
-            services.append(service(path, worker, mode, max_deferred_experts_per_token=deferred))
+    with contextlib.ExitStack() as stack:
+        worker = stack.enter_context(closing(ExpertProcess("--model", str(path), "--format",
+                                                           "bf16")))  # fmt: skip
+        services = [stack.enter_context(closing(service(path, worker, mode,
+                                                        max_deferred_experts_per_token=deferred)))
+                    for mode in ("off", "on")]  # fmt: skip
         a, b, c = prompts(seed + 1, lengths=(7, 30, 5))
         results = []
         for s in services:
@@ -178,43 +176,26 @@ def test_a_step_splits_decode_rows_to_the_worker(deferred, checkpoints, seed):
         err = relative_error(results[1], results[0])
         print(f"deferred {deferred}: streamed vs worker logits relative error {err:.2e}")
         assert err < BOUNDS["bf16"]
-    finally:
-        for s in services:
-            s.close()
-        worker.close()
 
 
 def test_two_workers_stores_stream_as_one_layer(checkpoints, seed):
     """Experts 0-4 on one worker and 5-11 on another: the staged layer holds both stores."""
     path = checkpoints["deepseek_v3"]
-    low = ExpertProcess("--model", str(path), "--format", "int8", "--experts", "0-4")
-    high = None
-    services = []
-    try:
-        high = ExpertProcess(
-            "--model",
-            str(path),
-            "--format",
-            "int8",
-            "--experts",
-            "5-11",
-            env={TOKEN_ENV: low.token},
-        )  # one token for the client's two workers
-        for mode in ("off", "on"):
-            services.append(worker_service(path, low, high, dtype="float32",
-                                           kv_cache_tokens=1024, stream_prefill=mode))  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        low = stack.enter_context(closing(ExpertProcess("--model", str(path), "--format", "int8",
+                                                        "--experts", "0-4")))  # fmt: skip
+        high = stack.enter_context(closing(ExpertProcess(
+            "--model", str(path), "--format", "int8", "--experts", "5-11",
+            env={TOKEN_ENV: low.token})))  # fmt: skip # one token for the client's two workers
+        services = [stack.enter_context(closing(worker_service(
+            path, low, high, dtype="float32", kv_cache_tokens=1024, stream_prefill=mode)))
+            for mode in ("off", "on")]  # fmt: skip
         ps = prompts(seed + 2)
         want, got = (last_logits(s, ps).cpu() for s in services)
         assert services[1].streaming.steps_streamed == 1
         err = max(relative_error(got[i], want[i]) for i in range(len(ps)))
         print(f"two workers, int8: streamed vs worker logits relative error {err:.2e}")
         assert err < BOUNDS["int8"]
-    finally:
-        for s in services:
-            s.close()
-        low.close()
-        if high is not None:
-            high.close()
 
 
 def free_port() -> int:
@@ -231,9 +212,10 @@ def test_a_restarted_worker_s_store_is_mapped_instead(checkpoints, seed):
     port = free_port()
     worker = ExpertProcess("--model", str(path), "--format", "int4", "--listen",
                            f"127.0.0.1:{port}")  # fmt: skip
-    services = []
-    try:
-        services = [service(path, worker, mode) for mode in ("off", "on")]
+    with contextlib.ExitStack() as stack:
+        stack.callback(lambda: worker.close())  # NOTE: whichever worker serves by then
+        services = [stack.enter_context(closing(service(path, worker, mode)))
+                    for mode in ("off", "on")]  # fmt: skip
         streamed = services[1].streaming
         old = Path(streamed.stager.stores[0].dir)
         ps = prompts(seed + 3)
@@ -249,7 +231,3 @@ def test_a_restarted_worker_s_store_is_mapped_instead(checkpoints, seed):
         assert new != old and new.is_dir() and not old.exists()
         assert relative_error(got[0], want[0]) < BOUNDS["int4"]
         assert max(relative_error(got[i], want[i]) for i in range(len(ps))) < BOUNDS["int4"]
-    finally:
-        for s in services:
-            s.close()
-        worker.close()
