@@ -68,7 +68,7 @@ def _fence_sys(address):
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_x", "num_routes"))  # NOTE: per batch: see attention_triton
 def _post_kernel(x_ptr, ids_ptr, weights_ptr, x_dst, ids_dst, weights_dst, counter_ptr,
                  bell_address, num_x, num_routes, BLOCK: tl.constexpr,
                  ROUTES: tl.constexpr):  # fmt: skip
@@ -91,7 +91,7 @@ def _post_kernel(x_ptr, ids_ptr, weights_ptr, x_dst, ids_dst, weights_dst, count
         _store_one_sys(bell_address)  # POSTED
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_out",))
 def _collect_kernel(reply_ptr, out_ptr, counter_ptr, reply_bell_address, request_bell_address,
                     num_out, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)

@@ -22,7 +22,7 @@ except ImportError:  # the CPU build of torch comes without Triton
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=("M",))  # NOTE: the step's tokens: see attention_triton
     def _int8_mm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
                         stride_xm, stride_wn, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

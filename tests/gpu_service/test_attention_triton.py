@@ -206,3 +206,37 @@ def test_decode_replays_in_a_cuda_graph(seed):
         latent = k_cache[..., :512]
         want = reference(qd.cpu(), k_cache, latent, td.cpu(), cu, ld.cpu(), 64, 0.1, None)
         check(out, want, torch.bfloat16)
+
+
+def compiled_variants(kernel) -> int:
+    """How many specializations of a Triton kernel this process compiled (on any device)."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="counts compiled kernels: needs CUDA")
+def test_a_new_mix_of_sequences_compiles_nothing(seed):
+    """Prefill and decode over 1, 8, 16 and 3 sequences, block tables 3, 21, 16 and 71 wide and
+    1 to 4 decode splits (== 1, a multiple of 16, neither: the classes Triton specializes
+    integers on): after the first mix no kernel compiles again (a compile mid-serving stalls
+    every running request for a second or more)."""
+    gen = torch.Generator().manual_seed(seed)
+    kernels = (at._prefill_kernel, at._decode_split_kernel, at._decode_merge_kernel)
+    after_first = None
+    for num_seqs, longest in ((1, 16), (8, 300), (16, 224), (3, 1100)):
+        kv_lens = [longest] + [int(x) for x in torch.randint(1, longest + 1, (num_seqs - 1,),
+                                                              generator=gen)]  # fmt: skip
+        k_cache, v_cache, table, kv_len = make_case(gen, kv_lens, 16, 2, 64, 64, torch.bfloat16)
+        n_q = [min(n, 5) for n in kv_lens]
+        cu = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+        q = torch.randn(sum(n_q), 8, 64, generator=gen).to(torch.bfloat16)
+        kd, vd, td, cd, ld, qd = to_device(k_cache, v_cache, table, cu, kv_len, q)
+        qd_decode = torch.randn(num_seqs, 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+        want = reference(q, k_cache, v_cache, table, cu, kv_len, 16, 0.125, None)
+        check(at.paged_prefill(qd, kd, vd, td, cd, ld, 16, 0.125), want, torch.bfloat16)
+        at.paged_decode(qd_decode, kd, vd, td, ld, 16, 0.125)
+        counts = [compiled_variants(k) for k in kernels]
+        if after_first is None:
+            after_first = counts
+        # the merge runs only where a context takes several splits: its first compile may come
+        assert counts[:2] == after_first[:2], (num_seqs, tuple(table.shape), counts)
+        assert counts[2] <= after_first[2] + 1
