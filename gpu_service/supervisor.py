@@ -19,7 +19,6 @@ process group, so a Ctrl+C in the terminal reaches only the server, which then S
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -36,6 +35,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gpu_service.child_processes import die_with_parent, wait_or_kill
 from gpu_service.moe_client import RECONNECT_OPTIONS
 from gpu_service.shard_coverage import WorkerShard, check_coverage
 from ktserve import shared_store
@@ -56,7 +56,6 @@ POLL_S = 0.1
 HEALTH_TIMEOUT_S = 1.0
 MAX_BACKOFF_S = 30.0
 STABLE_S = 60.0  # a worker that lived this long restarts without delay
-PR_SET_PDEATHSIG = 1
 
 
 class WorkerStartError(RuntimeError):
@@ -134,18 +133,6 @@ class _Worker:
     exit_code: int | None = None
     restart_at: float = 0.0
     serving: threading.Event = field(default_factory=threading.Event)
-
-
-try:
-    _prctl = ctypes.CDLL(None).prctl
-except (OSError, AttributeError):  # not Linux: stop() is the only way the workers are told to go
-    _prctl = None
-
-
-def _die_with_parent() -> None:
-    # NOTE: runs in the child between fork and exec: no imports, no allocation-heavy work.
-    if _prctl is not None:
-        _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 class Supervisor:
@@ -235,14 +222,7 @@ class Supervisor:
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self.drain_timeout_s
-        for proc in procs:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                log.warning("expert worker pid %d ignored SIGTERM; killing it", proc.pid)
-                proc.kill()
-                proc.wait()
+        wait_or_kill(procs, self.drain_timeout_s, "expert worker")
         shared_store.cleanup_stale()  # NOTE: the packed stores of workers that did not exit
         if self.socket_dir is not None:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
@@ -270,7 +250,7 @@ class Supervisor:
                 text=True,
                 bufsize=1,
                 process_group=0,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         with self._lock:
             worker.proc = proc

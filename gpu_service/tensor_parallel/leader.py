@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gpu_service.child_processes import die_with_parent, wait_or_kill
 from gpu_service.models.batch import Batch
 from gpu_service.models.model import CausalLM
 from gpu_service.models.parallel import TensorParallel
 from gpu_service.models.weight_formats import LinearQuantConfig
-from gpu_service.supervisor import _die_with_parent
 from gpu_service.tensor_parallel.messages import Cache, Message, Setup, Step, Stop, encode
 
 log = logging.getLogger("ktserve.gpu")
@@ -110,7 +110,7 @@ class TensorParallelLeader:
         for rank in range(1, cfg.world_size):
             proc = subprocess.Popen([sys.executable, "-m", "gpu_service.tensor_parallel.follower"],
                                     stdin=subprocess.PIPE, env=env,
-                                    preexec_fn=_die_with_parent)  # fmt: skip
+                                    preexec_fn=die_with_parent)  # fmt: skip
             self.procs.append(proc)
             self._send(proc, rank, self._setup(rank))
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True,
@@ -174,14 +174,7 @@ class TensorParallelLeader:
                     proc.stdin.close()
                 except (TensorParallelFailed, OSError):
                     pass
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                log.warning("tensor-parallel follower %d did not stop: killed", proc.pid)
-                proc.kill()
-                proc.wait()
+        wait_or_kill(self.procs, STOP_TIMEOUT_S, "tensor-parallel follower")
         self.procs = []
         if self.tp is not None:
             dist.destroy_process_group()
