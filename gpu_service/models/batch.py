@@ -10,8 +10,9 @@ chunk of either. Layout (ragged, flattened, nothing padded):
     block_table   [B, W] int32  its cache blocks (W: the most any sequence of the step needs;
                                 unused entries 0, never read); slot = block * block_size + offset
 Attention (paged_attention.py) splits the sequences in two groups, each with its own rows of T
-and its own block_table / cu_seqlens_q / kv_len: decodes (n_i = 1: one query at L_i - 1, batched)
-and prefills (n_i > 1: ragged, causal over their own keys).
+and its own block_table (as wide as its own longest sequence needs) / cu_seqlens_q / kv_len:
+decodes (n_i = 1: one query at L_i - 1, batched) and prefills (n_i > 1: ragged, causal over their
+own keys).
 """
 
 from __future__ import annotations
@@ -122,11 +123,14 @@ class AttentionMetadata:
             rows = [r for i in members for r in range(cu_seqlens[i], cu_seqlens[i + 1])]
             lens = [cu_seqlens[i + 1] - cu_seqlens[i] for i in members]
             contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+            # NOTE: the group's own width: decode rows beside a long prompt chunk would
+            # otherwise gather (and score, masked) every key position the prompt has
+            own_width = max(-(-kv_len[i] // block_size) for i in members)
             return AttentionGroup(
                 rows=slice(rows[0], rows[0] + len(rows))
                 if contiguous
                 else tensor(rows, torch.int64),
-                block_table=tensor([table[i] for i in members]),
+                block_table=tensor([table[i][:own_width] for i in members]),
                 cu_seqlens_q=tensor(list(itertools.accumulate(lens, initial=0))),
                 kv_len=tensor([kv_len[i] for i in members]),
             )

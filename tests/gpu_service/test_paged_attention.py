@@ -193,7 +193,7 @@ def test_mixed_step_splits_decodes_and_prefills(seed, interleaved) -> None:
     heads, kv_heads, dim, bs = 4, 2, 16, 4
     cache = KVCache(KVCacheConfig(1, ((kv_heads, dim), (kv_heads, dim)), 512, bs,
                                   enable_prefix_caching=False), torch.float32, "cpu")  # fmt: skip
-    shapes = [(1, 30), (23, 23), (1, 5), (12, 40), (1, 64)]  # (new tokens, kv_len)
+    shapes = [(1, 30), (23, 23), (1, 5), (12, 140), (1, 64)]  # (new tokens, kv_len)
     if not interleaved:
         shapes.sort(key=lambda s: s[0] > 1)
     seqs, filler = [], []
@@ -208,6 +208,10 @@ def test_mixed_step_splits_decodes_and_prefills(seed, interleaved) -> None:
     meta = AttentionMetadata.build(Batch(tuple(seqs)), "cpu")
     assert meta.decode is not None and meta.prefill is not None
     assert isinstance(meta.decode.rows, slice) != interleaved
+    # each group's block table as wide as its own longest sequence needs (not the step's)
+    assert meta.block_table.shape[1] == -(-140 // bs)
+    assert meta.decode.block_table.shape[1] == -(-64 // bs)
+    assert meta.prefill.block_table.shape[1] == -(-140 // bs)
     q = torch.randn(sum(n for n, _ in shapes), heads, dim, generator=gen)
     got = pa.paged_attention(q, k_cache, v_cache, meta, dim**-0.5, window=9)
     expected = naive_attention(q, k_cache, v_cache, [s.cache.block_ids for s in seqs],
