@@ -11,6 +11,8 @@ leaves), --repeats times:
   2. --decodes requests decoding (greedy, ignore_eos): their ITL over --window tokens each;
   3. a prompt of the same length submitted while they decode: its seconds to first token, and
      the decodes' ITL over the gaps that overlap it.
+--warm-up-repeats (default 1 on CUDA) measurements come first and are not recorded: a fresh
+service's first mixed step on CUDA compiles kernels.
 The table shows each value's median over the repeats (the ratios: medians of each repeat's);
 steps: the decodes' tokens while the prompt was prefilled, per decode (the steps it took).
 Targets (issue 14): joined <= 1.5x alone; ITL p99 during <= 3x undisturbed p99.
@@ -143,7 +145,12 @@ def measure_service(address: str, args, budget: int, factor: float,
                               experts=ExpertClientConfig((address,)))  # fmt: skip
     service = build_gpu_service(config)
     runs = []
+    warm_up = args.warm_up_repeats
+    if warm_up is None:
+        warm_up = 1 if torch.device(args.device).type == "cuda" else 0
     try:
+        for _ in range(warm_up):
+            measure(service, args, rng)
         for repeat in range(args.repeats):
             m = measure(service, args, rng)
             runs.append(m)
@@ -181,6 +188,10 @@ def main() -> None:
                         help="chunks beside decodes: at least (default %(default)s)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=1,
                         help="measurements per service; the table shows medians")  # fmt: skip
+    parser.add_argument("--warm-up-repeats", type=int, default=None,
+                        help="unrecorded measurements first, per service (default: 1 on "
+                        "CUDA, where a fresh service's first mixed step compiles kernels, else "
+                        "0)")  # fmt: skip
     parser.add_argument("--label", default=Path(__file__).resolve().parent.parent.name,
                         help="this tree's name in the table (default: its directory)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
