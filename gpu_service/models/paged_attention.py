@@ -13,7 +13,8 @@ transformers' repeat_kv; kv heads are broadcast, never copied. A cache stored in
 (FP8) is upcast to q's dtype as it is read. MLA passes its latent as one kv head (Hkv = 1) with
 v_cache a view of k_cache's first Dv columns: then the keys are gathered once, not twice.
 
-Cost: decode gathers [B, W * block_size] keys (W: the block table's width), one query each;
+Cost: decode gathers [B, W * block_size] keys (W: the block table's width; on the CPU per group
+of rows whose widths are within a power of two), one query each;
 prefill runs per sequence in chunks of queries, each against the keys it can see, so its scores
 never exceed PREFILL_SCORE_ELEMENTS (_CUDA on a GPU; or one query's row).
 """
@@ -53,7 +54,33 @@ def paged_decode(
     window: int | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D], caches [S, Hkv, D] / [S, Hkv, Dv], block_table [B, W] int32, kv_len [B]
-    int32 (>= 1; the query sits at kv_len - 1) -> [B, Hq, Dv] in q's dtype."""
+    int32 (>= 1; the query sits at kv_len - 1) -> [B, Hq, Dv] in q's dtype.
+
+    On the CPU the rows go in groups of block-table widths within a power of two, each group
+    gathering only as many keys as its longest row has (one long context among short ones
+    would make every row gather and score its keys); on CUDA (graph capture: no host reads of
+    kv_len) all rows go at once."""
+    if q.device.type != "cpu" or q.shape[0] < 2:
+        return _decode_rows(q, k_cache, v_cache, block_table, kv_len, block_size, scale, window)
+    blocks = [-(-n // block_size) for n in kv_len.tolist()]
+    classes: dict[int, list[int]] = {}
+    for row, width in enumerate(blocks):
+        classes.setdefault(width.bit_length(), []).append(row)
+    if len(classes) == 1:
+        return _decode_rows(q, k_cache, v_cache, block_table, kv_len, block_size, scale, window)
+    out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
+    for rows in classes.values():
+        index = torch.tensor(rows)
+        width = max(blocks[r] for r in rows)
+        out[index] = _decode_rows(q[index], k_cache, v_cache, block_table[index, :width],
+                                  kv_len[index], block_size, scale, window)  # fmt: skip
+    return out
+
+
+def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_table: torch.Tensor, kv_len: torch.Tensor, block_size: int, scale: float,
+                 window: int | None) -> torch.Tensor:  # fmt: skip
+    """paged_decode's rows all at once: each gathers block_table's whole width of keys."""
     b, num_heads, head_dim = q.shape
     num_kv_heads, dv = k_cache.shape[1], v_cache.shape[-1]
     pos = torch.arange(block_table.shape[1] * block_size, device=q.device)  # [K]

@@ -264,3 +264,15 @@ def test_reference_on_cuda_matches_naive(seed, mla) -> None:
     if mla:
         case.v_cache = case.k_cache[..., :512]
     torch.testing.assert_close(case.prefill().double().cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_decode_rows_of_very_different_lengths(seed, window) -> None:
+    """One long context among short ones (the CPU groups the rows by width): every row as naive."""
+    rng, gen = random.Random(seed + 900), torch.Generator().manual_seed(seed + 900)
+    kv_lens = [3, 700, 40, 1, 160, 700, 17]
+    rng.shuffle(kv_lens)
+    case = Case(rng, gen, num_kv_heads=2, groups=2, head_dim=16, v_dim=8, block_size=4,
+                num_queries=[1] * len(kv_lens), kv_lens=kv_lens)  # fmt: skip
+    torch.testing.assert_close(case.decode(window).double(), case.expected(window), rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
