@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from expert_service.expert_shard import ExpertShard, LoadProgress, StoreLayout
 from expert_service.kernels import PackedExperts
-from ktserve.checkpoint import CheckpointError, ModelSpec, validate_shard
+from ktserve import shared_store
+from ktserve.checkpoint import CheckpointError, HFConfig, ModelSpec, validate_shard
 from ktserve.packed_layout import tensor_specs
 
 INDEX_NAME = "ktserve-packed.json"
@@ -104,6 +106,48 @@ def map_layer(path: Path, entry: dict, weight_format: str, num_experts: int,
     return PackedExperts.from_tensors(
         weight_format, num_experts, spec.hidden_size, spec.moe_intermediate_size, tensors
     )
+
+
+def pack_layers(
+    spec: ModelSpec,
+    model_dir: Path,
+    experts: range,
+    weight_format: str,
+    store_dir: Path | None,
+    pack_layer: Callable[[int, dict[str, np.ndarray] | None], PackedExperts],
+    progress: LoadProgress | None = None,
+) -> tuple[dict[int, PackedExperts], StoreLayout | None]:
+    """Every MoE layer of the shard, each made by pack_layer(layer, out): with a store, out is
+    the layer file's writable mapped arrays to pack into, and the layer is then served from a
+    read-only mapping of that file; without one (store_dir None), out is None and the layer
+    stays in private memory. The store's index goes last; a failure part-way removes the store."""
+    layers: dict[int, PackedExperts] = {}
+    entries: dict[int, dict] = {}
+    done_bytes = 0
+    try:
+        for i, layer in enumerate(spec.moe_layers):
+            out = None
+            if store_dir is not None:  # NOTE: packed straight into the store's file
+                entries[layer], out = create_layer(store_dir, layer, weight_format, len(experts),
+                                                   spec)  # fmt: skip
+            packed = pack_layer(layer, out)
+            if store_dir is not None:  # NOTE: served from a read-only mapping of it
+                del out
+                packed = map_layer(store_dir, entries[layer], weight_format, len(experts), spec)
+            layers[layer] = packed
+            done_bytes += packed.nbytes
+            if progress is not None:
+                progress(i + 1, len(spec.moe_layers), done_bytes)
+        store = None
+        if store_dir is not None:
+            write_index(store_dir, HFConfig.from_dir(model_dir).data, weight_format, experts,
+                        str(model_dir), entries)  # fmt: skip
+            store = StoreLayout(str(store_dir), entries)
+    except BaseException:
+        if store_dir is not None:
+            shared_store.remove(store_dir)
+        raise
+    return layers, store
 
 
 def save(shard: ExpertShard, out_dir: str | Path, config: dict) -> Path:

@@ -8,12 +8,11 @@ import time
 from pathlib import Path
 
 from expert_service import packed_store, synthetic_experts
-from expert_service.expert_shard import ExpertShard, LoadProgress, StoreLayout
+from expert_service.expert_shard import ExpertShard, LoadProgress
 from expert_service.kernels import PackedExperts, pack_expert_list, pack_experts
 from ktserve import shared_store
 from ktserve.checkpoint import (
     CheckpointReader,
-    HFConfig,
     check_memory_available,
     estimate_shard_bytes,
     validate_shard,
@@ -68,36 +67,13 @@ def load_shard(
         transient = estimate_shard_bytes(spec, len(experts), 4.0) // max(spec.num_moe_layers, 1)
         check_memory_available(required + transient)
         store_dir = shared_store.create(required) if share else None
-        layers: dict[int, PackedExperts] = {}
-        entries: dict[int, dict] = {}
-        done_bytes = 0
-        try:
-            for i, layer in enumerate(spec.moe_layers):
-                out = None
-                if store_dir is not None:  # NOTE: packed straight into the store's file
-                    entries[layer], out = packed_store.create_layer(
-                        store_dir, layer, weight_format, len(experts), spec
-                    )
-                packed = _pack_layer(reader, layer, experts, weight_format, pack_threads, out,
-                                     intermediate)  # fmt: skip
-                if store_dir is not None:  # NOTE: served from a read-only mapping of it
-                    del out
-                    packed = packed_store.map_layer(store_dir, entries[layer], weight_format,
-                                                    len(experts), spec)  # fmt: skip
-                layers[layer] = packed
-                done_bytes += packed.nbytes
-                if progress is not None:
-                    progress(i + 1, len(spec.moe_layers), done_bytes)
-            store = None
-            if store_dir is not None:
-                config = HFConfig.from_dir(model_dir).data
-                packed_store.write_index(store_dir, config, weight_format, experts,
-                                         str(model_dir), entries)  # fmt: skip
-                store = StoreLayout(str(store_dir), entries)
-        except BaseException:
-            if store_dir is not None:
-                shared_store.remove(store_dir)
-            raise
+
+        def pack_layer(layer: int, out: dict | None) -> PackedExperts:
+            return _pack_layer(reader, layer, experts, weight_format, pack_threads, out,
+                               intermediate)  # fmt: skip
+
+        layers, store = packed_store.pack_layers(spec, model_dir, experts, weight_format,
+                                                 store_dir, pack_layer, progress)  # fmt: skip
     return ExpertShard(spec, str(model_dir), weight_format, experts, layers, store, intermediate)
 
 

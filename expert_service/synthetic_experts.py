@@ -26,12 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from expert_service import packed_store
-from expert_service.expert_shard import ExpertShard, LoadProgress, StoreLayout
+from expert_service.expert_shard import ExpertShard, LoadProgress
 from expert_service.kernels import PackedExperts
 from ktserve import shared_store
 from ktserve.checkpoint import (
     CheckpointError,
-    HFConfig,
     ModelSpec,
     check_memory_available,
     validate_shard,
@@ -84,38 +83,18 @@ def load(model_dir: str | Path, experts: range | None, weight_format: str, *,
     required = len(spec.moe_layers) * len(experts) * sum(d.itemsize * n for d, n in specs.values())
     check_memory_available(required)
     store_dir = shared_store.create(required) if share else None
-    layers: dict[int, PackedExperts] = {}
-    entries: dict[int, dict] = {}
-    done = 0
     pool = ThreadPoolExecutor(max_workers=threads or max(1, len(os.sched_getaffinity(0))))
+
+    def pack_layer(layer: int, out: dict | None) -> PackedExperts:
+        if out is None:
+            out = {n: np.empty((len(experts), per), dtype) for n, (dtype, per) in specs.items()}
+        fill = partial(fill_expert, out, weight_format, H, I)
+        list(pool.map(fill, range(len(experts)), [(seed, layer, e) for e in experts]))
+        return PackedExperts.from_tensors(weight_format, len(experts), H, I, out)
+
     try:
-        for i, layer in enumerate(spec.moe_layers):
-            if store_dir is not None:
-                entries[layer], out = packed_store.create_layer(store_dir, layer, weight_format,
-                                                                len(experts), spec)  # fmt: skip
-            else:
-                out = {n: np.empty((len(experts), per), dtype) for n, (dtype, per) in specs.items()}
-            fill = partial(fill_expert, out, weight_format, H, I)
-            list(pool.map(fill, range(len(experts)), [(seed, layer, e) for e in experts]))
-            if store_dir is not None:
-                del out
-                packed = packed_store.map_layer(store_dir, entries[layer], weight_format,
-                                                len(experts), spec)  # fmt: skip
-            else:
-                packed = PackedExperts.from_tensors(weight_format, len(experts), H, I, out)
-            layers[layer] = packed
-            done += packed.nbytes
-            if progress is not None:
-                progress(i + 1, len(spec.moe_layers), done)
-        store = None
-        if store_dir is not None:
-            packed_store.write_index(store_dir, HFConfig.from_dir(model_dir).data, weight_format,
-                                     experts, str(model_dir), entries)  # fmt: skip
-            store = StoreLayout(str(store_dir), entries)
-    except BaseException:
-        if store_dir is not None:
-            shared_store.remove(store_dir)
-        raise
+        layers, store = packed_store.pack_layers(spec, model_dir, experts, weight_format,
+                                                 store_dir, pack_layer, progress)  # fmt: skip
     finally:
         pool.shutdown()
     return ExpertShard(spec, str(model_dir), weight_format, experts, layers, store, intermediate)
