@@ -105,6 +105,15 @@ def start_decodes(sim: Simulation, num: int, max_tokens: int = 10_000) -> list[R
     return decodes
 
 
+def prompt_steps(sim: Simulation, prompt: Request):
+    """The steps until the prompt samples, each with the prompt's chunk and the shape of the
+    step's other rows."""
+    while not prompt.output:
+        step = sim.step()
+        [chunk] = [s for s in step.seqs if s.request is prompt]
+        yield step, chunk, StepShape.of(s for s in step.seqs if s.request is not prompt)
+
+
 def test_a_prompt_beside_decodes_gets_the_chunk_the_time_bound_allows(seed):
     g = random.Random(seed)
     print(f"seed {seed}")
@@ -114,10 +123,7 @@ def test_a_prompt_beside_decodes_gets_the_chunk_the_time_bound_allows(seed):
     start_decodes(sim, 6)
     prompt = sim.add(1500, 1)
     chunks = []
-    while not prompt.output:
-        step = sim.step()
-        [chunk] = [s for s in step.seqs if s.request is prompt]
-        decode_shape = StepShape.of(s for s in step.seqs if s.request is not prompt)
+    for step, chunk, decode_shape in prompt_steps(sim, prompt):
         assert len(step.seqs) == 7  # every decode runs beside it
         bound = 3.0 * LAW.seconds(decode_shape)
         assert step.time_bound_s == pytest.approx(bound, rel=1e-6)
@@ -151,10 +157,7 @@ def test_with_graphed_decodes_a_chunk_pays_at_least_the_eager_steps_gap(seed):
         model.observe(shape, 0.1 * LAW.seconds(shape), decode_only=True, graphed=True)
     prompt = sim.add(1500, 1)
     chunks = []
-    while not prompt.output:
-        step = sim.step()
-        [chunk] = [s for s in step.seqs if s.request is prompt]
-        decode_shape = StepShape.of(s for s in step.seqs if s.request is not prompt)
+    for step, chunk, decode_shape in prompt_steps(sim, prompt):
         graphed, eager = model.decode_seconds(decode_shape), model.seconds(decode_shape)
         assert graphed == pytest.approx(0.1 * eager, rel=0.02)
         assert eager == pytest.approx(LAW.seconds(decode_shape), rel=1e-6)
