@@ -11,7 +11,7 @@
 #   usage: bash bench/gpu_host_mixed.sh [tests|mixed|prefix|all]   (REPEATS in the environment)
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
-what="${1:-all}"
+what="${1:?usage: gpu_host_mixed.sh tests|mixed|prefix|all (all runs past one call: 10 minutes)}"
 repeats="${REPEATS:-3}"
 ckpt=/tmp/ktserve-mixed/q16
 say() { echo "[$(date +%H:%M:%S)] $*"; }
