@@ -128,20 +128,27 @@ def test_decode_steps_calibrate_what_decode_rows_alone_take(seed):
 
 
 def test_a_slower_machine_moves_both_predictions_alike(seed):
-    """Every step 1.5x slower from some point on (the machine got busier): both predictions
-    follow, so the chunk a bound of FACTOR x the decode step allows stays what it was."""
+    """Every step 1.5x slower from some point on (the machine got busier). The decode steps'
+    calibration follows within 60 of them; once every size class's window holds the slower
+    steps (240 random steps: each class's SAMPLES_PER_CLASS and more), the eager prediction is
+    1.5x too, so the chunk a bound of FACTOR x the decode step allows is what it was. (In
+    between, with windows of both speeds, a mixed shape's prediction can be off by up to ~28%:
+    60 random steps left 83 of 300 seeds beyond 1e-3.)"""
     g = random.Random(seed + 6)
     model = StepCostModel()
     decode = StepShape().plus_seq(40, 1).plus_seq(90, 1).plus_seq(7, 1)
-    for slowdown in (1.0, 1.5):
-        for _ in range(60):
+
+    def run(steps: int, slowdown: float) -> None:
+        for _ in range(steps):
             shape = random_shape(g)
             model.observe(shape, slowdown * LAW.seconds(shape))
             model.observe(decode, slowdown * LAW.seconds(decode), decode_only=True)
-        if slowdown == 1.0:
-            before = model.prompt_tokens_within(decode, 500, 3 * model.decode_seconds(decode),
-                                                2048)  # fmt: skip
-    assert model.decode_seconds(decode) == pytest.approx(1.5 * LAW.seconds(decode), rel=1e-3)
+
+    run(240, 1.0)
+    before = model.prompt_tokens_within(decode, 500, 3 * model.decode_seconds(decode), 2048)
+    run(60, 1.5)
+    assert model.decode_seconds(decode) == pytest.approx(1.5 * LAW.seconds(decode), rel=2e-3)
+    run(180, 1.5)
     mixed = decode.plus_seq(300, 64)
     assert model.seconds(mixed) == pytest.approx(1.5 * LAW.seconds(mixed), rel=1e-3)
     after = model.prompt_tokens_within(decode, 500, 3 * model.decode_seconds(decode), 2048)
