@@ -35,13 +35,8 @@ EOF
 build_in_place || exit 1
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  KTSERVE_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q -p no:cacheprovider -rs \
-    tests/gpu_service/test_sampling.py tests/gpu_service/test_grammar.py \
-    tests/gpu_service/test_prefix_cache.py > "$out/tests-cuda.log" 2>&1 || rc=1
-  tail -15 "$out/tests-cuda.log"
-  if grep -q "CUDA is not available" "$out/tests-cuda.log"; then
-    echo "FAILED: tests skipped for want of CUDA"; rc=1
-  fi
+  cuda_tests "$out/tests-cuda.log" 420 tests/gpu_service/test_sampling.py \
+    tests/gpu_service/test_grammar.py tests/gpu_service/test_prefix_cache.py || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 300 python3 bench/bench_prefix_cache.py --device cuda --threads "${THREADS:-8}" \

@@ -16,3 +16,16 @@ build_in_place() {
   local log="${1:-$out/build.log}"
   python3 setup.py -q build_py build_ext --inplace > "$log" 2>&1 || { tail -30 "$log"; return 1; }
 }
+# pytest on CUDA (KTSERVE_TEST_DEVICE=cuda): cuda_tests LOG SECONDS TEST_FILE...; the log's tail
+# printed; fails where the run failed or a test skipped for want of CUDA
+cuda_tests() {
+  local log="$1" limit="$2" rc=0
+  shift 2
+  KTSERVE_TEST_DEVICE=cuda timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rs "$@" \
+    > "$log" 2>&1 || rc=1
+  tail -15 "$log"
+  if grep -q "CUDA is not available" "$log"; then
+    echo "FAILED: tests skipped for want of CUDA"; rc=1
+  fi
+  return $rc
+}

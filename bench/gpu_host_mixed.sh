@@ -19,10 +19,8 @@ build_in_place || exit 1
 say built
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  KTSERVE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider -rs \
-    tests/gpu_service/test_attention_triton.py tests/gpu_service/test_device_calls.py \
-    tests/gpu_service/test_gpu_weights.py > "$out/tests-cuda.log" 2>&1 || rc=1
-  tail -8 "$out/tests-cuda.log"
+  cuda_tests "$out/tests-cuda.log" 300 tests/gpu_service/test_attention_triton.py \
+    tests/gpu_service/test_device_calls.py tests/gpu_service/test_gpu_weights.py || rc=1
 fi
 if [ "$what" != tests ]; then
   timeout 100 python3 bench/real_checkpoint.py "$ckpt" --shape qwen3 --layers 16 \
