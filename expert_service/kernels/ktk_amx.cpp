@@ -34,7 +34,7 @@ inline void prefetch_tile(const void* p) {
   for (int i = 0; i < 1024; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
 }
 
-// Tiles 0-3: C (16 x 16 fp32/int32); 4: B; 5, 6: A.
+// Tiles 0-3: C (16 x 16 fp32/int32); 4, 5: B (b_rows x 64 bytes); 6, 7: A (16 x a_colsb bytes).
 void configure(int b_rows, int a_colsb) {
   TileConfig cfg = {};
   cfg.palette_id = 1;
@@ -42,9 +42,11 @@ void configure(int b_rows, int a_colsb) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = 64;
   }
-  cfg.rows[4] = uint8_t(b_rows);
-  cfg.colsb[4] = 64;
-  for (int t = 5; t < 7; ++t) {
+  for (int t = 4; t < 6; ++t) {
+    cfg.rows[t] = uint8_t(b_rows);
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 6; t < 8; ++t) {
     cfg.rows[t] = 16;
     cfg.colsb[t] = uint16_t(a_colsb);
   }
@@ -61,19 +63,19 @@ void bf16_pass(const uint16_t* w, int K, const uint16_t* x, int ldx, float* out)
   for (int k = 0; k < K; k += 32) {
     prefetch_tile(w + k * 16 + kPrefetchBytes / 2);
     _tile_loadd(4, w + k * 16, 64);
-    _tile_loadd(5, x + k, sx);
-    _tile_dpbf16ps(0, 5, 4);
+    _tile_loadd(6, x + k, sx);
+    _tile_dpbf16ps(0, 6, 4);
     if (NC > 1) {
-      _tile_loadd(6, x + size_t(16) * ldx + k, sx);
-      _tile_dpbf16ps(1, 6, 4);
+      _tile_loadd(7, x + size_t(16) * ldx + k, sx);
+      _tile_dpbf16ps(1, 7, 4);
     }
     if (NC > 2) {
-      _tile_loadd(5, x + size_t(32) * ldx + k, sx);
-      _tile_dpbf16ps(2, 5, 4);
+      _tile_loadd(6, x + size_t(32) * ldx + k, sx);
+      _tile_dpbf16ps(2, 6, 4);
     }
     if (NC > 3) {
-      _tile_loadd(6, x + size_t(48) * ldx + k, sx);
-      _tile_dpbf16ps(3, 6, 4);
+      _tile_loadd(7, x + size_t(48) * ldx + k, sx);
+      _tile_dpbf16ps(3, 7, 4);
     }
   }
   _tile_stored(0, out, 64);
@@ -109,19 +111,19 @@ void int8_pass(const int8_t* w, int K, const int8_t* x, int ldx, int32_t* c) {
   for (int k = 0; k < K; k += 64) {
     prefetch_tile(w + k * 16 + kPrefetchBytes);
     _tile_loadd(4, w + k * 16, 64);
-    _tile_loadd(5, x + k, ldx);
-    _tile_dpbssd(0, 5, 4);
+    _tile_loadd(6, x + k, ldx);
+    _tile_dpbssd(0, 6, 4);
     if (NC > 1) {
-      _tile_loadd(6, x + size_t(16) * ldx + k, ldx);
-      _tile_dpbssd(1, 6, 4);
+      _tile_loadd(7, x + size_t(16) * ldx + k, ldx);
+      _tile_dpbssd(1, 7, 4);
     }
     if (NC > 2) {
-      _tile_loadd(5, x + size_t(32) * ldx + k, ldx);
-      _tile_dpbssd(2, 5, 4);
+      _tile_loadd(6, x + size_t(32) * ldx + k, ldx);
+      _tile_dpbssd(2, 6, 4);
     }
     if (NC > 3) {
-      _tile_loadd(6, x + size_t(48) * ldx + k, ldx);
-      _tile_dpbssd(3, 6, 4);
+      _tile_loadd(7, x + size_t(48) * ldx + k, ldx);
+      _tile_dpbssd(3, 7, 4);
     }
   }
   _tile_stored(0, c, 64);
@@ -156,50 +158,125 @@ void dot_int8(const int8_t* w, const float* ws, const int32_t* wsum, int K, cons
   _tile_release();
 }
 
-// Unpacks one group (256 bytes of nibbles) to the signed int8 B tile [8 quads][16 rows][4].
-inline void unpack_group(const uint8_t* wg, int8_t* bq) {
-  const __m512i nib = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+// Unpacks one group (256 bytes of nibbles) to the int8 B tile [8 quads][16 rows][4] of 16 * w:
+// each nibble (w + 8) with its top bit flipped is w in 4-bit two's complement, so moved to the top
+// of its byte it reads as int8 16 * w ([-128, 112]). The factor 16 leaves the tile sums exact
+// (|C| <= 32 * 128 * 128) and comes out with the token scale (a power of two: the result is
+// bit for bit what w itself gives).
+inline void unpack_group16(const uint8_t* wg, int8_t* bq) {
+  const __m512i flip = _mm512_set1_epi8(char(0x80)), top = _mm512_set1_epi8(char(0xf0));
   for (int c = 0; c < 4; ++c) {
     __m512i v = _mm512_loadu_si512(wg + c * 64);
-    __m512i lo = _mm512_sub_epi8(_mm512_and_si512(v, nib), eight);
-    __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), nib), eight);
+    // (a ^ b) & c: ternary-logic table 0x28 (a = 0xf0, b = 0xcc, c = 0xaa)
+    __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi16(v, 4), flip, top, 0x28);
+    __m512i hi = _mm512_ternarylogic_epi32(v, flip, top, 0x28);
     _mm512_store_si512(bq + c * 64, lo);
     _mm512_store_si512(bq + (c + 4) * 64, hi);
   }
 }
+constexpr float kUnpackScale = 1.0f / 16;
 
-// One pass over up to 16 * NC tokens: per group, C = A x B on the tile unit, then
-// acc += C * scale on AVX-512 (the group scales differ per output row, so C is flushed per group).
+inline __m512 group_scales(const uint16_t* gs) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs))), 16));
+}
+
+// A pass over up to 16 * NC tokens goes in steps of two tile products, each a group of 32 weights
+// by 16 tokens: NC == 1: groups g, g + 1; NC == 2: group g by tokens 0-15 and 16-31. A step's C
+// tiles are flushed to fp32 (acc += C * scale on AVX-512: the group scales differ per output row)
+// one step later, after the next step's tile work is issued, and consecutive steps use C tiles
+// 0, 1 and 2, 3, so the tile unit computes one step while the vector unit flushes the one before.
+// Tiles: C 0-3, B 4-5, A 6-7 (configure(8, 32)).
+// GCC pastes tile numbers into the instruction text, so they must be literals: one body per pair
+// of C tiles (CA, CB), for int4_step_tiles below.
+#define KTK_INT4_STEP_PRODUCTS(CA, CB)                  \
+  _tile_zero(CA);                                       \
+  _tile_zero(CB);                                       \
+  _tile_loadd(4, bq, 64);                               \
+  _tile_loadd(6, x + g * 32, ldx);                      \
+  _tile_dpbssd(CA, 6, 4);                               \
+  if (NC == 1) {                                        \
+    _tile_loadd(5, bq + 512, 64);                       \
+    _tile_loadd(7, x + (g + 1) * 32, ldx);              \
+    _tile_dpbssd(CB, 7, 5);                             \
+  } else {                                              \
+    _tile_loadd(7, x + size_t(16) * ldx + g * 32, ldx); \
+    _tile_dpbssd(CB, 7, 4);                             \
+  }                                                     \
+  _tile_stored(CA, c[CA], 64);                          \
+  _tile_stored(CB, c[CB], 64);
+
+// One step's tile work into C tiles 2 * SET and 2 * SET + 1, stored to c[] (bq: its B tiles).
+template <int NC, int SET>
+inline void int4_step_tiles(const uint8_t* w, int g, const int8_t* x, int ldx, int8_t* bq,
+                            int32_t (*c)[256]) {
+  // Nibbles: the same byte distance ahead as the other passes.
+  const char* wpf = reinterpret_cast<const char*>(w + g * 256) + kPrefetchBytes;
+  for (int i = 0; i < 256 * (3 - NC); i += 64) _mm_prefetch(wpf + i, _MM_HINT_T0);
+  unpack_group16(w + g * 256, bq);
+  if (NC == 1) unpack_group16(w + (g + 1) * 256, bq + 512);
+  // The tile-load intrinsic does not tell the compiler it reads bq: this empty asm does.
+  __asm__ volatile("" ::"m"(*reinterpret_cast<const int8_t(*)[1024]>(bq)));
+  if constexpr (SET == 0) {
+    KTK_INT4_STEP_PRODUCTS(0, 1)
+  } else {
+    KTK_INT4_STEP_PRODUCTS(2, 3)
+  }
+  // ... and keeps the next unpack into bq behind the tile loads.
+  __asm__ volatile("" : "+m"(*reinterpret_cast<int8_t(*)[1024]>(bq)));
+}
+#undef KTK_INT4_STEP_PRODUCTS
+
+// acc += the step's C tiles (from c[]) times their group scales; scales (1/8 of the weight bytes,
+// one 64-byte line per two groups) are fetched the nibbles' distance ahead in groups.
+template <int NC, int SET>
+inline void int4_step_flush(const uint16_t* gs, int g, int32_t (*c)[256], __m512* acc) {
+  constexpr int CA = 2 * SET, CB = 2 * SET + 1;
+  // Nor does the tile store tell it that it wrote c: this does.
+  __asm__ volatile("" : "+m"(c[CA]), "+m"(c[CB]));
+  if (!(g & 1)) _mm_prefetch(reinterpret_cast<const char*>(gs + g * 16) + kPrefetchBytes / 8, _MM_HINT_T0);
+  const __m512 s0 = group_scales(gs + g * 16);
+  if (NC == 1) {
+    const __m512 s1 = group_scales(gs + (g + 1) * 16);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[CA] + i * 16)), s0, acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[CB] + i * 16)), s1, acc[i]);
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[CA] + i * 16)), s0, acc[i]);
+      acc[16 + i] =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[CB] + i * 16)), s0, acc[16 + i]);
+    }
+  }
+}
+
 template <int NC>
 void int4_pass(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
                const float* xs, int rows, float* out) {
-  alignas(64) int8_t bq[512];
-  alignas(64) int32_t c[16 * 16];
+  alignas(64) int8_t bq[2][1024];  // [step parity][B tiles]
+  alignas(64) int32_t c[4][256];   // [C tile][16 x 16]
   __m512 acc[NC * 16];
+#pragma GCC unroll 32
   for (int i = 0; i < NC * 16; ++i) acc[i] = _mm512_setzero_ps();
-  for (int g = 0; g < K / 32; ++g) {
-    // Nibbles: the same byte distance ahead as the other passes; scales (1/8 of the weight bytes,
-    // one 64-byte line per two groups) the same distance in groups.
-    const char* wpf = reinterpret_cast<const char*>(w + g * 256) + kPrefetchBytes;
-    for (int i = 0; i < 256; i += 64) _mm_prefetch(wpf + i, _MM_HINT_T0);
-    if (!(g & 1)) _mm_prefetch(reinterpret_cast<const char*>(gs + g * 16) + kPrefetchBytes / 8, _MM_HINT_T0);
-    unpack_group(w + g * 256, bq);
-    // The tile-load intrinsic does not tell the compiler it reads bq: this empty asm does.
-    __asm__ volatile("" ::"m"(*reinterpret_cast<const int8_t(*)[512]>(bq)));
-    _tile_loadd(4, bq, 64);
-    __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gs + g * 16))), 16));
-    for (int ch = 0; ch < NC; ++ch) {
-      _tile_zero(0);
-      _tile_loadd(5, x + size_t(16 * ch) * ldx + g * 32, ldx);
-      _tile_dpbssd(0, 5, 4);
-      _tile_stored(0, c, 64);
-      for (int i = 0; i < 16; ++i)
-        acc[ch * 16 + i] =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + i * 16)), sc, acc[ch * 16 + i]);
-    }
+  const int per_step = 3 - NC;  // groups
+  const int steps = K / 32 / per_step;
+  int s = 0;
+  int4_step_tiles<NC, 0>(w, 0, x, ldx, bq[0], c);
+  for (; s + 2 <= steps; s += 2) {
+    int4_step_tiles<NC, 1>(w, (s + 1) * per_step, x, ldx, bq[1], c);
+    int4_step_flush<NC, 0>(gs, s * per_step, c, acc);
+    if (s + 2 < steps) int4_step_tiles<NC, 0>(w, (s + 2) * per_step, x, ldx, bq[0], c);
+    int4_step_flush<NC, 1>(gs, (s + 1) * per_step, c, acc);
   }
-  for (int i = 0; i < rows; ++i) _mm512_storeu_ps(out + i * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(xs[i])));
+  if (s < steps) int4_step_flush<NC, 0>(gs, s * per_step, c, acc);
+  // Constant indices (the loop unrolled) keep acc in registers.
+#pragma GCC unroll 32
+  for (int i = 0; i < NC * 16; ++i)
+    if (i < rows)
+      _mm512_storeu_ps(out + i * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(xs[i] * kUnpackScale)));
 }
 
 // Rows past the last full 16-row chunk go to AVX-512 VNNI when they are at most this many: a tile
