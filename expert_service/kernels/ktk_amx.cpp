@@ -184,9 +184,10 @@ inline __m512 group_scales(const uint16_t* gs) {
 // A pass over up to 16 * NC tokens goes in steps of two tile products, each a group of 32 weights
 // by 16 tokens: NC == 1: groups g, g + 1; NC == 2: group g by tokens 0-15 and 16-31. A step's C
 // tiles are flushed to fp32 (acc += C * scale on AVX-512: the group scales differ per output row)
-// one step later, after the next step's tile work is issued, and consecutive steps use C tiles
-// 0, 1 and 2, 3, so the tile unit computes one step while the vector unit flushes the one before.
-// Tiles: C 0-3, B 4-5, A 6-7 (configure(8, 32)).
+// kInt4FlushLag steps later, after the next steps' tile work is issued, and consecutive steps use
+// C tiles 0, 1 and 2, 3, so the tile unit computes while the vector unit flushes earlier steps.
+// Tiles: C 0-3, B 4-5, A 6-7 (configure(8, 32)). kInt4FlushLag: how many steps behind.
+constexpr int kInt4FlushLag = 2;
 // GCC pastes tile numbers into the instruction text, so they must be literals: one body per pair
 // of C tiles (CA, CB), for int4_step_tiles below.
 #define KTK_INT4_STEP_PRODUCTS(CA, CB)                  \
@@ -203,10 +204,11 @@ inline __m512 group_scales(const uint16_t* gs) {
     _tile_loadd(7, x + size_t(16) * ldx + g * 32, ldx); \
     _tile_dpbssd(CB, 7, 4);                             \
   }                                                     \
-  _tile_stored(CA, c[CA], 64);                          \
-  _tile_stored(CB, c[CB], 64);
+  _tile_stored(CA, c[0], 64);                           \
+  _tile_stored(CB, c[1], 64);
 
-// One step's tile work into C tiles 2 * SET and 2 * SET + 1, stored to c[] (bq: its B tiles).
+// One step's tile work into C tiles 2 * SET and 2 * SET + 1, stored to c[0], c[1] (bq: its B
+// tiles).
 template <int NC, int SET>
 inline void int4_step_tiles(const uint8_t* w, int g, const int8_t* x, int ldx, int8_t* bq,
                             int32_t (*c)[256]) {
@@ -217,6 +219,8 @@ inline void int4_step_tiles(const uint8_t* w, int g, const int8_t* x, int ldx, i
   if (NC == 1) unpack_group16(w + (g + 1) * 256, bq + 512);
   // The tile-load intrinsic does not tell the compiler it reads bq: this empty asm does.
   __asm__ volatile("" ::"m"(*reinterpret_cast<const int8_t(*)[1024]>(bq)));
+  // Nor that the tile stores overwrite c: reads of c before this stay before them.
+  __asm__ volatile("" : "+m"(c[0]), "+m"(c[1]));
   if constexpr (SET == 0) {
     KTK_INT4_STEP_PRODUCTS(0, 1)
   } else {
@@ -227,28 +231,27 @@ inline void int4_step_tiles(const uint8_t* w, int g, const int8_t* x, int ldx, i
 }
 #undef KTK_INT4_STEP_PRODUCTS
 
-// acc += the step's C tiles (from c[]) times their group scales; scales (1/8 of the weight bytes,
-// one 64-byte line per two groups) are fetched the nibbles' distance ahead in groups.
-template <int NC, int SET>
+// acc += the step's C tiles (stored to c[0], c[1]) times their group scales; scales (1/8 of the
+// weight bytes, one 64-byte line per two groups) are fetched the nibbles' distance ahead in groups.
+template <int NC>
 inline void int4_step_flush(const uint16_t* gs, int g, int32_t (*c)[256], __m512* acc) {
-  constexpr int CA = 2 * SET, CB = 2 * SET + 1;
   // Nor does the tile store tell it that it wrote c: this does.
-  __asm__ volatile("" : "+m"(c[CA]), "+m"(c[CB]));
+  __asm__ volatile("" : "+m"(c[0]), "+m"(c[1]));
   if (!(g & 1)) _mm_prefetch(reinterpret_cast<const char*>(gs + g * 16) + kPrefetchBytes / 8, _MM_HINT_T0);
   const __m512 s0 = group_scales(gs + g * 16);
   if (NC == 1) {
     const __m512 s1 = group_scales(gs + (g + 1) * 16);
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[CA] + i * 16)), s0, acc[i]);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[CB] + i * 16)), s1, acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[0] + i * 16)), s0, acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[1] + i * 16)), s1, acc[i]);
     }
   } else {
 #pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[CA] + i * 16)), s0, acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[0] + i * 16)), s0, acc[i]);
       acc[16 + i] =
-          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[CB] + i * 16)), s0, acc[16 + i]);
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[1] + i * 16)), s0, acc[16 + i]);
     }
   }
 }
@@ -256,22 +259,25 @@ inline void int4_step_flush(const uint16_t* gs, int g, int32_t (*c)[256], __m512
 template <int NC>
 void int4_pass(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
                const float* xs, int rows, float* out) {
-  alignas(64) int8_t bq[2][1024];  // [step parity][B tiles]
-  alignas(64) int32_t c[4][256];   // [C tile][16 x 16]
+  alignas(64) int8_t bq[2][1024];                    // [step parity][B tiles]
+  alignas(64) int32_t c[kInt4FlushLag + 1][2][256];  // [step % (lag + 1)][C tile][16 x 16]
   __m512 acc[NC * 16];
 #pragma GCC unroll 32
   for (int i = 0; i < NC * 16; ++i) acc[i] = _mm512_setzero_ps();
   const int per_step = 3 - NC;  // groups
   const int steps = K / 32 / per_step;
-  int s = 0;
-  int4_step_tiles<NC, 0>(w, 0, x, ldx, bq[0], c);
-  for (; s + 2 <= steps; s += 2) {
-    int4_step_tiles<NC, 1>(w, (s + 1) * per_step, x, ldx, bq[1], c);
-    int4_step_flush<NC, 0>(gs, s * per_step, c, acc);
-    if (s + 2 < steps) int4_step_tiles<NC, 0>(w, (s + 2) * per_step, x, ldx, bq[0], c);
-    int4_step_flush<NC, 1>(gs, (s + 1) * per_step, c, acc);
+  for (int s = 0, ring = 0; s < steps + kInt4FlushLag; ++s, ring = ring == kInt4FlushLag ? 0 : ring + 1) {
+    if (s < steps) {
+      if (s & 1)
+        int4_step_tiles<NC, 1>(w, s * per_step, x, ldx, bq[1], c[ring]);
+      else
+        int4_step_tiles<NC, 0>(w, s * per_step, x, ldx, bq[0], c[ring]);
+    }
+    if (s >= kInt4FlushLag) {
+      const int back = ring >= kInt4FlushLag ? ring - kInt4FlushLag : ring + 1;  // (s - lag) % (lag + 1)
+      int4_step_flush<NC>(gs, (s - kInt4FlushLag) * per_step, c[back], acc);
+    }
   }
-  if (s < steps) int4_step_flush<NC, 0>(gs, s * per_step, c, acc);
   // Constant indices (the loop unrolled) keep acc in registers.
 #pragma GCC unroll 32
   for (int i = 0; i < NC * 16; ++i)
