@@ -44,6 +44,7 @@ from gpu_service.models import (  # noqa: E402
     deepseek,  # noqa: E402
 )
 from gpu_service.models.experts import ReadyExperts  # noqa: E402
+from gpu_service.models.parallel import SINGLE, Shard  # noqa: E402
 from gpu_service.models.weight_formats import LinearQuantConfig  # noqa: E402
 from ktserve.checkpoint import HFConfig, ModelSpec  # noqa: E402
 
@@ -57,12 +58,16 @@ class RandomWeights:
                  seed: int) -> None:  # fmt: skip
         self.device, self.dtype, self.linear_quant = device, dtype, quant
         self.fp8_block = (128, 128)
+        self.tp = SINGLE  # one GPU: every layer whole
         self.gen = None if device.type == "meta" else torch.Generator(device).manual_seed(seed)
 
     def has(self, name: str) -> bool:
         return True
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None):
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None,
+            shard: Shard | None = None):  # fmt: skip
+        if shard is not None:
+            raise ValueError(f"{name}: RandomWeights makes whole tensors, not shards")
         dtype = dtype or self.dtype
         if name.endswith(NORM_SUFFIXES):
             return torch.ones(shape, dtype=dtype, device=self.device)
