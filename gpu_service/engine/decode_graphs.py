@@ -144,7 +144,7 @@ class _Bucket:
         return AttentionMetadata(
             positions=self.positions.long(), slot_mapping=self.slot_mapping.long(),
             block_table=self.block_table, cu_seqlens_q=self.cu_seqlens_q, kv_len=self.kv_len,
-            last_index=self.rows, block_size=self.block_size, decode=decode, prefill=None,
+            last_index=self.rows, block_size=self.block_size, decodes=(decode,), prefill=None,
         )  # fmt: skip
 
     def upload(self) -> None:

@@ -9,10 +9,12 @@ chunk of either. Layout (ragged, flattened, nothing padded):
     kv_len        [B] int32     L_i = start_pos_i + n_i: its keys are positions 0..L_i - 1
     block_table   [B, W] int32  its cache blocks (W: the most any sequence of the step needs;
                                 unused entries 0, never read); slot = block * block_size + offset
-Attention (paged_attention.py) splits the sequences in two groups, each with its own rows of T
-and its own block_table (as wide as its own longest sequence needs) / cu_seqlens_q / kv_len:
+Attention (paged_attention.py) splits the sequences in groups, each with its own rows of T and
+its own block_table (as wide as its own longest sequence needs) / cu_seqlens_q / kv_len:
 decodes (n_i = 1: one query at L_i - 1, batched) and prefills (n_i > 1: ragged, causal over their
-own keys).
+own keys). On the CPU the decodes go in one group per width class (block counts within the same
+power of two), so short rows beside a long one never gather its keys; on CUDA they stay one group
+(the shape a decode graph captures).
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ Rows = slice | torch.Tensor  # a group's rows of T: a slice where they are conti
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """The decode or the prefill sequences of a step."""
+    """Decode sequences of a step (all, or on the CPU one width class), or its prefills."""
 
     rows: Rows
     block_table: torch.Tensor  # [b, W] int32
@@ -97,57 +99,68 @@ class AttentionMetadata:
     kv_len: torch.Tensor  # [B] int32
     last_index: torch.Tensor  # [B] int64 into the flat T
     block_size: int
-    decode: AttentionGroup | None  # sequences with one new token
+    decodes: tuple[AttentionGroup, ...]  # sequences with one new token (none: empty)
     prefill: AttentionGroup | None  # sequences with more
 
     @classmethod
     def build(cls, batch: Batch, device: torch.device | str) -> AttentionMetadata:
+        device = torch.device(device)
         positions, slot_mapping = [], []
         block_size = batch.seqs[0].cache.block_size
-        width = max(-(-s.end_pos // block_size) for s in batch.seqs)
-        table = []
         for s in batch.seqs:
             positions.extend(range(s.start_pos, s.end_pos))
             slot_mapping.extend(s.cache.slots(s.start_pos, s.end_pos))
-            blocks = s.cache.block_ids[: -(-s.end_pos // block_size)]
-            table.append(blocks + [0] * (width - len(blocks)))
+        blocks = [s.cache.block_ids[: -(-s.end_pos // block_size)] for s in batch.seqs]
         cu_seqlens = batch.cu_seqlens
         kv_len = [s.end_pos for s in batch.seqs]
 
         def tensor(data: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.tensor(data, dtype=dtype).to(device)
 
-        def group(members: list[int]) -> AttentionGroup | None:
-            if not members:
-                return None
+        def group(members: list[int]) -> AttentionGroup:
             rows = [r for i in members for r in range(cu_seqlens[i], cu_seqlens[i + 1])]
             lens = [cu_seqlens[i + 1] - cu_seqlens[i] for i in members]
             contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-            # NOTE: the group's own width: decode rows beside a long prompt chunk would
-            # otherwise gather (and score, masked) every key position the prompt has
-            own_width = max(-(-kv_len[i] // block_size) for i in members)
             return AttentionGroup(
                 rows=slice(rows[0], rows[0] + len(rows))
                 if contiguous
                 else tensor(rows, torch.int64),
-                block_table=tensor([table[i][:own_width] for i in members]),
+                block_table=tensor(_padded([blocks[i] for i in members])),
                 cu_seqlens_q=tensor(list(itertools.accumulate(lens, initial=0))),
                 kv_len=tensor([kv_len[i] for i in members]),
             )
 
         decodes = [i for i, s in enumerate(batch.seqs) if len(s.token_ids) == 1]
         prefills = [i for i, s in enumerate(batch.seqs) if len(s.token_ids) > 1]
+        if device.type == "cpu":
+            decode_groups = _width_classes(decodes, [len(b) for b in blocks])
+        else:  # NOTE: one group, as a CUDA decode graph captures it (decode_graphs.py)
+            decode_groups = [decodes] if decodes else []
         return cls(
             positions=tensor(positions, torch.int64),
             slot_mapping=tensor(slot_mapping, torch.int64),
-            block_table=tensor(table),
+            block_table=tensor(_padded(blocks)),
             cu_seqlens_q=tensor(cu_seqlens),
             kv_len=tensor(kv_len),
             last_index=tensor(cu_seqlens[1:], torch.int64) - 1,
             block_size=block_size,
-            decode=group(decodes),
-            prefill=group(prefills),
+            decodes=tuple(group(members) for members in decode_groups),
+            prefill=group(prefills) if prefills else None,
         )
+
+
+def _padded(tables: list[list[int]]) -> list[list[int]]:
+    """Block lists as rows of one table, as wide as the longest (the rest 0, never read)."""
+    width = max(len(blocks) for blocks in tables)
+    return [blocks + [0] * (width - len(blocks)) for blocks in tables]
+
+
+def _width_classes(members: list[int], widths: list[int]) -> list[list[int]]:
+    """members grouped by the power-of-two class of their widths, in order of first appearance."""
+    classes: dict[int, list[int]] = {}
+    for i in members:
+        classes.setdefault(widths[i].bit_length(), []).append(i)
+    return list(classes.values())
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Paged attention over the block table, without padding: batched decode and ragged prefill.
 
 The cache (kv_cache.py) is one tensor per component, [S, Hkv, D]; a sequence's position p lives in
-slot block_table[p // block_size] * block_size + p % block_size. A step's sequences split in two
-groups (batch.py, AttentionMetadata): decodes (one query each, at position kv_len - 1) and
-prefills (n_i queries at positions kv_len_i - n_i .. kv_len_i - 1, causal over their own keys).
+slot block_table[p // block_size] * block_size + p % block_size. A step's sequences split in
+groups (batch.py, AttentionMetadata): decodes (one query each, at position kv_len - 1; on the CPU
+one group per width class) and prefills (n_i queries at positions kv_len_i - n_i .. kv_len_i - 1,
+causal over their own keys).
 
 The functions here are the plain-torch reference, the CPU path and the oracle of the GPU kernels
 (`gpu_service.models.attention_triton`, same signatures); `attention_kernels` picks which run.
@@ -13,8 +14,7 @@ transformers' repeat_kv; kv heads are broadcast, never copied. A cache stored in
 (FP8) is upcast to q's dtype as it is read. MLA passes its latent as one kv head (Hkv = 1) with
 v_cache a view of k_cache's first Dv columns: then the keys are gathered once, not twice.
 
-Cost: decode gathers [B, W * block_size] keys (W: the block table's width; on the CPU per group
-of rows whose widths are within a power of two), one query each;
+Cost: decode gathers [B, W * block_size] keys (W: its group's block-table width), one query each;
 prefill runs per sequence in chunks of queries, each against the keys it can see, so its scores
 never exceed PREFILL_SCORE_ELEMENTS (_CUDA on a GPU; or one query's row).
 """
@@ -33,7 +33,7 @@ import torch
 from gpu_service.models.kv_cache import read_cache
 
 if TYPE_CHECKING:
-    from gpu_service.models.batch import AttentionMetadata
+    from gpu_service.models.batch import AttentionGroup, AttentionMetadata
 
 log = logging.getLogger("ktserve.gpu")
 
@@ -54,33 +54,8 @@ def paged_decode(
     window: int | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D], caches [S, Hkv, D] / [S, Hkv, Dv], block_table [B, W] int32, kv_len [B]
-    int32 (>= 1; the query sits at kv_len - 1) -> [B, Hq, Dv] in q's dtype.
-
-    On the CPU the rows go in groups of block-table widths within a power of two, each group
-    gathering only as many keys as its longest row has (one long context among short ones
-    would make every row gather and score its keys); on CUDA (graph capture: no host reads of
-    kv_len) all rows go at once."""
-    if q.device.type != "cpu" or q.shape[0] < 2:
-        return _decode_rows(q, k_cache, v_cache, block_table, kv_len, block_size, scale, window)
-    blocks = [-(-n // block_size) for n in kv_len.tolist()]
-    classes: dict[int, list[int]] = {}
-    for row, width in enumerate(blocks):
-        classes.setdefault(width.bit_length(), []).append(row)
-    if len(classes) == 1:
-        return _decode_rows(q, k_cache, v_cache, block_table, kv_len, block_size, scale, window)
-    out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
-    for rows in classes.values():
-        index = torch.tensor(rows)
-        width = max(blocks[r] for r in rows)
-        out[index] = _decode_rows(q[index], k_cache, v_cache, block_table[index, :width],
-                                  kv_len[index], block_size, scale, window)  # fmt: skip
-    return out
-
-
-def _decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_table: torch.Tensor, kv_len: torch.Tensor, block_size: int, scale: float,
-                 window: int | None) -> torch.Tensor:  # fmt: skip
-    """paged_decode's rows all at once: each gathers block_table's whole width of keys."""
+    int32 (>= 1; the query sits at kv_len - 1) -> [B, Hq, Dv] in q's dtype. Every row gathers
+    block_table's whole width of keys."""
     b, num_heads, head_dim = q.shape
     num_kv_heads, dv = k_cache.shape[1], v_cache.shape[-1]
     pos = torch.arange(block_table.shape[1] * block_size, device=q.device)  # [K]
@@ -209,20 +184,27 @@ def paged_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """A step's attention, q [T, Hq, D] -> [T, Hq, Dv]: its decode rows and its prefill rows each
-    through their kernel (the metadata's split), the new tokens' K/V already in the cache."""
+    """A step's attention, q [T, Hq, D] -> [T, Hq, Dv]: each of the metadata's decode groups and
+    its prefill group through their kernel, one call per group, the new tokens' K/V already in
+    the cache."""
     latent = v_cache.data_ptr() == k_cache.data_ptr()
     decode, prefill = attention_kernels(q.device, latent, min(q.shape[-1], v_cache.shape[-1]))
-    bs, dg, pg = meta.block_size, meta.decode, meta.prefill
-    if pg is None:
-        assert dg is not None
-        return decode(q, k_cache, v_cache, dg.block_table, dg.kv_len, bs, scale, window)
-    if dg is None:
-        return prefill(q, k_cache, v_cache, pg.block_table, pg.cu_seqlens_q, pg.kv_len, bs,
-                       scale, window)  # fmt: skip
+    bs = meta.block_size
+
+    def run_decode(group: AttentionGroup, rows: torch.Tensor) -> torch.Tensor:
+        return decode(rows, k_cache, v_cache, group.block_table, group.kv_len, bs, scale, window)
+
+    def run_prefill(group: AttentionGroup, rows: torch.Tensor) -> torch.Tensor:
+        return prefill(rows, k_cache, v_cache, group.block_table, group.cu_seqlens_q,
+                       group.kv_len, bs, scale, window)  # fmt: skip
+
+    calls = [(group, run_decode) for group in meta.decodes]
+    if meta.prefill is not None:
+        calls.append((meta.prefill, run_prefill))
+    if len(calls) == 1:  # its rows are all of T
+        ((group, run),) = calls
+        return run(group, q)
     out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))  # [T, Hq, Dv]
-    out[dg.rows] = decode(q[dg.rows], k_cache, v_cache, dg.block_table, dg.kv_len, bs, scale,
-                          window)  # fmt: skip
-    out[pg.rows] = prefill(q[pg.rows], k_cache, v_cache, pg.block_table, pg.cu_seqlens_q,
-                           pg.kv_len, bs, scale, window)  # fmt: skip
+    for group, run in calls:
+        out[group.rows] = run(group, q[group.rows])
     return out

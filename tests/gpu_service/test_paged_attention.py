@@ -185,19 +185,20 @@ def test_fp8_write_saturates(seed) -> None:
     assert rel.max() <= 2**-4  # e4m3: 3 mantissa bits, half an ulp
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_mixed_step_splits_decodes_and_prefills(seed, interleaved) -> None:
-    """AttentionMetadata of a real batch (KVCache blocks, decodes and prompt chunks mixed, in
-    either order) and paged_attention over it, against the naive attention of each sequence."""
-    rng, gen = random.Random(seed + 700), torch.Generator().manual_seed(seed + 700)
-    heads, kv_heads, dim, bs = 4, 2, 16, 4
-    cache = KVCache(KVCacheConfig(1, ((kv_heads, dim), (kv_heads, dim)), 512, bs,
+def _real_step(
+    rng: random.Random,
+    gen: torch.Generator,
+    shapes: list[tuple[int, int]],
+    kv_heads: int,
+    dim: int,
+    block_size: int,
+) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+    """A batch of sequences (new tokens, kv_len) on KVCache blocks allocated in turns with filler
+    ones (so their blocks interleave), and the layer's caches full of noise."""
+    cache = KVCache(KVCacheConfig(1, ((kv_heads, dim), (kv_heads, dim)), 4096, block_size,
                                   enable_prefix_caching=False), torch.float32, "cpu")  # fmt: skip
-    shapes = [(1, 30), (23, 23), (1, 5), (12, 140), (1, 64)]  # (new tokens, kv_len)
-    if not interleaved:
-        shapes.sort(key=lambda s: s[0] > 1)
     seqs, filler = [], []
-    for n, length in shapes:  # sequences allocated in turns, so their blocks interleave
+    for n, length in shapes:
         filler.append(cache.allocate(rng.randint(1, 9)))
         seq = cache.allocate(length)
         seq.num_tokens = length - n
@@ -205,19 +206,91 @@ def test_mixed_step_splits_decodes_and_prefills(seed, interleaved) -> None:
     k_cache, v_cache = cache.layers[0]
     k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
     v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
-    meta = AttentionMetadata.build(Batch(tuple(seqs)), "cpu")
-    assert meta.decode is not None and meta.prefill is not None
-    assert isinstance(meta.decode.rows, slice) != interleaved
+    return Batch(tuple(seqs)), k_cache, v_cache
+
+
+def _check_step(gen: torch.Generator, batch: Batch, meta: AttentionMetadata, k_cache, v_cache,
+                heads: int, window: int | None) -> None:  # fmt: skip
+    """paged_attention over the step's metadata against the naive attention of each sequence."""
+    seqs, dim = batch.seqs, k_cache.shape[-1]
+    q = torch.randn(batch.num_tokens, heads, dim, generator=gen)
+    got = pa.paged_attention(q, k_cache, v_cache, meta, dim**-0.5, window)
+    expected = naive_attention(q, k_cache, v_cache, [s.cache.block_ids for s in seqs],
+                               [len(s.token_ids) for s in seqs], [s.end_pos for s in seqs],
+                               meta.block_size, dim**-0.5, window)  # fmt: skip
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def _rows(group) -> list[int]:
+    rows = group.rows
+    return list(range(rows.start, rows.stop)) if isinstance(rows, slice) else rows.tolist()
+
+
+def _decode_rows_by_width(batch: Batch, meta: AttentionMetadata) -> list[list[int]]:
+    """Each decode group's block-table widths (its sequences' block counts), after checking that
+    its table is as wide as its own longest sequence needs and that the groups hold every decode
+    row once."""
+    starts, bs = batch.cu_seqlens, meta.block_size
+    widths, seen = [], []
+    for group in meta.decodes:
+        rows = _rows(group)
+        counts = [-(-batch.seqs[starts.index(r)].end_pos // bs) for r in rows]
+        assert group.block_table.shape == (len(rows), max(counts))
+        assert group.kv_len.tolist() == [batch.seqs[starts.index(r)].end_pos for r in rows]
+        widths.append(counts)
+        seen += rows
+    decode_rows = [starts[i] for i, s in enumerate(batch.seqs) if len(s.token_ids) == 1]
+    assert sorted(seen) == decode_rows
+    return widths
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_mixed_step_splits_decodes_and_prefills(seed, interleaved) -> None:
+    """AttentionMetadata of a real batch (KVCache blocks, decodes and prompt chunks mixed, in
+    either order) and paged_attention over it, against the naive attention of each sequence."""
+    rng, gen = random.Random(seed + 700), torch.Generator().manual_seed(seed + 700)
+    bs = 4
+    shapes = [(1, 30), (23, 23), (1, 5), (12, 140), (1, 64), (1, 29)]  # (new tokens, kv_len)
+    if not interleaved:
+        shapes.sort(key=lambda s: s[0] > 1)
+    batch, k_cache, v_cache = _real_step(rng, gen, shapes, kv_heads=2, dim=16, block_size=bs)
+    meta = AttentionMetadata.build(batch, "cpu")
+    assert meta.prefill is not None
+    assert isinstance(meta.prefill.rows, slice) != interleaved
     # each group's block table as wide as its own longest sequence needs (not the step's)
     assert meta.block_table.shape[1] == -(-140 // bs)
-    assert meta.decode.block_table.shape[1] == -(-64 // bs)
     assert meta.prefill.block_table.shape[1] == -(-140 // bs)
-    q = torch.randn(sum(n for n, _ in shapes), heads, dim, generator=gen)
-    got = pa.paged_attention(q, k_cache, v_cache, meta, dim**-0.5, window=9)
-    expected = naive_attention(q, k_cache, v_cache, [s.cache.block_ids for s in seqs],
-                               [n for n, _ in shapes], [length for _, length in shapes], bs,
-                               dim**-0.5, window=9)  # fmt: skip
-    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    assert _decode_rows_by_width(batch, meta) == [[8, 8], [2], [16]]
+    _check_step(gen, batch, meta, k_cache, v_cache, heads=4, window=9)
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_cpu_decode_groups_by_width_class(seed, window) -> None:
+    """One long context among short ones: on the CPU the metadata splits the decode rows by the
+    power-of-two class of their block counts, each group's table at its own width, and the
+    step's attention is every row's naive attention."""
+    rng, gen = random.Random(seed + 900), torch.Generator().manual_seed(seed + 900)
+    kv_lens = [3, 700, 40, 1, 160, 700, 17, 13]
+    rng.shuffle(kv_lens)
+    batch, k_cache, v_cache = _real_step(rng, gen, [(1, n) for n in kv_lens], kv_heads=2,
+                                         dim=16, block_size=4)  # fmt: skip
+    meta = AttentionMetadata.build(batch, "cpu")
+    assert meta.prefill is None
+    widths = _decode_rows_by_width(batch, meta)
+    assert sorted(sorted(w) for w in widths) == [[1, 1], [4, 5], [10], [40], [175, 175]]
+    _check_step(gen, batch, meta, k_cache, v_cache, heads=4, window=window)
+
+
+def test_decode_stays_one_group_off_the_cpu(seed) -> None:
+    """Elsewhere (CUDA: the one group a decode graph captures) the decode rows stay one group as
+    wide as the step's longest (built here on the meta device, which needs no GPU)."""
+    rng, gen = random.Random(seed + 950), torch.Generator().manual_seed(seed + 950)
+    shapes = [(1, 3), (1, 700), (5, 20), (1, 40)]
+    batch, _, _ = _real_step(rng, gen, shapes, kv_heads=1, dim=8, block_size=4)
+    meta = AttentionMetadata.build(batch, "meta")
+    assert len(meta.decodes) == 1 and meta.decodes[0].block_table.is_meta
+    assert meta.decodes[0].block_table.shape == (3, 175)
+    assert meta.decodes[0].rows.shape == (3,) and meta.prefill.block_table.shape == (1, 5)
 
 
 def test_dispatch_without_the_gpu_kernels(monkeypatch) -> None:
@@ -264,15 +337,3 @@ def test_reference_on_cuda_matches_naive(seed, mla) -> None:
     if mla:
         case.v_cache = case.k_cache[..., :512]
     torch.testing.assert_close(case.prefill().double().cpu(), expected, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("window", [None, 50])
-def test_decode_rows_of_very_different_lengths(seed, window) -> None:
-    """One long context among short ones (the CPU groups the rows by width): every row as naive."""
-    rng, gen = random.Random(seed + 900), torch.Generator().manual_seed(seed + 900)
-    kv_lens = [3, 700, 40, 1, 160, 700, 17]
-    rng.shuffle(kv_lens)
-    case = Case(rng, gen, num_kv_heads=2, groups=2, head_dim=16, v_dim=8, block_size=4,
-                num_queries=[1] * len(kv_lens), kv_lens=kv_lens)  # fmt: skip
-    torch.testing.assert_close(case.decode(window).double(), case.expected(window), rtol=1e-5,
-                               atol=1e-5)  # fmt: skip
