@@ -449,3 +449,35 @@ def test_pool_woken_early_or_asleep_computes_the_same(seed, packed, monkeypatch)
             got = np.empty((5, H), np.float32)
             kern.forward(packed["int8"], x, ids, w, got)
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt, top", [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("source", ["float32", "bfloat16"])
+def test_quantizers_round_ties_to_even_and_clamp(seed, fmt, top, source) -> None:
+    """Weights on the half-integers of [-top, top] with +-top in every scale's span (a row for
+    int8, a group of 32 for int4), so the scale is exactly 1 and every other weight is a tie or
+    an integer: the packed values are numpy's rint (half to even) of the weights, NaN weights
+    pack as the format's lowest value, like fminf(fmaxf(rint(NaN), lo), hi) does."""
+    from gpu_service.stream_prefill.dequant import dequantize
+
+    g = torch.Generator().manual_seed(seed)
+    e, i, h = 2, 32, 64
+    steps = 4 * top + 1  # the half-integers -top, -top + 0.5, ..., top
+
+    def weights(rows: int, cols: int) -> torch.Tensor:
+        w = torch.randint(0, steps, (e, rows, cols), generator=g).float() / 2 - top
+        span = cols if fmt == "int8" else 32
+        w.view(e, rows, cols // span, span)[..., 0] = top  # the span's largest magnitude
+        w.view(e, rows, cols // span, span)[..., 1] = -top
+        return w
+
+    gate, up, down = weights(i, h), weights(i, h), weights(h, i)
+    gate[0, 3, 5] = float("nan")
+    packed = pack_experts(*(t.to(getattr(torch, source)) for t in (gate, up, down)), fmt)
+    tensors = {n: torch.from_numpy(np.array(a)) for n, a in packed.tensors.items()}
+    w13, w2 = dequantize(fmt, tensors, h, i, torch.float32)
+    low = -top if fmt == "int8" else -8
+    for got, orig in ((w13[:, :i], gate), (w13[:, i:], up), (w2, down)):
+        want = np.clip(np.rint(orig.numpy()), low, top)
+        want[np.isnan(want)] = low
+        np.testing.assert_array_equal(got.numpy(), want)
