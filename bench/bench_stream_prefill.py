@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from bench.common import Column, default_device, print_table  # noqa: E402
 from expert_service import packed_store  # noqa: E402
 from expert_service.kernels import MoEKernel, pack_experts  # noqa: E402
-from gpu_service.stream_prefill.compute import streamed_moe  # noqa: E402
+from gpu_service.stream_prefill.compute import route_rows, routed_moe  # noqa: E402
 from gpu_service.stream_prefill.cost_model import timed  # noqa: E402
 from gpu_service.stream_prefill.staging import LayerStager  # noqa: E402
 from gpu_service.stream_prefill.store import MappedStore  # noqa: E402
@@ -110,8 +110,9 @@ def bench_one(shape: str, fmt: str, args, device: torch.device, kernel) -> list[
             x = (torch.randn(num_tokens, hidden, generator=torch.Generator().manual_seed(1))
                  .to(device, args.dtype))  # fmt: skip
             ids, weights = routing(num_tokens, experts, top_k, device)
-            call = functools.partial(streamed_moe, fmt, hidden=hidden, inter=inter, x=x,
-                                     ids=ids, weights=weights, dtype=args.dtype)  # fmt: skip
+            routed = route_rows(ids, weights, experts)
+            call = functools.partial(routed_moe, fmt, hidden=hidden, inter=inter, x=x,
+                                     rows=routed, dtype=args.dtype)  # fmt: skip
             packed = pinned.acquire(0)
             compute_s = timed(functools.partial(call, packed), device)
             pipeline = functools.partial(pipelined, pinned, call, args.layers)
@@ -136,15 +137,17 @@ def bench_one(shape: str, fmt: str, args, device: torch.device, kernel) -> list[
 
 def pipelined(stager: LayerStager, call, num_layers: int) -> None:
     """num_layers layers alternating between stored layers 0 and 1: each one's copy overlaps
-    the previous one's compute, as a prefill chunk's MoE layers do."""
+    the previous one's compute, in StreamingExperts.submit's order (the routing known; the
+    layer acquired, the next one's copy queued, then the compute)."""
     stager.reset()
     stager.prefetch(0)
     for i in range(num_layers):
         layer = i % 2
-        call(stager.acquire(layer))
-        stager.release(layer)
+        packed = stager.acquire(layer)
         stager.forget(1 - layer)  # NOTE: as if it were another layer: every layer is a copy
         stager.prefetch(1 - layer, busy=layer)
+        call(packed)
+        stager.release(layer)
 
 
 def cpu_layer_ms(kernel, store, shape, fmt, x, ids, weights) -> float:

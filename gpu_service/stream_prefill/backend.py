@@ -5,8 +5,9 @@ CPU workers:
                           the step's prefill rows; if there are at least min_tokens of them the
                           step streams: the first MoE layer's copy starts now
     submit(layer, ...):   decode rows ──▶ cpu backend (workers, hot GPU experts), submitted first
-                          prefill rows ──▶ the layer's staged experts (staging.py), computed on
-                          the device (compute.py); then the next MoE layer's copy starts
+                          prefill rows: routed (one host sync), the layer's staged experts
+                          (staging.py) acquired, the next MoE layer's copy started, then
+                          computed on the device (compute.py)
     wait():               both parts in their rows of y [T, H] float32
 """
 
@@ -22,7 +23,8 @@ from gpu_service.models.experts import PendingExperts, RoutedExperts, abandon
 from gpu_service.stream_prefill.compute import (
     DEFAULT_SCRATCH_BYTES,
     experts_per_group,
-    streamed_moe,
+    route_rows,
+    routed_moe,
 )
 from gpu_service.stream_prefill.cost_model import StreamCost
 from gpu_service.stream_prefill.staging import LayerStager
@@ -149,12 +151,16 @@ class StreamingExperts:
             others = self.cpu.submit(layer, x[o], ids[o], weights[o])
         try:
             s = rows.streamed
+            # NOTE: order: the routing's host sync before the stream waits for this layer's
+            # copy, and the next layer's copy queued before this layer's compute, so the copy
+            # runs while the host queues the compute and the device runs it
+            routed = route_rows(ids[s], weights[s], self.stager.num_experts)
             packed = self.stager.acquire(layer)
-            y = streamed_moe(self.stager.fmt, packed, self.hidden, self.inter, x[s], ids[s],
-                             weights[s], self.dtype, self.scratch_bytes)  # fmt: skip
-            self.stager.release(layer)
             if layer in self._next:
                 self.stager.prefetch(self._next[layer], busy=layer)
+            y = routed_moe(self.stager.fmt, packed, self.hidden, self.inter, x[s], routed,
+                           self.dtype, self.scratch_bytes)  # fmt: skip
+            self.stager.release(layer)
         except BaseException:
             abandon(others)
             raise

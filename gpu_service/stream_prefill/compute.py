@@ -10,6 +10,7 @@ else a matmul per expert), combined as the worker's kernel combines them:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -58,27 +59,42 @@ def experts_per_group(hidden: int, inter: int, dtype: torch.dtype, scratch_bytes
     return max(1, scratch_bytes // per_expert)
 
 
-def streamed_moe(fmt: str, packed: dict[str, torch.Tensor], hidden: int, inter: int,
-                 x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
-                 scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> torch.Tensor:  # fmt: skip
-    """y [T, H] float32 for x [T, H], ids [T, k] global expert ids (-1 skips), weights [T, k],
-    from `packed` (every expert's rows [E, per expert] of the format's buffers, on x's device);
-    the products run in `dtype` (float32 accumulation inside each GEMM)."""
+@dataclass(frozen=True)
+class ExpertRows:
+    """A layer's routed (token, expert) pairs sorted by expert, and how many each expert has."""
+
+    expert: torch.Tensor  # [n] int64, ascending
+    token: torch.Tensor  # [n] int64
+    weight: torch.Tensor  # [n] float32
+    counts: list[int]  # [E] on the host
+
+
+def route_rows(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> ExpertRows:
+    """ids [T, k] global expert ids (-1 skips), weights [T, k] -> the pairs by expert. Its one
+    host sync (the counts) waits only for the routing, so a caller that has not yet made its
+    stream wait for the layer's weights does not wait for their copy here."""
     num_tokens, top_k = ids.shape
-    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)  # [T, H]
     flat = ids.reshape(-1).long()  # [T*k]
     keep = flat >= 0
     expert = flat[keep]  # [n]
-    if expert.numel() == 0:
-        return out
-    token = torch.arange(num_tokens, device=x.device).repeat_interleave(top_k)[keep]  # [n]
+    token = torch.arange(num_tokens, device=ids.device).repeat_interleave(top_k)[keep]  # [n]
     weight = weights.reshape(-1)[keep].float()  # [n]
     order = torch.argsort(expert, stable=True)
     expert, token, weight = expert[order], token[order], weight[order]
-    num_experts = packed["w13"].shape[0]
     counts = torch.bincount(expert, minlength=num_experts).tolist()  # NOTE: one host sync
     if len(counts) > num_experts:
         raise ValueError(f"expert id {len(counts) - 1} is outside the {num_experts} staged")
+    return ExpertRows(expert, token, weight, counts)
+
+
+def routed_moe(fmt: str, packed: dict[str, torch.Tensor], hidden: int, inter: int,
+               x: torch.Tensor, rows: ExpertRows, dtype: torch.dtype,
+               scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> torch.Tensor:  # fmt: skip
+    """y [T, H] float32 for x [T, H] and its routed pairs, from `packed` (every expert's rows
+    [E, per expert] of the format's buffers, on x's device); the products run in `dtype`
+    (float32 accumulation inside each GEMM)."""
+    out = torch.zeros(x.shape[0], hidden, dtype=torch.float32, device=x.device)  # [T, H]
+    counts, token, weight = rows.counts, rows.token, rows.weight
     hit = [e for e, n in enumerate(counts) if n]
     group = experts_per_group(hidden, inter, dtype, scratch_bytes)
     start = 0
@@ -86,8 +102,8 @@ def streamed_moe(fmt: str, packed: dict[str, torch.Tensor], hidden: int, inter: 
         chosen = hit[g : g + group]
         sizes = [counts[e] for e in chosen]
         end = start + sum(sizes)
-        rows = torch.tensor(chosen, device=x.device)
-        w13, w2 = dequantize(fmt, {n: t.index_select(0, rows) for n, t in packed.items()},
+        index = torch.tensor(chosen, device=x.device)
+        w13, w2 = dequantize(fmt, {n: t.index_select(0, index) for n, t in packed.items()},
                              hidden, inter, dtype)  # [c, 2I, H], [c, H, I]  # fmt: skip
         offs = torch.tensor(sizes, device=x.device).cumsum(0).to(torch.int32)
         xs = x[token[start:end]].to(dtype)  # [m, H]
@@ -97,3 +113,12 @@ def streamed_moe(fmt: str, packed: dict[str, torch.Tensor], hidden: int, inter: 
         out.index_add_(0, token[start:end], y.float() * weight[start:end, None])
         start = end
     return out
+
+
+def streamed_moe(fmt: str, packed: dict[str, torch.Tensor], hidden: int, inter: int,
+                 x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+                 scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> torch.Tensor:  # fmt: skip
+    """route_rows then routed_moe: y [T, H] float32 for x [T, H], ids [T, k] global expert ids
+    (-1 skips), weights [T, k]."""
+    rows = route_rows(ids, weights, packed["w13"].shape[0])
+    return routed_moe(fmt, packed, hidden, inter, x, rows, dtype, scratch_bytes)
