@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The CPU MoE kernel on the GPU host's AMX Xeon, in one self-contained call (the host starts bare
+# every call; carry .whl, see gpu_host_env.sh): kernel tests on the real tiles and on emulated
+# ones, then bench_moe_kernel.py at Qwen3-30B-A3B and DeepSeek-V3 shapes; with a baseline tree
+# (BASE: a tar of another commit's sources, e.g. `git archive REV -o .device/base.tar -- setup.py
+# pyproject.toml expert_service bench tests ktshm ktserve proto gpu_service`), that tree is built
+# beside this one and the two benches alternate, ROUNDS times each, so drift hits both alike.
+# Logs go to $OUT (or ./gpu-host-out).
+#   usage: BASE=.device/base.tar FORMATS=int4 ROUNDS=2 bash bench/gpu_host_kernel.sh
+set -uo pipefail
+source "$(dirname "$0")/gpu_host_env.sh" || exit 1
+base="${BASE:-}"
+formats="${FORMATS:-int8,int4}"
+rounds="${ROUNDS:-2}"
+say() { echo "[$(date +%H:%M:%S)] $*"; }
+build_in_place || exit 1 &
+if [ -n "$base" ]; then
+  (rm -rf /tmp/kernel-base && mkdir -p /tmp/kernel-base && tar -xf "$base" -C /tmp/kernel-base &&
+   cd /tmp/kernel-base && python3 setup.py -q build_py build_ext --inplace \
+   > "$out/base-build.log" 2>&1) || { echo "FAILED: the baseline tree does not build"; exit 1; } &
+fi
+wait
+say built
+rc=0
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/expert_service/test_kernels.py \
+  tests/expert_service/test_amx_emulated.py > "$out/kernel-tests.log" 2>&1 || rc=1
+tail -2 "$out/kernel-tests.log"
+trees=("$PWD")
+[ -n "$base" ] && trees=(/tmp/kernel-base "$PWD")
+for r in $(seq "$rounds"); do
+  for tree in "${trees[@]}"; do
+    name=$([ "$tree" = "$PWD" ] && echo this || echo base)
+    (cd "$tree" && PYTHONPATH="$tree:/tmp/site" timeout 150 python3 bench/bench_moe_kernel.py \
+       --threads 15 --shapes dsv3,qwen3 --formats "$formats" --tokens 1,16 --prefill-tokens 512 \
+       --no-torch --repeats 3 --min-seconds 0.3) > "$out/kernel-$r-$name.log" 2>&1 || rc=1
+    say "$name, round $r"
+    grep -E "^(DeepSeek|Qwen3)" "$out/kernel-$r-$name.log"
+    grep -E "^DRAM read samples" "$out/kernel-$r-$name.log"
+  done
+done
+exit $rc
