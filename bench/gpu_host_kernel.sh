@@ -13,13 +13,14 @@ base="${BASE:-}"
 formats="${FORMATS:-int8,int4}"
 rounds="${ROUNDS:-2}"
 say() { echo "[$(date +%H:%M:%S)] $*"; }
-build_in_place || exit 1 &
+build_in_place & this_build=$!
 if [ -n "$base" ]; then
   (rm -rf /tmp/kernel-base && mkdir -p /tmp/kernel-base && tar -xf "$base" -C /tmp/kernel-base &&
    cd /tmp/kernel-base && python3 setup.py -q build_py build_ext --inplace \
-   > "$out/base-build.log" 2>&1) || { echo "FAILED: the baseline tree does not build"; exit 1; } &
+   > "$out/base-build.log" 2>&1) & base_build=$!
+  wait "$base_build" || { tail -20 "$out/base-build.log"; echo "FAILED: the baseline tree does not build"; exit 1; }
 fi
-wait
+wait "$this_build" || exit 1
 say built
 rc=0
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/expert_service/test_kernels.py \
