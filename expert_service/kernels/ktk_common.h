@@ -6,6 +6,23 @@
 #include <string.h>
 #include <time.h>
 
+// Inline forms of libm calls the quantizers would otherwise make per value (these units have no
+// -m flags: without SSE4.1 nearbyintf is a call, and fmaxf/fminf's NaN rules keep them calls).
+// ktk_round_even: nearbyintf in the default rounding mode for |v| < 2^22 (quantized values are at
+// most 127 in magnitude): v + 1.5 * 2^23 lands where the float spacing is 1, rounded to the
+// nearest, ties to even, and subtracting gives it back exactly; NaN and infinities pass through.
+static inline float ktk_round_even(float v) {
+  const float magic = 12582912.0f;  // 1.5 * 2^23
+  return (v + magic) - magic;
+}
+// fmaxf(a, b) for a number b: a NaN a gives b, as fmaxf does (so does ktk_clamp for its bound)
+static inline float ktk_max_or(float a, float b) { return a > b ? a : b; }
+// v clamped to [lo, hi], a NaN v to lo: fminf(fmaxf(v, lo), hi)
+static inline float ktk_clamp(float v, float lo, float hi) {
+  v = v > lo ? v : lo;
+  return v < hi ? v : hi;
+}
+
 static inline float ktk_bf16_to_f32(uint16_t v) {
   uint32_t u = uint32_t(v) << 16;
   float f;

@@ -94,10 +94,6 @@ void take_runs(std::atomic<int>& cursor, int total, int run, F body) {
   });
 }
 
-inline float round_even(float v) {  // vectorizable round-half-even for |v| < 2^22
-  return (v + 12582912.0f) - 12582912.0f;
-}
-
 // Prepares one activation row: n_real values of src (f32 or bf16) into dst (padded to n_pad with
 // zeros) as act: f32 (src is f32 then), bf16, or int8 with a scale and group sums.
 void prep_row(int act, const void* src, int src_dtype, int n_real, int n_pad, uint8_t* dst,
@@ -121,16 +117,16 @@ void prep_row(int act, const void* src, int src_dtype, int n_real, int n_pad, ui
   }
   float amax = 0.0f;
   if (src_dtype == KTK_DT_BF16)
-    for (int i = 0; i < n_real; ++i) amax = fmaxf(amax, fabsf(ktk_bf16_to_f32(sb[i])));
+    for (int i = 0; i < n_real; ++i) amax = ktk_max_or(fabsf(ktk_bf16_to_f32(sb[i])), amax);
   else
-    for (int i = 0; i < n_real; ++i) amax = fmaxf(amax, fabsf(sf[i]));
+    for (int i = 0; i < n_real; ++i) amax = ktk_max_or(fabsf(sf[i]), amax);
   float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
   *scale = amax / 127.0f;
   int8_t* d = reinterpret_cast<int8_t*>(dst);
   if (src_dtype == KTK_DT_BF16)
-    for (int i = 0; i < n_real; ++i) d[i] = int8_t(round_even(ktk_bf16_to_f32(sb[i]) * inv));
+    for (int i = 0; i < n_real; ++i) d[i] = int8_t(ktk_round_even(ktk_bf16_to_f32(sb[i]) * inv));
   else
-    for (int i = 0; i < n_real; ++i) d[i] = int8_t(round_even(sf[i] * inv));
+    for (int i = 0; i < n_real; ++i) d[i] = int8_t(ktk_round_even(sf[i] * inv));
   for (int i = n_real; i < n_pad; ++i) d[i] = 0;
   for (int g = 0; g < n_pad / 32; ++g) {
     int32_t s = 0;

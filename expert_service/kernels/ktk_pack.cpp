@@ -36,23 +36,6 @@ struct Fp8Table {
 };
 const Fp8Table kFp8;
 
-// Inline forms of the libm calls the quantizers would make per weight (this unit has no -m flags:
-// without SSE4.1 nearbyintf is a call, and fmaxf/fminf's NaN rules keep them calls too).
-// round_even: nearbyintf in the default rounding mode for |v| < 2^22 (the quantizers' values are
-// at most 127 in magnitude): v + 1.5 * 2^23 lands where the float spacing is 1, rounded to the
-// nearest, ties to even, and subtracting gives it back exactly; NaN and infinities pass through.
-inline float round_even(float v) {
-  const float magic = 12582912.0f;  // 1.5 * 2^23
-  return (v + magic) - magic;
-}
-// fmaxf(a, b) for a number b: a NaN a gives b, as fmaxf does (so do the two below for their bound)
-inline float max_or(float a, float b) { return a > b ? a : b; }
-// v clamped to [lo, hi], a NaN v to lo: fminf(fmaxf(v, lo), hi)
-inline float clamp(float v, float lo, float hi) {
-  v = v > lo ? v : lo;
-  return v < hi ? v : hi;
-}
-
 // Reads 16 rows starting at row0 of expert e into dst[16][Kp] fp32, zero padded.
 void load_rows(const Matrix& m, const ktk_pack_args* a, int e, int row0, float* dst) {
   const int dtype = a->src_dtype;
@@ -101,13 +84,13 @@ void pack_block_int8(const float* rows, int Kp, int8_t* out, float* scale, int32
   for (int r = 0; r < 16; ++r) {
     const float* w = rows + size_t(r) * Kp;
     float amax = 0.0f;
-    for (int k = 0; k < Kp; ++k) amax = max_or(fabsf(w[k]), amax);
+    for (int k = 0; k < Kp; ++k) amax = ktk_max_or(fabsf(w[k]), amax);
     float s = amax / 127.0f;
     float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     int32_t sum = 0;
     int8_t* qr = q + size_t(r) * Kp;
     for (int k = 0; k < Kp; ++k) {
-      float v = clamp(round_even(w[k] * inv), -127.0f, 127.0f);
+      float v = ktk_clamp(ktk_round_even(w[k] * inv), -127.0f, 127.0f);
       qr[k] = int8_t(v);
       sum += qr[k];
     }
@@ -133,12 +116,12 @@ void pack_block_int4(const float* rows, int Kp, uint8_t* out, uint16_t* scale /*
     uint8_t* qr = q + size_t(r) * Kp;
     for (int g = 0; g < groups; ++g) {
       float amax = 0.0f;
-      for (int i = 0; i < 32; ++i) amax = max_or(fabsf(w[g * 32 + i]), amax);
+      for (int i = 0; i < 32; ++i) amax = ktk_max_or(fabsf(w[g * 32 + i]), amax);
       uint16_t sb = bf16_round_up(amax / 7.0f);
       float s = ktk_bf16_to_f32(sb);
       float inv = s > 0.0f ? 1.0f / s : 0.0f;
       for (int i = 0; i < 32; ++i) {
-        float v = clamp(round_even(w[g * 32 + i] * inv), -8.0f, 7.0f);
+        float v = ktk_clamp(ktk_round_even(w[g * 32 + i] * inv), -8.0f, 7.0f);
         qr[g * 32 + i] = uint8_t(int(v) + 8);
       }
       scale[g * 16 + r] = sb;
