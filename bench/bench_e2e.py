@@ -12,6 +12,8 @@ writes them) and the GPU service in this process, once per mode:
   stream-off, stream-on, stream-auto  graph with --stream-prefill off / on / auto: prefill's
             chunks through the CPU workers, streamed to the GPU, or as the start-up cost model
             chooses (printed per mode)
+  MODE@2    MODE again (e.g. --modes stream-off,stream-on,stream-off@2: what a mode leaves behind
+            shows in the one after it)
 For each: decode tok/s at each batch size (greedy, ignore_eos, 16-token prompts), the per-MoE-
 layer split of a step (the GPU's part is the segments mode's measured GPU time; the worker's
 dispatch, kernel, publish and bookkeeping come from its GetStats; hand-off is what is left of the
@@ -45,7 +47,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's p
 import grpc  # noqa: E402
 
 from bench.bench_decode import histogram_sum, run_batch  # noqa: E402
-from bench.common import Column, DramMeter, default_device, print_table  # noqa: E402
+from bench.common import (  # noqa: E402
+    Column,
+    DramMeter,
+    busy_while_idle,
+    default_device,
+    print_table,
+)
 from bench.worker_process import expert_worker  # noqa: E402
 from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig  # noqa: E402
 from gpu_service.engine import SamplingParams  # noqa: E402
@@ -71,6 +79,12 @@ MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
                              stream_prefill="auto")}  # fmt: skip
 CLIENT_FIELDS = ("device_handoff",)  # MODES' keys that configure the expert client
 PHASES = ("dispatch", "kernel", "publish", "bookkeeping")
+
+
+def base_mode(mode: str) -> str:
+    """The MODES entry of a --modes name: MODE@N is MODE run again (drift, or what the modes
+    before it left behind, shows beside its first run)."""
+    return mode.split("@", 1)[0]
 
 
 def expert_tensor_bytes(checkpoint: Path) -> int:
@@ -119,8 +133,9 @@ def service_config(mode: str, checkpoint: Path, device: str, address: str, max_b
     batched = {} if max_num_batched_tokens is None else {
         "max_num_batched_tokens": max_num_batched_tokens}  # fmt: skip
     scheduler = SchedulerConfig(max_num_seqs=max_batch, max_model_len=max_model_len, **batched)
-    client = {k: v for k, v in MODES[mode].items() if k in CLIENT_FIELDS}
-    service_fields = {k: v for k, v in MODES[mode].items() if k not in CLIENT_FIELDS}
+    fields = MODES[base_mode(mode)]
+    client = {k: v for k, v in fields.items() if k in CLIENT_FIELDS}
+    service_fields = {k: v for k, v in fields.items() if k not in CLIENT_FIELDS}
     return GPUServiceConfig(
         model_dir=str(checkpoint), device=device, dtype="bfloat16",
         cuda_graph_max_batch=max_batch, scheduler=scheduler,
@@ -149,7 +164,7 @@ def run_mode(mode: str, args, address: str, stub, dram: DramMeter) -> dict:
             out["decode"][b] = decode(service, stub, b, args.tokens)
             r = out["decode"][b]
             print(f"[{mode}] batch {b}: {r['tok/s']:.1f} tok/s", flush=True)
-        if mode.startswith("graph") and MODES[mode]["cuda_graphs"]:
+        if mode.startswith("graph") and MODES[base_mode(mode)]["cuda_graphs"]:
             graph_steps = service.metrics.steps.labels(mode="graph")._value.get()
             if not graph_steps:
                 raise SystemExit("CUDA graphs were asked for but no step ran as graphs")
@@ -164,6 +179,8 @@ def run_mode(mode: str, args, address: str, stub, dram: DramMeter) -> dict:
         out["steps"] = steps
     finally:
         service.close()
+    out["idle_check"] = busy_while_idle()
+    print(f"[{mode}] closed; host while idle: {out['idle_check']}", flush=True)
     dram.sample(f"after {mode}")
     return out
 
@@ -331,7 +348,9 @@ def main() -> None:
     args.batches = [int(b) for b in args.batch.split(",")]
     args.prefills = [int(n) for n in args.prefill.split(",") if n]
     modes = args.modes.split(",")
-    unknown = set(modes) - set(MODES)
+    unknown = {base_mode(m) for m in modes} - set(MODES)
+    if len(set(modes)) != len(modes):
+        raise SystemExit(f"a mode is named twice in {modes}: name a repeat MODE@2")
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
     spec = ModelSpec.from_config_dir(args.checkpoint)
@@ -346,7 +365,10 @@ def main() -> None:
     else:
         dram.sample("start")
         results, load = run_ktserve(args, modes, dram)
-    llama = run_llama(args) if args.llama_build and args.gguf else {}
+    llama = {}
+    if args.llama_build and args.gguf:
+        print(f"[llama.cpp] before it, host while idle: {busy_while_idle()}", flush=True)
+        llama = run_llama(args)
     if llama:
         dram.sample("after llama.cpp")
     print_results(args, spec, results, llama, dram, load)

@@ -51,6 +51,52 @@ def latency_samples_us(step: Callable[[], object], iters: int) -> np.ndarray:
     return samples / 1e3
 
 
+# ----------------------------------------------------------------------------- idle check
+def _thread_ticks() -> dict[tuple[str, str], tuple[str, int]]:
+    """(pid, tid) -> (process/thread name, user + system clock ticks) of every thread."""
+    ticks = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2 :].split()
+            ticks[(pid, tid)] = (name, int(fields[11]) + int(fields[12]))
+    return ticks
+
+
+def busy_while_idle(seconds: float = 1.0, top: int = 4) -> str:
+    """What kept the host's CPUs busy over `seconds` while the benchmark itself waits: the cores
+    busy in all (from /proc/stat) and the busiest threads (pid/tid name: % of a core). A thread
+    left spinning (a pool, a poller) shows here and would steal a core from what runs next."""
+
+    def cpu_jiffies() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)
+        return sum(values) - idle, sum(values)
+
+    hz = os.sysconf("SC_CLK_TCK")
+    busy0, total0 = cpu_jiffies()
+    before = _thread_ticks()
+    time.sleep(seconds)
+    after = _thread_ticks()
+    busy1, total1 = cpu_jiffies()
+    cores = (busy1 - busy0) / max(total1 - total0, 1) * (os.cpu_count() or 1)
+    used = sorted(((after[k][1] - before[k][1], k, after[k][0]) for k in after if k in before),
+                  reverse=True)[:top]  # fmt: skip
+    threads = ", ".join(f"{pid}/{tid} {name}: {100 * t / hz / seconds:.0f}%"
+                        for t, (pid, tid), name in used if t > 0)  # fmt: skip
+    return f"{cores:.2f} cores busy" + (f" (busiest: {threads})" if threads else "")
+
+
 # ----------------------------------------------------------------------------- memory
 def llc_bytes() -> int:
     """The largest CPU cache of cpu0 (sysfs), 32 MiB where sysfs does not say."""

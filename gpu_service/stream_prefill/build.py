@@ -12,7 +12,7 @@ from gpu_service.models.experts import RoutedExperts
 from gpu_service.moe_client import ShmExperts
 from gpu_service.stream_prefill.backend import StreamingExperts
 from gpu_service.stream_prefill.compute import streamed_moe
-from gpu_service.stream_prefill.cost_model import StreamCost, linear_fit, timed
+from gpu_service.stream_prefill.cost_model import StreamCost, fit_cpu, linear_fit, timed
 from gpu_service.stream_prefill.staging import LayerStager
 from gpu_service.stream_prefill.store import MappedStore, UntrustedStore
 from ktserve.checkpoint import ModelSpec
@@ -20,6 +20,8 @@ from ktserve.checkpoint import ModelSpec
 log = logging.getLogger("ktserve.gpu")
 
 CALIBRATION_TOKENS = 256
+# NOTE: the CPU workers' calibration calls: a few tokens read a few experts, 256 nearly all
+CPU_CALIBRATION_SIZES = (1, 4, 16, 64, 256)
 
 
 class StreamPrefillUnavailable(RuntimeError):
@@ -89,7 +91,7 @@ def build_streaming(
 def measure(streaming: StreamingExperts, workers: ShmExperts, spec: ModelSpec,
             max_tokens: int) -> StreamCost:  # fmt: skip
     """The cost model's rates on this machine: one layer's copy, its compute at two sizes, and
-    a calibration call of the same tokens to the CPU workers."""
+    calibration calls of the same tokens to the CPU workers at CPU_CALIBRATION_SIZES."""
     stager, device = streaming.stager, streaming.stager.device
     layer = spec.moe_layers[0]
     small = max(1, min(CALIBRATION_TOKENS, max_tokens) // 4)
@@ -118,7 +120,8 @@ def measure(streaming: StreamingExperts, workers: ShmExperts, spec: ModelSpec,
     def on_cpu(n: int):
         return lambda: workers.submit(layer, x[:n], ids[:n], weights[:n]).wait()
 
-    cpu_times = (timed(on_cpu(small), device), timed(on_cpu(large), device))
-    cpu_fixed, cpu_per_token = linear_fit((small, large), cpu_times)
-    return StreamCost(stager.layer_nbytes, stager.layer_nbytes / copy_s, fixed, per_token,
-                      cpu_per_token, cpu_fixed)  # fmt: skip
+    sizes = sorted({min(n, large) for n in CPU_CALIBRATION_SIZES})
+    cpu = fit_cpu(spec.num_experts, spec.num_experts_per_tok, sizes,
+                  [timed(on_cpu(n), device) for n in sizes])  # fmt: skip
+    return StreamCost(stager.layer_nbytes, stager.layer_nbytes / copy_s, fixed, per_token, cpu,
+                      max_tokens=max_tokens)  # fmt: skip
