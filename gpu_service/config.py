@@ -270,17 +270,16 @@ class GPUServiceConfig:
         "must be below the model's experts per token (default %(default)s: off)",
     )
     stream_prefill: str = flag(
-        "off",
+        "auto",
         choices=STREAM_PREFILL_MODES,
         help="prefill through the GPU: a step's prefill chunk has its routed experts computed on "
         "the GPU from the workers' packed weights, streamed over PCIe layer by layer (the next "
         "layer's copy overlapping this one's compute; two layers' experts on the GPU), while "
         "decode rows of the same step go to the CPU workers. auto: for chunks at least as long "
-        "as a cost model measured at start-up says pays off (printed; CUDA only); on: every "
-        "chunk; off: never (default %(default)s: on the GPU host a decode graph's capture "
-        "failed beside it, and decode at batch 1 ran 22%% slower; see the README). Needs workers "
-        "on this host that share their packed experts (ktserve expert --share-experts, the "
-        "default)",
+        "as a cost model measured at start-up says pays off (printed; CUDA only, and only where "
+        "streaming's GPU memory is at most 10%% of the GPU's); on: every chunk; off: never "
+        "(default %(default)s). Needs workers on this host that share their packed experts "
+        "(ktserve expert --share-experts, the default)",
     )
     cuda_graph_max_batch: int = flag(
         32,
@@ -370,9 +369,9 @@ class GPUServiceConfig:
                 "--kv-host-cache-gib is not supported with --tensor-parallel-size > 1 yet (the "
                 "followers' caches would need the same copies between tiers)"
             )
-        if self.tensor_parallel_size > 1 and self.stream_prefill != "off":
+        if self.tensor_parallel_size > 1 and self.stream_prefill == "on":
             raise ValueError(
-                "--stream-prefill is not supported with --tensor-parallel-size > 1 yet"
+                "--stream-prefill on is not supported with --tensor-parallel-size > 1 yet"
             )
         if self.cuda_graph_max_batch < 1:
             raise ValueError(

@@ -22,9 +22,9 @@ import torch
 from gpu_service.models.experts import PendingExperts, RoutedExperts, abandon
 from gpu_service.stream_prefill.compute import (
     DEFAULT_SCRATCH_BYTES,
-    experts_per_group,
     route_rows,
     routed_moe,
+    scratch_bound,
 )
 from gpu_service.stream_prefill.cost_model import StreamCost
 from gpu_service.stream_prefill.staging import LayerStager
@@ -72,9 +72,8 @@ class StreamingExperts:
     @property
     def scratch_bound(self) -> int:
         """Most device memory one layer's dequantized group (and its intermediates) takes."""
-        group = experts_per_group(self.hidden, self.inter, self.dtype, self.scratch_bytes)
-        per_group = min(group, self.stager.num_experts) * 3 * self.hidden * self.inter
-        return per_group * (self.dtype.itemsize + 8)
+        return scratch_bound(self.hidden, self.inter, self.dtype, self.stager.num_experts,
+                             self.scratch_bytes)  # fmt: skip
 
     @property
     def memory_bytes(self) -> int:

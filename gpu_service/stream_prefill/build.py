@@ -11,15 +11,19 @@ from gpu_service.engine.errors import ExpertsUnavailable
 from gpu_service.models.experts import RoutedExperts
 from gpu_service.moe_client import ShmExperts
 from gpu_service.stream_prefill.backend import StreamingExperts
-from gpu_service.stream_prefill.compute import streamed_moe
+from gpu_service.stream_prefill.compute import scratch_bound, streamed_moe
 from gpu_service.stream_prefill.cost_model import StreamCost, fit_cpu, linear_fit, timed
-from gpu_service.stream_prefill.staging import LayerStager
+from gpu_service.stream_prefill.staging import LayerStager, layer_nbytes
 from gpu_service.stream_prefill.store import MappedStore, UntrustedStore
 from ktserve.checkpoint import ModelSpec
 
 log = logging.getLogger("ktserve.gpu")
 
 CALIBRATION_TOKENS = 256
+# NOTE: auto streams only where two layers' experts and the scratch take at most this share of
+# the GPU's memory: DeepSeek-V3 in int4 wants 12.8 GiB, 9% of an H200's but half a 24 GB card's,
+# which its KV cache needs; --stream-prefill on streams whatever they take
+AUTO_MAX_MEMORY_FRACTION = 0.1
 # NOTE: the CPU workers' calibration calls: a few tokens read a few experts, 256 nearly all
 CPU_CALIBRATION_SIZES = (1, 4, 16, 64, 256)
 
@@ -45,6 +49,9 @@ def build_streaming(
         for w in workers.workers:
             stores.append(MappedStore(w.info, spec.hidden_size, spec.moe_intermediate_size,
                                       spec.moe_layers))  # fmt: skip
+        if mode == "auto":
+            check_auto_memory(streaming_bytes(stores, spec, dtype),
+                              torch.cuda.get_device_properties(device).total_memory)  # fmt: skip
         stager = LayerStager(stores, spec.num_experts, device)
     except (UntrustedStore, ValueError, OSError) as exc:
         for store in stores:
@@ -86,6 +93,24 @@ def build_streaming(
         streaming.close()
         return None
     return streaming
+
+
+def streaming_bytes(stores: list[MappedStore], spec: ModelSpec, dtype: torch.dtype) -> int:
+    """Device memory streaming from these stores would hold: two MoE layers' packed experts and
+    the dequantization scratch (StreamingExperts.memory_bytes, known before allocating it)."""
+    return 2 * layer_nbytes(stores) + scratch_bound(
+        spec.hidden_size, spec.moe_intermediate_size, dtype, spec.num_experts
+    )
+
+
+def check_auto_memory(need: int, total: int) -> None:
+    """ValueError where streaming's `need` bytes exceed auto's share of the GPU's `total`."""
+    if need > AUTO_MAX_MEMORY_FRACTION * total:
+        raise ValueError(
+            f"streaming would hold {need / 2**30:.2f} GiB of the GPU's {total / 2**30:.1f} GiB "
+            f"(two MoE layers' experts and the dequantization scratch; auto allows "
+            f"{AUTO_MAX_MEMORY_FRACTION:.0%}, --stream-prefill on takes it anyway)"
+        )
 
 
 def measure(streaming: StreamingExperts, workers: ShmExperts, spec: ModelSpec,

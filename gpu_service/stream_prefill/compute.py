@@ -59,6 +59,13 @@ def experts_per_group(hidden: int, inter: int, dtype: torch.dtype, scratch_bytes
     return max(1, scratch_bytes // per_expert)
 
 
+def scratch_bound(hidden: int, inter: int, dtype: torch.dtype, num_experts: int,
+                  scratch_bytes: int = DEFAULT_SCRATCH_BYTES) -> int:  # fmt: skip
+    """Most device memory one layer's dequantized group (and its intermediates) takes."""
+    group = min(experts_per_group(hidden, inter, dtype, scratch_bytes), num_experts)
+    return group * 3 * hidden * inter * (dtype.itemsize + 8)
+
+
 @dataclass(frozen=True)
 class ExpertRows:
     """A layer's routed (token, expert) pairs sorted by expert, and how many each expert has."""

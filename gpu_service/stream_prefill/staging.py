@@ -52,7 +52,7 @@ class LayerStager:
         self.device = device
         self.num_experts = num_experts
         first = next(iter(self.stores[0].layers.values()))
-        self.layer_nbytes = sum(next(iter(s.layers.values())).nbytes for s in self.stores)
+        self.layer_nbytes = layer_nbytes(self.stores)
         self.slots = [_Slot({n: torch.empty((num_experts, t.shape[1]), device=device,
                                             dtype=_TORCH_DTYPES[t.dtype])
                              for n, t in first.tensors.items()}) for _ in range(2)]  # fmt: skip
@@ -170,6 +170,11 @@ class LayerStager:
             torch.cuda.synchronize(self.device)
         self.close_registrations()
         self.slots.clear()
+
+
+def layer_nbytes(stores: list[MappedStore]) -> int:
+    """Bytes of one MoE layer's packed experts over all the stores (a slot holds that much)."""
+    return sum(next(iter(s.layers.values())).nbytes for s in stores)
 
 
 def _checked(stores: list[MappedStore], num_experts: int) -> list[MappedStore]:

@@ -244,6 +244,9 @@ def test_sizes_the_model_cannot_take_are_refused_before_loading(checkpoints):
         GPUServiceConfig(model_dir=str(path), tensor_parallel_size=0)
     with pytest.raises(ValueError, match="--kv-host-cache-gib is not supported"):
         GPUServiceConfig(model_dir=str(path), tensor_parallel_size=2, kv_host_cache_gib=1)
+    with pytest.raises(ValueError, match="--stream-prefill on is not supported"):
+        GPUServiceConfig(model_dir=str(path), tensor_parallel_size=2, stream_prefill="on")
+    assert GPUServiceConfig(model_dir=str(path), tensor_parallel_size=2).stream_prefill == "auto"
 
 
 def test_serve_runs_followers_and_exits_1_when_one_dies(tmp_path, seed):

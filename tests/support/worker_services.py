@@ -21,11 +21,15 @@ def worker_service(
     **config,
 ) -> GPUService:
     """build_gpu_service on the checkpoint at `path`, its experts on `workers` (one token for
-    all: the first worker's); float32 on the wire, a 128-token context and DEVICE unless told."""
+    all: the first worker's); float32 on the wire, a 128-token context, DEVICE and prefill on
+    the workers (--stream-prefill off) unless told."""
     addresses = tuple(w.address for w in workers)
     experts = ExpertClientConfig(addresses, token=workers[0].token, wire_dtype=wire_dtype,
                                  worker_timeout_s=worker_timeout_s)  # fmt: skip
     config.setdefault("device", DEVICE)
+    # NOTE: the e2e tests check the workers' path (streaming's own tests ask for it): on CUDA
+    # the default, auto, would stream their prompts
+    config.setdefault("stream_prefill", "off")
     return build_gpu_service(GPUServiceConfig(
         model_dir=str(path), scheduler=SchedulerConfig(max_model_len=max_model_len),
         experts=experts, **config,

@@ -1,0 +1,49 @@
+"""Start-up of prefill streaming: auto's memory share, and the bytes it is judged on against
+what a built StreamingExperts holds."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gpu_service.stream_prefill.backend import StreamingExperts
+from gpu_service.stream_prefill.build import (
+    AUTO_MAX_MEMORY_FRACTION,
+    check_auto_memory,
+    streaming_bytes,
+)
+from gpu_service.stream_prefill.staging import LayerStager
+from tests.gpu_service.stream_prefill.test_store import E, H, I, make_store, open_store
+
+GIB = 2**30
+
+
+def test_auto_declines_what_would_crowd_a_small_gpu():
+    deepseek_int4 = int(12.8 * GIB)  # two layers' packed experts and the scratch
+    with pytest.raises(ValueError, match=r"12\.80 GiB of the GPU's 24\.0 GiB"):
+        check_auto_memory(deepseek_int4, 24 * GIB)
+    check_auto_memory(deepseek_int4, 140 * GIB)
+    total = 80 * GIB
+    check_auto_memory(int(AUTO_MAX_MEMORY_FRACTION * total), total)
+    with pytest.raises(ValueError, match="--stream-prefill on"):
+        check_auto_memory(int(AUTO_MAX_MEMORY_FRACTION * total) + 1, total)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_the_bytes_judged_are_the_bytes_streaming_holds(fmt, dtype, tmp_path, seed):
+    low = open_store(make_store(tmp_path / "low", seed, fmt, range(0, 5))[1])
+    high = open_store(make_store(tmp_path / "high", seed + 1, fmt, range(5, E))[1])
+    spec = SimpleNamespace(hidden_size=H, moe_intermediate_size=I, num_experts=E)
+    stager = LayerStager([low, high], E, torch.device("cpu"))
+    try:
+        streaming = StreamingExperts(None, stager, H, I, (0, 1), dtype, min_tokens=1)
+        held = sum(t.nbytes for slot in stager.slots for t in slot.tensors.values())
+        assert streaming.memory_bytes == held + streaming.scratch_bound
+        assert streaming_bytes([low, high], spec, dtype) == streaming.memory_bytes
+    finally:
+        stager.close()
+        low.close()
+        high.close()
