@@ -201,7 +201,8 @@ class Engine:
         transfer, wait = (b - a for a, b in zip(moe_before, self._moe_seconds()))
         self.metrics.observe_step(result.seconds, transfer, wait, step.num_tokens, result.graphed)
         cost_model = self.scheduler.cost_model
-        if cost_model is not None:
+        # NOTE: a streamed step costs its layers' copies whatever its size: not the fit's law
+        if cost_model is not None and not result.streamed:
             decode_only = all(len(s.token_ids) == 1 and s.samples for s in step.seqs)
             cost_model.observe(StepShape.of(step.seqs), result.seconds, decode_only=decode_only,
                                graphed=result.graphed)  # fmt: skip

@@ -28,6 +28,7 @@ class StepResult:
     tokens: tuple[SampledToken | None, ...]  # per scheduled sequence; None: a prompt chunk
     seconds: float
     graphed: bool = False  # the forward ran as CUDA graphs (DecodeGraphs)
+    streamed: bool = False  # its prefill rows' experts streamed through the GPU (stream_prefill)
 
 
 class Runner:
@@ -67,7 +68,8 @@ class Runner:
         tokens: list[SampledToken | None] = [None] * len(step.seqs)
         for i, token in zip(rows, sampled):
             tokens[i] = token
-        return StepResult(tuple(tokens), time.perf_counter() - start, graphed)
+        streamed = not graphed and self.model.last_step_streamed
+        return StepResult(tuple(tokens), time.perf_counter() - start, graphed, streamed)
 
     def sample(self, logits, requests: list[Request]) -> list[SampledToken]:
         """The rows' tokens; penalized requests keep their counts on the device (history)."""

@@ -111,6 +111,12 @@ class CausalLM(nn.Module):
         return list(found.values())
 
     @property
+    def last_step_streamed(self) -> bool:
+        """The last forward streamed its prefill rows' experts through the GPU (stream_prefill):
+        its time follows the copies', not what a step through the workers costs."""
+        return any(getattr(b, "last_step_streamed", False) for b in self._step_aware_experts())
+
+    @property
     def num_deferred_experts(self) -> int:
         """Routed experts per token each MoE layer but the last defers to the next (moe.py)."""
         return max((moe.num_deferred for moe in self.moes), default=0)

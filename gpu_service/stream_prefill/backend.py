@@ -60,6 +60,7 @@ class StreamingExperts:
         self.cost: StreamCost | None = None
         self.workers = None  # the ShmExperts whose stores it maps: see follow()
         self._rows: _StepRows | None = None
+        self.last_step_streamed = False  # the step begun last streams its prefill rows
         self.steps_streamed = 0  # stats
         self.rows_streamed = 0
         self.on_streamed: Callable[[int], None] | None = None  # a metric: rows per step
@@ -109,6 +110,7 @@ class StreamingExperts:
 
     def begin_step(self, seq_lens: list[int]) -> None:
         self._rows = None
+        self.last_step_streamed = False
         if self.workers is not None and self.min_tokens is not None:
             self._follow_restarts()
         prefill = sum(n for n in seq_lens if n > 1)
@@ -122,6 +124,7 @@ class StreamingExperts:
             torch.nonzero(row_is_prefill).squeeze(1).to(device),
             torch.nonzero(~row_is_prefill).squeeze(1).to(device),
         )
+        self.last_step_streamed = True
         self.steps_streamed += 1
         self.rows_streamed += prefill
         if self.on_streamed is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 from contextlib import closing
 from functools import partial
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_service.engine import SamplingParams
 from gpu_service.models import Batch, SeqInput
 from gpu_service.models.moe import GroupedSigmoidRouter
 from ktserve.protocol import expert_pb2 as pb
@@ -176,6 +178,35 @@ def test_a_step_splits_decode_rows_to_the_worker(deferred, checkpoints, seed):
         err = relative_error(results[1], results[0])
         print(f"deferred {deferred}: streamed vs worker logits relative error {err:.2e}")
         assert err < BOUNDS["bf16"]
+
+
+def _set_when_finished(done: threading.Event, event) -> None:
+    if event.finish_reason is not None:
+        done.set()
+
+
+def test_streamed_steps_stay_out_of_the_step_cost_fit(checkpoints, seed):
+    """The engine's step-time model (mixed steps' chunk sizes) learns from the steps through the
+    workers only: a streamed prompt step costs its layers' copies whatever its size."""
+    path = checkpoints["qwen3_moe"]
+    prompt = prompts(seed + 2, lengths=(23,))[0]
+    with contextlib.ExitStack() as stack:
+        worker = stack.enter_context(closing(ExpertProcess("--model", str(path), "--format",
+                                                           "bf16")))  # fmt: skip
+        learned = {}
+        for mode in ("off", "on"):
+            s = stack.enter_context(closing(service(path, worker, mode)))
+            cost_model = s.engine.scheduler.cost_model
+            before = cost_model.num_samples
+            done = threading.Event()
+            params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+            s.engine.add_request(prompt, params, partial(_set_when_finished, done))
+            assert done.wait(120), mode
+            learned[mode] = cost_model.num_samples - before
+            streamed = s.streaming.steps_streamed if s.streaming is not None else 0
+            assert streamed == (1 if mode == "on" else 0), (mode, streamed)
+        # the prompt step and two decode steps; streamed, the prompt step is not learned from
+        assert learned == {"off": 3, "on": 2}, learned
 
 
 def test_two_workers_stores_stream_as_one_layer(checkpoints, seed):
