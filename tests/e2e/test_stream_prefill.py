@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from gpu_service.engine import SamplingParams
 from gpu_service.models import Batch, SeqInput
 from gpu_service.models.moe import GroupedSigmoidRouter
+from gpu_service.stream_prefill.build import AUTO_MAX_MEMORY_FRACTION
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.worker_token import TOKEN_ENV
 from tests.e2e.test_parity import (
@@ -178,6 +179,25 @@ def test_a_step_splits_decode_rows_to_the_worker(deferred, checkpoints, seed):
         err = relative_error(results[1], results[0])
         print(f"deferred {deferred}: streamed vs worker logits relative error {err:.2e}")
         assert err < BOUNDS["bf16"]
+
+
+def test_auto_streams_from_the_cost_model_s_threshold_on_cuda_only(checkpoints):
+    """--stream-prefill auto (the default): no streaming with the model on the CPU; on CUDA the
+    chunks from the start-up cost model's threshold on, within auto's share of the GPU."""
+    path = checkpoints["qwen3_moe"]
+    with contextlib.ExitStack() as stack:
+        worker = stack.enter_context(closing(ExpertProcess("--model", str(path), "--format",
+                                                           "int4")))  # fmt: skip
+        s = stack.enter_context(closing(service(path, worker, "auto")))
+        if DEVICE != "cuda":
+            assert s.streaming is None
+            return
+        assert s.streaming is not None, "auto declined on CUDA (the log says why)"
+        cost = s.streaming.cost
+        print(cost.describe())
+        assert s.streaming.min_tokens == cost.min_tokens
+        total = torch.cuda.get_device_properties(s.streaming.stager.device).total_memory
+        assert s.streaming.memory_bytes <= AUTO_MAX_MEMORY_FRACTION * total
 
 
 def _set_when_finished(done: threading.Event, event) -> None:
