@@ -225,8 +225,9 @@ def test_streamed_steps_stay_out_of_the_step_cost_fit(checkpoints, seed):
             learned[mode] = cost_model.num_samples - before
             streamed = s.streaming.steps_streamed if s.streaming is not None else 0
             assert streamed == (1 if mode == "on" else 0), (mode, streamed)
-        # the prompt step and two decode steps; streamed, the prompt step is not learned from
-        assert learned == {"off": 3, "on": 2}, learned
+        # the prompt step, and the two decode steps where they run eagerly (graphed ones only
+        # calibrate): streamed, the prompt step is not learned from
+        assert learned["off"] == learned["on"] + 1 >= 1, learned
 
 
 def test_two_workers_stores_stream_as_one_layer(checkpoints, seed):
