@@ -179,8 +179,6 @@ def write(out: Path, shape: Shape, layers: int, experts: str = "bf16", seed: int
     """Write the checkpoint; returns {"seconds", "bytes", "expert_bytes"}."""
     from safetensors.torch import save_file
 
-    from expert_service import synthetic_experts
-
     fp8, synthetic = experts == "fp8", experts == "synthetic"
     dense = min(shape.dense_layers, layers - 1) if dense_layers is None else dense_layers
     out.mkdir(parents=True, exist_ok=True)
@@ -217,6 +215,10 @@ def write(out: Path, shape: Shape, layers: int, experts: str = "bf16", seed: int
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": index}))  # fmt: skip
     if synthetic:
+        # NOTE: imported here: it needs the built kernel extension, which the GPU-host scripts
+        # build while a bf16 or FP8 checkpoint is written
+        from expert_service import synthetic_experts
+
         synthetic_experts.write_marker(out, seed)
     return {"seconds": time.perf_counter() - start, "bytes": total, "expert_bytes": expert_bytes}
 
