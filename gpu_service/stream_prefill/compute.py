@@ -68,9 +68,9 @@ def scratch_bound(hidden: int, inter: int, dtype: torch.dtype, num_experts: int,
 
 @dataclass(frozen=True)
 class ExpertRows:
-    """A layer's routed (token, expert) pairs sorted by expert, and how many each expert has."""
+    """A layer's routed (token, expert) pairs sorted by expert (each expert's pairs are the next
+    counts[e] of them), and how many each expert has."""
 
-    expert: torch.Tensor  # [n] int64, ascending
     token: torch.Tensor  # [n] int64
     weight: torch.Tensor  # [n] float32
     counts: list[int]  # [E] on the host
@@ -87,11 +87,10 @@ def route_rows(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> Ex
     token = torch.arange(num_tokens, device=ids.device).repeat_interleave(top_k)[keep]  # [n]
     weight = weights.reshape(-1)[keep].float()  # [n]
     order = torch.argsort(expert, stable=True)
-    expert, token, weight = expert[order], token[order], weight[order]
     counts = torch.bincount(expert, minlength=num_experts).tolist()  # NOTE: one host sync
     if len(counts) > num_experts:
         raise ValueError(f"expert id {len(counts) - 1} is outside the {num_experts} staged")
-    return ExpertRows(expert, token, weight, counts)
+    return ExpertRows(token[order], weight[order], counts)
 
 
 def routed_moe(fmt: str, packed: dict[str, torch.Tensor], hidden: int, inter: int,
