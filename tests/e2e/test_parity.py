@@ -9,10 +9,12 @@ from functools import partial
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.gpu_experts import worker_activation_counts
 from gpu_service.models import Batch, SeqInput
+from gpu_service.models.moe import GroupedSigmoidRouter
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
 from tests.support.worker_services import DEVICE, worker_service
@@ -95,6 +97,25 @@ def clear_routing_prompts(margin_of, seed: int, lengths=(6, 13, 3)) -> list[list
         else:
             raise AssertionError(f"no {n}-token prompt with a clear routing in 1000 draws")
     return chosen
+
+
+def served_routing_margin(service, prompt: list[int]) -> float:
+    """routing_margin, of the served model's own DeepSeek-V3 routers (one prefill: with tensor
+    parallelism rank 0's, which routes for all)."""
+    inputs = []
+    routers = [m for m in service.engine.model.modules() if isinstance(m, GroupedSigmoidRouter)]
+    hooks = [r.register_forward_hook(lambda r, args, _: inputs.append((r, args[0])))
+             for r in routers]  # fmt: skip
+    try:
+        with torch.no_grad():
+            last_logits(service, [prompt])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert inputs, "no DeepSeek-V3 router ran in the served model"
+    return min(grouped_choice_margin(F.linear(x.float(), r.weight).sigmoid() + r.bias,
+                                     r.num_groups, r.topk_groups, r.top_k)
+               for r, x in inputs)  # fmt: skip
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

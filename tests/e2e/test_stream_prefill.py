@@ -14,11 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gpu_service.engine import SamplingParams
 from gpu_service.models import Batch, SeqInput
-from gpu_service.models.moe import GroupedSigmoidRouter
 from gpu_service.stream_prefill.build import AUTO_MAX_MEMORY_FRACTION
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.worker_token import TOKEN_ENV
@@ -26,10 +24,10 @@ from tests.e2e.test_parity import (
     DEVICE,
     clear_routing_prompts,
     greedy_together,
-    grouped_choice_margin,
     last_logits,
     reference_greedy_check,
     relative_error,
+    served_routing_margin,
 )
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401
@@ -112,24 +110,6 @@ def stream_prompts(family: str, fmt: str, on_cpu, seed: int) -> list[list[int]]:
         return clear_routing_prompts(partial(served_routing_margin, on_cpu), seed,
                                      lengths=STREAM_LENGTHS)  # fmt: skip
     return prompts(seed)
-
-
-def served_routing_margin(service, prompt: list[int]) -> float:
-    """routing_margin, of the served model's own DeepSeek-V3 routers (one CPU-path prefill)."""
-    inputs = []
-    routers = [m for m in service.engine.model.modules() if isinstance(m, GroupedSigmoidRouter)]
-    hooks = [r.register_forward_hook(lambda r, args, _: inputs.append((r, args[0])))
-             for r in routers]  # fmt: skip
-    try:
-        with torch.no_grad():
-            last_logits_all(service, prompt)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    assert inputs, "no DeepSeek-V3 router ran in the served model"
-    return min(grouped_choice_margin(F.linear(x.float(), r.weight).sigmoid() + r.bias,
-                                     r.num_groups, r.topk_groups, r.top_k)
-               for r, x in inputs)  # fmt: skip
 
 
 def last_logits_all(service, prompt: list[int]) -> torch.Tensor:
