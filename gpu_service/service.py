@@ -94,12 +94,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         if config.gpu_experts or config.expert_placement:
             backend = _hybrid(config, spec, experts, device, dtype)
         # NOTE: before the model and the KV cache, so their sizes leave room for its buffers
-        stream_mode = config.stream_prefill
-        if config.tensor_parallel_size > 1 and stream_mode == "auto":
-            log.info("prefill: experts stay on the CPU workers (streaming them to the GPU is not "
-                     "supported with --tensor-parallel-size > 1 yet)")  # fmt: skip
-            stream_mode = "off"
-        streaming = build_streaming(stream_mode, spec, experts, backend, device, dtype)
+        streaming = build_streaming(config.stream_prefill, spec, experts, backend, device, dtype,
+                                    config.tensor_parallel_size)  # fmt: skip
         hybrid = backend if isinstance(backend, HybridExperts) else None
         backend = streaming or backend
         deferred = config.max_deferred_experts_per_token

@@ -99,6 +99,9 @@ class CausalLM(nn.Module):
         # told of each checked forward before it runs, and of its failure: a tensor-parallel
         # rank 0 hands the step to its followers (gpu_service/tensor_parallel/leader.py)
         self.step_listener: StepListener | None = None
+        # the last run streamed its prefill rows' experts through the GPU (stream_prefill): its
+        # time follows the copies', not what a step through the workers costs
+        self.last_step_streamed = False
 
     @property
     def moes(self) -> list[MoE]:
@@ -109,12 +112,6 @@ class CausalLM(nn.Module):
         rows a step streams through the GPU, stream_prefill), each once."""
         found = {id(m.experts): m.experts for m in self.moes if hasattr(m.experts, "begin_step")}
         return list(found.values())
-
-    @property
-    def last_step_streamed(self) -> bool:
-        """The last forward streamed its prefill rows' experts through the GPU (stream_prefill):
-        its time follows the copies', not what a step through the workers costs."""
-        return any(getattr(b, "last_step_streamed", False) for b in self._step_aware_experts())
 
     @property
     def num_deferred_experts(self) -> int:
@@ -199,8 +196,9 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(tokens)  # [T, H]
         deferred = None  # the last MoE layer's deferred call, joined at the next one's combine
         step_aware = self._step_aware_experts()
-        for backend in step_aware:
-            backend.begin_step([len(s.token_ids) for s in batch.seqs])
+        seq_lens = [len(s.token_ids) for s in batch.seqs]
+        # NOTE: a list, not any(): every backend plans the step
+        self.last_step_streamed = any([backend.begin_step(seq_lens) for backend in step_aware])
         try:
             for layer in self.layers:
                 if isinstance(layer.mlp, MoE):

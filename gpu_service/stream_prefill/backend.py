@@ -60,7 +60,6 @@ class StreamingExperts:
         self.cost: StreamCost | None = None
         self.workers = None  # the ShmExperts whose stores it maps: see follow()
         self._rows: _StepRows | None = None
-        self.last_step_streamed = False  # the step begun last streams its prefill rows
         self.steps_streamed = 0  # stats
         self.rows_streamed = 0
         self.on_streamed: Callable[[int], None] | None = None  # a metric: rows per step
@@ -108,14 +107,15 @@ class StreamingExperts:
             store.close()
         log.info("prefill: mapped the restarted workers' stores %s", dirs)
 
-    def begin_step(self, seq_lens: list[int]) -> None:
+    def begin_step(self, seq_lens: list[int]) -> bool:
+        """Plan a step of sequences with these new-token counts; True if its prefill rows
+        stream."""
         self._rows = None
-        self.last_step_streamed = False
         if self.workers is not None and self.min_tokens is not None:
             self._follow_restarts()
         prefill = sum(n for n in seq_lens if n > 1)
         if self.min_tokens is None or prefill == 0 or prefill < self.min_tokens:
-            return
+            return False
         device = self.stager.device
         lens = torch.tensor(seq_lens)
         row_is_prefill = torch.repeat_interleave(lens > 1, lens)  # [T]
@@ -124,12 +124,12 @@ class StreamingExperts:
             torch.nonzero(row_is_prefill).squeeze(1).to(device),
             torch.nonzero(~row_is_prefill).squeeze(1).to(device),
         )
-        self.last_step_streamed = True
         self.steps_streamed += 1
         self.rows_streamed += prefill
         if self.on_streamed is not None:
             self.on_streamed(prefill)
         self.stager.prefetch(self.moe_layers[0])
+        return True
 
     def end_step(self) -> None:
         self._rows = None

@@ -13,7 +13,7 @@ from gpu_service.moe_client import ShmExperts
 from gpu_service.stream_prefill.backend import StreamingExperts
 from gpu_service.stream_prefill.compute import scratch_bound, streamed_moe
 from gpu_service.stream_prefill.cost_model import StreamCost, fit_cpu, linear_fit, timed
-from gpu_service.stream_prefill.staging import LayerStager, layer_nbytes
+from gpu_service.stream_prefill.staging import LayerStager
 from gpu_service.stream_prefill.store import MappedStore, UntrustedStore
 from ktserve.checkpoint import ModelSpec
 
@@ -34,11 +34,16 @@ class StreamPrefillUnavailable(RuntimeError):
 
 def build_streaming(
     mode: str, spec: ModelSpec, workers: ShmExperts, backend: RoutedExperts,
-    device: torch.device, dtype: torch.dtype,
+    device: torch.device, dtype: torch.dtype, tensor_parallel_size: int = 1,
 ) -> StreamingExperts | None:  # fmt: skip
     """The backend with prefill streaming over `backend` (None: mode off, or auto and
-    streaming is not possible or not worth it here, logged)."""
+    streaming is not possible or not worth it here, logged). `on` with tensor parallelism is
+    refused by the config already."""
     if mode == "off":
+        return None
+    if mode == "auto" and tensor_parallel_size > 1:
+        log.info("prefill: experts stay on the CPU workers (streaming them to the GPU is not "
+                 "supported with --tensor-parallel-size > 1 yet)")  # fmt: skip
         return None
     if mode == "auto" and device.type != "cuda":
         log.info("prefill: experts stay on the CPU workers (--stream-prefill auto streams only "
@@ -98,7 +103,7 @@ def build_streaming(
 def streaming_bytes(stores: list[MappedStore], spec: ModelSpec, dtype: torch.dtype) -> int:
     """Device memory streaming from these stores would hold: two MoE layers' packed experts and
     the dequantization scratch (StreamingExperts.memory_bytes, known before allocating it)."""
-    return 2 * layer_nbytes(stores) + scratch_bound(
+    return LayerStager.bytes_for(stores) + scratch_bound(
         spec.hidden_size, spec.moe_intermediate_size, dtype, spec.num_experts
     )
 

@@ -24,6 +24,7 @@ from gpu_service.stream_prefill.store import MappedStore
 
 log = logging.getLogger("ktserve.gpu")
 
+NUM_SLOTS = 2  # the layer computing and the next one, copying
 REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly
 REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
 
@@ -55,7 +56,8 @@ class LayerStager:
         self.layer_nbytes = layer_nbytes(self.stores)
         self.slots = [_Slot({n: torch.empty((num_experts, t.shape[1]), device=device,
                                             dtype=_TORCH_DTYPES[t.dtype])
-                             for n, t in first.tensors.items()}) for _ in range(2)]  # fmt: skip
+                             for n, t in first.tensors.items()})
+                      for _ in range(NUM_SLOTS)]  # fmt: skip
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._registered: list[int] = []
@@ -67,7 +69,12 @@ class LayerStager:
     @property
     def memory_bytes(self) -> int:
         """Device memory the two slots hold."""
-        return 2 * self.layer_nbytes
+        return NUM_SLOTS * self.layer_nbytes
+
+    @staticmethod
+    def bytes_for(stores: list[MappedStore]) -> int:
+        """memory_bytes of a stager of these stores, before one is made."""
+        return NUM_SLOTS * layer_nbytes(stores)
 
     def _register(self) -> bool:
         cudart = torch.cuda.cudart()

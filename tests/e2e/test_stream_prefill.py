@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 from contextlib import closing
 from functools import partial
 from pathlib import Path
@@ -15,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_service.engine import SamplingParams
 from gpu_service.models import Batch, SeqInput
 from gpu_service.stream_prefill.build import AUTO_MAX_MEMORY_FRACTION
 from ktserve.protocol import expert_pb2 as pb
@@ -180,11 +178,6 @@ def test_auto_streams_from_the_cost_model_s_threshold_on_cuda_only(checkpoints):
         assert s.streaming.memory_bytes <= AUTO_MAX_MEMORY_FRACTION * total
 
 
-def _set_when_finished(done: threading.Event, event) -> None:
-    if event.finish_reason is not None:
-        done.set()
-
-
 def test_streamed_steps_stay_out_of_the_step_cost_fit(checkpoints, seed):
     """The engine's step-time model (mixed steps' chunk sizes) learns from the steps through the
     workers only: a streamed prompt step costs its layers' copies whatever its size."""
@@ -198,10 +191,7 @@ def test_streamed_steps_stay_out_of_the_step_cost_fit(checkpoints, seed):
             s = stack.enter_context(closing(service(path, worker, mode)))
             cost_model = s.engine.scheduler.cost_model
             before = cost_model.num_samples
-            done = threading.Event()
-            params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-            s.engine.add_request(prompt, params, partial(_set_when_finished, done))
-            assert done.wait(120), mode
+            greedy_together(s, [prompt], 3)
             learned[mode] = cost_model.num_samples - before
             streamed = s.streaming.steps_streamed if s.streaming is not None else 0
             assert streamed == (1 if mode == "on" else 0), (mode, streamed)

@@ -11,6 +11,7 @@ import torch
 from gpu_service.stream_prefill.backend import StreamingExperts
 from gpu_service.stream_prefill.build import (
     AUTO_MAX_MEMORY_FRACTION,
+    build_streaming,
     check_auto_memory,
     streaming_bytes,
 )
@@ -29,6 +30,19 @@ def test_auto_declines_what_would_crowd_a_small_gpu():
     check_auto_memory(int(AUTO_MAX_MEMORY_FRACTION * total), total)
     with pytest.raises(ValueError, match="--stream-prefill on"):
         check_auto_memory(int(AUTO_MAX_MEMORY_FRACTION * total) + 1, total)
+
+
+@pytest.mark.parametrize(("device", "tp", "reason"), [
+    ("cpu", 1, "streams only to a CUDA device"),
+    ("cpu", 2, "not supported with --tensor-parallel-size > 1"),
+])  # fmt: skip
+def test_auto_declines_before_it_maps_anything(device, tp, reason, caplog):
+    """auto on the CPU or with tensor parallelism: no streaming, and the log says why (the
+    workers are never asked for their stores: None stands in for them)."""
+    with caplog.at_level("INFO", logger="ktserve.gpu"):
+        got = build_streaming("auto", None, None, None, torch.device(device), torch.float32, tp)
+    assert got is None
+    assert reason in caplog.text
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
