@@ -21,7 +21,7 @@ log = logging.getLogger("ktserve.gpu")
 
 CALIBRATION_TOKENS = 256
 # NOTE: auto streams only where two layers' experts and the scratch take at most this share of
-# the GPU's memory: DeepSeek-V3 in int4 wants 12.8 GiB, 9% of an H200's but half a 24 GB card's,
+# the GPU's memory: DeepSeek-V3 in int4 wants 12.6 GiB, 9% of an H200's but half a 24 GB card's,
 # which its KV cache needs; --stream-prefill on streams whatever they take
 AUTO_MAX_MEMORY_FRACTION = 0.1
 # NOTE: the CPU workers' calibration calls: a few tokens read a few experts, 256 nearly all

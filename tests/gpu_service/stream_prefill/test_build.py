@@ -15,6 +15,7 @@ from gpu_service.stream_prefill.build import (
     check_auto_memory,
     streaming_bytes,
 )
+from gpu_service.stream_prefill.compute import scratch_bound
 from gpu_service.stream_prefill.staging import LayerStager
 from tests.gpu_service.stream_prefill.test_store import E, H, I, make_store, open_store
 
@@ -22,8 +23,10 @@ GIB = 2**30
 
 
 def test_auto_declines_what_would_crowd_a_small_gpu():
-    deepseek_int4 = int(12.8 * GIB)  # two layers' packed experts and the scratch
-    with pytest.raises(ValueError, match=r"12\.80 GiB of the GPU's 24\.0 GiB"):
+    # two layers' packed experts (6,048 MiB each, as the GPU host's copies measured) and the
+    # dequantization scratch at DeepSeek-V3's shapes in bf16
+    deepseek_int4 = 2 * 6048 * 2**20 + scratch_bound(7168, 2048, torch.bfloat16, 256)
+    with pytest.raises(ValueError, match=r"12\.63 GiB of the GPU's 24\.0 GiB"):
         check_auto_memory(deepseek_int4, 24 * GIB)
     check_auto_memory(deepseek_int4, 140 * GIB)
     total = 80 * GIB
