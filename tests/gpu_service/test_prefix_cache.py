@@ -270,7 +270,7 @@ def test_stress_shared_prefixes_aborts_and_preemption_never_free_a_used_block(
     g = random.Random(seed + 2)
     print(f"stress seed {seed + 2}")
     bases = [rand_ids(g, g.randrange(5, 15)) for _ in range(3)]
-    requests = [(g.choice(bases) + rand_ids(g, g.randrange(0, 7)), g.randrange(3, 12))
+    requests = [(g.choice(bases) + rand_ids(g, g.randrange(3, 9)), g.randrange(6, 14))
                 for _ in range(24)]  # fmt: skip
     aborts = {i: g.randrange(1, 4) for i in g.sample(range(len(requests)), 6)}
     graphs = DecodeGraphConfig(max_batch=4, min_kv_bucket=8, capture=device.type == "cuda")
