@@ -143,7 +143,6 @@ class _Bucket:
                                 self.kv_len)  # fmt: skip
         return AttentionMetadata(
             positions=self.positions.long(), slot_mapping=self.slot_mapping.long(),
-            block_table=self.block_table, cu_seqlens_q=self.cu_seqlens_q, kv_len=self.kv_len,
             last_index=self.rows, block_size=self.block_size, decodes=(decode,), prefill=None,
         )  # fmt: skip
 

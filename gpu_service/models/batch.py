@@ -5,16 +5,16 @@ A step runs a batch of B sequences, each contributing n_i >= 1 new tokens at pos
 chunk of either. Layout (ragged, flattened, nothing padded):
     tokens        [T]           T = sum n_i, sequence after sequence
     hidden        [T, H]        every projection, norm and MoE runs on this flat batch
-    cu_seqlens_q  [B + 1] int32 sequence i's rows are cu_seqlens_q[i]:cu_seqlens_q[i + 1]
-    kv_len        [B] int32     L_i = start_pos_i + n_i: its keys are positions 0..L_i - 1
-    block_table   [B, W] int32  its cache blocks (W: the most any sequence of the step needs;
-                                unused entries 0, never read); slot = block * block_size + offset
-Attention (paged_attention.py) splits the sequences in groups, each with its own rows of T and
-its own block_table (as wide as its own longest sequence needs) / cu_seqlens_q / kv_len:
-decodes (n_i = 1: one query at L_i - 1, batched) and prefills (n_i > 1: ragged, causal over their
-own keys). On the CPU the decodes go in one group per width class (block counts within the same
-power of two), so short rows beside a long one never gather its keys; on CUDA they stay one group
-(the shape a decode graph captures).
+Attention (paged_attention.py) takes the sequences in groups, each with its own rows of T and
+index tensors (AttentionGroup):
+    cu_seqlens_q  [b + 1] int32 member i's rows (of the group's) are cu_seqlens_q[i]:[i + 1]
+    kv_len        [b] int32     L_i = start_pos_i + n_i: its keys are positions 0..L_i - 1
+    block_table   [b, W] int32  its cache blocks (W: the most any member needs; unused entries
+                                0, never read); slot = block * block_size + offset
+the decodes (n_i = 1: one query at L_i - 1, batched) and the prefills (n_i > 1: ragged, causal
+over their own keys). On the CPU the decodes go in one group per width class (block counts within
+the same power of two), so short rows beside a long one never gather its keys; on CUDA they stay
+one group (the shape a decode graph captures).
 """
 
 from __future__ import annotations
@@ -94,9 +94,6 @@ class AttentionGroup:
 class AttentionMetadata:
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
-    block_table: torch.Tensor  # [B, W] int32
-    cu_seqlens_q: torch.Tensor  # [B + 1] int32
-    kv_len: torch.Tensor  # [B] int32
     last_index: torch.Tensor  # [B] int64 into the flat T
     block_size: int
     decodes: tuple[AttentionGroup, ...]  # sequences with one new token (none: empty)
@@ -139,9 +136,6 @@ class AttentionMetadata:
         return cls(
             positions=tensor(positions, torch.int64),
             slot_mapping=tensor(slot_mapping, torch.int64),
-            block_table=tensor(_padded(blocks)),
-            cu_seqlens_q=tensor(cu_seqlens),
-            kv_len=tensor(kv_len),
             last_index=tensor(cu_seqlens[1:], torch.int64) - 1,
             block_size=block_size,
             decodes=tuple(group(members) for members in decode_groups),
