@@ -28,6 +28,7 @@ kv_cache; parts not measured on the device are absent) and ktserve_kv_cache_capa
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -63,117 +64,127 @@ class EngineMetrics:
                  max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:  # fmt: skip
         """max_model_len: the token-count histograms' largest bucket is below it (then +Inf)."""
         self.registry = registry or CollectorRegistry()
-        r = self.registry
-        self.ttft = Histogram(
-            "ktserve_time_to_first_token_seconds",
-            "Arrival to first generated token",
-            buckets=LATENCY,
-            registry=r,
-        )
-        self.itl = Histogram("ktserve_inter_token_latency_seconds",
-                             "Time between consecutive tokens of a request", buckets=LATENCY,
-                             registry=r)  # fmt: skip
-        self.e2e = Histogram(
-            "ktserve_e2e_request_latency_seconds", "Arrival to finish", buckets=LATENCY, registry=r
-        )
-        self.prompt_tokens = Counter("ktserve_prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.generation_tokens = Counter("ktserve_generation_tokens", "Tokens generated",
-                                         registry=r)  # fmt: skip
-        self.finished = Counter("ktserve_request_success", "Finished requests by reason",
-                                ["finished_reason"], registry=r)  # fmt: skip
-        self.running = Gauge("ktserve_num_requests_running", "Requests in the running batch",
-                             registry=r)  # fmt: skip
-        self.waiting = Gauge("ktserve_num_requests_waiting", "Requests queued", registry=r)
-        self.kv_usage = Gauge("ktserve_kv_cache_usage_perc",
-                              "KV-cache usage: the fraction of KV blocks in use (1 = full)",
-                              registry=r)  # fmt: skip
-        self.preemptions = Counter("ktserve_num_preemptions",
-                                   "Requests preempted (KV cache full), to be recomputed",
-                                   registry=r)  # fmt: skip
-        self.queue_time = Histogram("ktserve_request_queue_time_seconds",
-                                    "Arrival to first scheduled (time in the waiting queue)",
-                                    buckets=LATENCY, registry=r)  # fmt: skip
-        self.prefill_time = Histogram("ktserve_request_prefill_time_seconds",
-                                      "First scheduled to first token (the prefill phase)",
-                                      buckets=LATENCY, registry=r)  # fmt: skip
-        self.decode_time = Histogram("ktserve_request_decode_time_seconds",
-                                     "First token to last token (the decode phase)",
-                                     buckets=LATENCY, registry=r)  # fmt: skip
-        self.inference_time = Histogram("ktserve_request_inference_time_seconds",
-                                        "First scheduled to last token (prefill and decode)",
-                                        buckets=LATENCY, registry=r)  # fmt: skip
+        counter = functools.partial(Counter, registry=self.registry)
+        gauge = functools.partial(Gauge, registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets=LATENCY, labels=()) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
         tokens = buckets_1_2_5(max_model_len)
-        self.request_prompt_tokens = Histogram("ktserve_request_prompt_tokens",
-                                               "Prompt tokens per finished request",
-                                               buckets=tokens, registry=r)  # fmt: skip
-        self.request_generation_tokens = Histogram("ktserve_request_generation_tokens",
-                                                   "Tokens generated per finished request",
-                                                   buckets=tokens, registry=r)  # fmt: skip
-        self.request_max_tokens = Histogram("ktserve_request_params_max_tokens",
-                                            "The max_tokens of each finished request",
-                                            buckets=tokens, registry=r)  # fmt: skip
-        self.request_n = Histogram("ktserve_request_params_n",
-                                   "The n (choices) of each HTTP request", buckets=PARAMS_N,
-                                   registry=r)  # fmt: skip
-        self.step_seconds = Histogram(
+        # requests
+        self.ttft = histogram(
+            "ktserve_time_to_first_token_seconds", "Arrival to first generated token"
+        )
+        self.itl = histogram(
+            "ktserve_inter_token_latency_seconds", "Time between consecutive tokens of a request"
+        )
+        self.e2e = histogram("ktserve_e2e_request_latency_seconds", "Arrival to finish")
+        self.prompt_tokens = counter("ktserve_prompt_tokens", "Prompt tokens admitted")
+        self.generation_tokens = counter("ktserve_generation_tokens", "Tokens generated")
+        self.finished = counter(
+            "ktserve_request_success", "Finished requests by reason", ["finished_reason"]
+        )
+        self.running = gauge("ktserve_num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("ktserve_num_requests_waiting", "Requests queued")
+        self.kv_usage = gauge(
+            "ktserve_kv_cache_usage_perc",
+            "KV-cache usage: the fraction of KV blocks in use (1 = full)",
+        )
+        self.preemptions = counter(
+            "ktserve_num_preemptions", "Requests preempted (KV cache full), to be recomputed"
+        )
+        self.queue_time = histogram(
+            "ktserve_request_queue_time_seconds",
+            "Arrival to first scheduled (time in the waiting queue)",
+        )
+        self.prefill_time = histogram(
+            "ktserve_request_prefill_time_seconds",
+            "First scheduled to first token (the prefill phase)",
+        )
+        self.decode_time = histogram(
+            "ktserve_request_decode_time_seconds", "First token to last token (the decode phase)"
+        )
+        self.inference_time = histogram(
+            "ktserve_request_inference_time_seconds",
+            "First scheduled to last token (prefill and decode)",
+        )
+        self.request_prompt_tokens = histogram(
+            "ktserve_request_prompt_tokens", "Prompt tokens per finished request", tokens
+        )
+        self.request_generation_tokens = histogram(
+            "ktserve_request_generation_tokens", "Tokens generated per finished request", tokens
+        )
+        self.request_max_tokens = histogram(
+            "ktserve_request_params_max_tokens", "The max_tokens of each finished request", tokens
+        )
+        self.request_n = histogram(
+            "ktserve_request_params_n", "The n (choices) of each HTTP request", PARAMS_N
+        )
+        # steps
+        self.step_seconds = histogram(
             "ktserve_step_seconds",
             "Per-step time by phase: gpu (compute on the GPU), transfer (hidden states to and "
             "from the expert channels), expert_wait (waiting for the CPU experts)",
-            ["phase"], buckets=FAST, registry=r,
-        )  # fmt: skip
-        self.step_tokens = Counter("ktserve_step_tokens", "Tokens run through the model",
-                                   registry=r)  # fmt: skip
-        self.steps = Counter("ktserve_steps", "Forward steps by mode: graph (decode replayed as "
-                             "CUDA graphs) or eager", ["mode"], registry=r)  # fmt: skip
-        self.prefill_streamed_tokens = Counter(
+            FAST,
+            ["phase"],
+        )
+        self.step_tokens = counter("ktserve_step_tokens", "Tokens run through the model")
+        self.steps = counter(
+            "ktserve_steps",
+            "Forward steps by mode: graph (decode replayed as CUDA graphs) or eager",
+            ["mode"],
+        )
+        self.prefill_streamed_tokens = counter(
             "ktserve_prefill_streamed_tokens",
             "Prefill tokens whose routed experts ran on the GPU from streamed weights "
-            "(--stream-prefill)", registry=r,
-        )  # fmt: skip
-        self.moe_round_trip = Histogram(
+            "(--stream-prefill)",
+        )
+        self.moe_round_trip = histogram(
             "ktserve_moe_round_trip_seconds",
             "One MoE call: submit to the expert workers until their summed reply",
-            buckets=FAST, registry=r,
-        )  # fmt: skip
-        self.prefix_cache_queries = Counter(
+            FAST,
+        )
+        # prefix cache
+        self.prefix_cache_queries = counter(
             "ktserve_prefix_cache_queries",
             "Prefix cache queries: tokens looked up in the prefix cache at admission",
-            registry=r,
         )
-        self.prefix_cache_hits = Counter(
+        self.prefix_cache_hits = counter(
             "ktserve_prefix_cache_hits",
             "Prefix cache hits: tokens found in the prefix cache, by tier (gpu: the device KV "
             "cache, cpu: the host-RAM tier)",
-            ["tier"], registry=r,
-        )  # fmt: skip
+            ["tier"],
+        )
         self.prefix_cache_hit_rate = {
-            tier: Gauge(f"ktserve_{tier}_prefix_cache_hit_rate",
-                        f"Tokens found in the {where} over tokens looked up, since the start",
-                        registry=r)
+            tier: gauge(
+                f"ktserve_{tier}_prefix_cache_hit_rate",
+                f"Tokens found in the {where} over tokens looked up, since the start",
+            )
             for tier, where in (("gpu", "device KV cache"), ("cpu", "host-RAM tier"))
-        }  # fmt: skip
+        }
         self._prefix_seen = PrefixCacheStats()
-        self.memory_plan_bytes = Gauge(
+        # memory, mixed steps
+        self.memory_plan_bytes = gauge(
             "ktserve_gpu_memory_plan_bytes",
             "The start-up GPU memory plan: bytes per part of --gpu-memory-utilization's budget",
-            ["part"], registry=r,
-        )  # fmt: skip
-        self.kv_cache_capacity = Gauge("ktserve_kv_cache_capacity_tokens",
-                                       "Tokens the KV cache holds", registry=r)  # fmt: skip
-        self.step_cost_model = Gauge(
+            ["part"],
+        )
+        self.kv_cache_capacity = gauge(
+            "ktserve_kv_cache_capacity_tokens", "Tokens the KV cache holds"
+        )
+        self.step_cost_model = gauge(
             "ktserve_step_cost_model_seconds",
             "The step-time model fitted from measured steps, per term: fixed (per step), "
-            "per_token, per_attention_pair", ["term"], registry=r,
-        )  # fmt: skip
-        self.mixed_step_bound = Gauge(
+            "per_token, per_attention_pair",
+            ["term"],
+        )
+        self.mixed_step_bound = gauge(
             "ktserve_mixed_step_bound_seconds",
             "The predicted-time bound the last step with decode rows sized its prompt chunks to",
-            registry=r,
         )
-        self.mixed_step_prompt_tokens = Gauge(
+        self.mixed_step_prompt_tokens = gauge(
             "ktserve_mixed_step_prompt_tokens",
             "Prompt tokens of the last step whose chunks were sized beside decode rows",
-            registry=r,
         )
 
     def observe_memory_plan(self, plan: MemoryPlan) -> None:
