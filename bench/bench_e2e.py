@@ -71,13 +71,12 @@ MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
                              max_deferred_experts_per_token=1),
          "graph-unfused": dict(cuda_graphs=True, graph_expert_calls=True, fused_kernels=False),
          "graph-memops": dict(cuda_graphs=True, graph_expert_calls=True,
-                              device_handoff="memops"),
+                              experts=dict(device_handoff="memops")),
          # prefill through the GPU (--stream-prefill), side by side: --modes stream-off,stream-on
          "stream-off": dict(cuda_graphs=True, graph_expert_calls=True, stream_prefill="off"),
          "stream-on": dict(cuda_graphs=True, graph_expert_calls=True, stream_prefill="on"),
          "stream-auto": dict(cuda_graphs=True, graph_expert_calls=True,
                              stream_prefill="auto")}  # fmt: skip
-CLIENT_FIELDS = ("device_handoff",)  # MODES' keys that configure the expert client
 PHASES = ("dispatch", "kernel", "publish", "bookkeeping")
 
 
@@ -133,9 +132,8 @@ def service_config(mode: str, checkpoint: Path, device: str, address: str, max_b
     batched = {} if max_num_batched_tokens is None else {
         "max_num_batched_tokens": max_num_batched_tokens}  # fmt: skip
     scheduler = SchedulerConfig(max_num_seqs=max_batch, max_model_len=max_model_len, **batched)
-    fields = MODES[base_mode(mode)]
-    client = {k: v for k, v in fields.items() if k in CLIENT_FIELDS}
-    service_fields = {k: v for k, v in fields.items() if k not in CLIENT_FIELDS}
+    service_fields = dict(MODES[base_mode(mode)])
+    client = service_fields.pop("experts", {})  # ExpertClientConfig's fields
     return GPUServiceConfig(
         model_dir=str(checkpoint), device=device, dtype="bfloat16",
         cuda_graph_max_batch=max_batch, scheduler=scheduler,
