@@ -7,7 +7,9 @@ cache in blocks of --block-size tokens, handed out in shuffled order.
 
 Per decode step (one query per sequence at the end of its context) and per 1k prefill tokens (a
 1,024-token chunk at the end of each sequence's context; the step's time divided by the batch):
-- triton: the median of CUDA-event timings, the L2 cache flushed before each call;
+- triton: the median of CUDA-event timings, the L2 cache flushed before each call; a decode step
+  captured in a CUDA graph and replayed, as a server runs it, and beside it (eager) called from
+  Python, host launch overhead included;
 - HBM bound: bytes of cache read (each sequence's keys and values once) / 4.8 TB/s, and / the
   device-to-device copy bandwidth measured in this run (bytes read + written / time);
 - FLOP bound: the attention's matmul FLOPs / the bf16 matmul rate measured in this run (MLA at 128
@@ -137,6 +139,20 @@ class Timer:
         reps = max(3, min(self.reps, int(max_seconds / max(first, 1e-6))))
         return statistics.median(self._timed_all(fn, reps))
 
+    def median_graph_s(self, fn: Callable[[], object], max_seconds: float = 2.0) -> float:
+        """median_s of fn captured in a CUDA graph (as a served decode step runs it): the GPU's
+        time without the host's launch overhead."""
+        fn()  # compiles
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # NOTE: torch's warm-up on a side stream before capture
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return self.median_s(graph.replay, max_seconds)
+
     def _timed(self, fn: Callable[[], object]) -> float:
         return self._timed_all(fn, 1)[0]
 
@@ -201,7 +217,10 @@ def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: flo
             return at.paged_prefill(q, *args, cu, case.kv_len, case.block_size, case.scale)
 
         visible = (n - per_seq) + (per_seq + 1) / 2
-    seconds = timer.median_s(run) / (1 if step == "decode" else b)
+    if step == "decode":
+        seconds, eager_s = timer.median_graph_s(run), timer.median_s(run)
+    else:
+        seconds, eager_s = timer.median_s(run) / b, None
     per = 1 if step == "decode" else b  # prefill: per sequence's 1k-token chunk
     cache_bytes = b * n * s.cache_bytes_per_token / per
     hbm_spec, hbm_copy = cache_bytes / SPEC_HBM_BYTES_PER_S, cache_bytes / copy_bw
@@ -218,7 +237,7 @@ def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: flo
         torch.cuda.empty_cache()
     bound = max(hbm_spec, flop_bound)
     return (
-        s.name, str(b), f"{n // 1024}k", step, us(seconds),
+        s.name, str(b), f"{n // 1024}k", step, us(seconds), us(eager_s),
         us(hbm_spec), pct(hbm_spec, seconds), us(hbm_copy), pct(hbm_copy, seconds),
         us(flop_bound), pct(flop_bound, seconds), pct(bound, seconds), us(ref_s), diff,
     )  # fmt: skip
@@ -230,19 +249,17 @@ def sweep(case: Case, timer: Timer, copy_bw: float) -> None:
 
     q = case.queries(1)
     args = (q, case.k_cache, case.v_cache, case.block_table, case.kv_len, case.block_size)
-    wide = case.shape.head_dim > 256
-    shapes = (
-        [(64, 16, 8, 2), (64, 16, 8, 3), (64, 32, 8, 2), (32, 32, 8, 2), (16, 32, 4, 2)]
-        if wide
-        else [(16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 3), (16, 128, 4, 2), (16, 64, 8, 2)]
-    )
+    mla_shapes = [(64, 16, 8, 2), (64, 16, 8, 3), (64, 16, 8, 4), (64, 32, 8, 2), (32, 32, 8, 2),
+                  (16, 32, 4, 2), (64, 32, 16, 2), (64, 32, 16, 3), (64, 64, 16, 2)]  # fmt: skip
+    gqa_shapes = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 3), (16, 128, 4, 2), (16, 64, 8, 2)]
+    shapes = mla_shapes if case.shape.head_dim > 256 else gqa_shapes
     hbm = case.batch * case.context * case.shape.cache_bytes_per_token / copy_bw
     rows = []
     for block_h, block_n, warps, stages in shapes:
         tiles = at.Tiles(block_h, block_n, warps, stages)
         for splits in (None, 16, 32, 64):
             try:
-                seconds = timer.median_s(
+                seconds = timer.median_graph_s(
                     lambda t=tiles, n=splits: at.decode_with(
                         *args, case.scale, tiles=t, num_splits=n
                     )
@@ -303,7 +320,7 @@ def main() -> None:
                 cache_bytes = batch * context * shape.cache_bytes_per_token
                 if not fits(cache_bytes, 0.5):
                     skipped = (shape.name, str(batch), f"{context // 1024}k", "no room")
-                    rows.append((*skipped, *["-"] * 10))
+                    rows.append((*skipped, *["-"] * 11))
                     continue
                 case = Case(shape, batch, context, args.block_size)
                 for step in steps:
@@ -313,13 +330,14 @@ def main() -> None:
                     sweep(case, timer, copy_bw)
                 del case
                 torch.cuda.empty_cache()
-    print("\ntimes in us: per decode step, or per sequence's 1k-token prefill chunk; % = bound / "
-          "time; roofline = the larger bound")  # fmt: skip
+    print("\ntimes in us: per decode step (triton: CUDA-graph replay; eager: launched from "
+          "Python), or per sequence's 1k-token prefill chunk; % = bound / triton's time; "
+          "roofline = the larger bound")  # fmt: skip
     cols = [
         Column("shape", 17, "<"), Column("B", 2), Column("ctx", 4), Column("step", 7, "<"),
-        Column("triton", 10), Column("HBM 4.8T", 9), Column("%", 4), Column("HBM copy", 9),
-        Column("%", 4), Column("FLOP bnd", 9), Column("%", 4), Column("%roof", 5),
-        Column("torch", 11), Column("max|diff|", 9),
+        Column("triton", 10), Column("eager", 10), Column("HBM 4.8T", 9), Column("%", 4),
+        Column("HBM copy", 9), Column("%", 4), Column("FLOP bnd", 9), Column("%", 4),
+        Column("%roof", 5), Column("torch", 11), Column("max|diff|", 9),
     ]  # fmt: skip
     print_table(cols, rows)
 

@@ -310,29 +310,35 @@ def _decode_merge_kernel(
     stride_od,
     num_splits,
     DV: tl.constexpr,
-    DV_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
-    b, h = tl.program_id(0), tl.program_id(1)
+    # NOTE: every split's partial is loaded in one [S, BLOCK_V] tile, not in a loop over the
+    # splits: a loop waits out one load's latency per split (64 at a long context)
+    b, h, v0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BLOCK_V
     offs_s = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(
-        part_lse + b * stride_lb + h * stride_lh + offs_s,
-        mask=offs_s < num_splits,
-        other=float("-inf"),
-    )
+    split_ok = offs_s < num_splits
+    lse = tl.load(part_lse + b * stride_lb + h * stride_lh + offs_s, mask=split_ok,
+                  other=float("-inf"))  # fmt: skip
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
-    weights = tl.math.exp2(lse - m)  # [S]
+    weights = tl.math.exp2(lse - m)  # [S], 0 for a split that saw no key
     total = tl.sum(weights, 0)
-    offs_v = tl.arange(0, DV_PAD)
-    acc = tl.zeros([DV_PAD], dtype=tl.float32)
+    offs_v = v0 + tl.arange(0, BLOCK_V)
     part = part_out + b * stride_pb + h * stride_ph
-    for s in range(0, num_splits):
-        w = tl.math.exp2(tl.load(part_lse + b * stride_lb + h * stride_lh + s) - m)
-        acc += w * tl.load(part + s * stride_ps + offs_v, mask=offs_v < DV, other=0.0)
-    result = acc / tl.where(total > 0, total, 1.0)
+    tiles = tl.load(
+        part + offs_s[:, None] * stride_ps + offs_v[None, :],
+        mask=(weights[:, None] > 0) & (offs_v[None, :] < DV),
+        other=0.0,
+    )  # [S, V]
+    result = tl.sum(weights[:, None] * tiles, 0) / tl.where(total > 0, total, 1.0)
     dst = out + b * stride_ob + h * stride_oh + offs_v * stride_od
     tl.store(dst, result.to(out.dtype.element_ty), mask=offs_v < DV)
+
+
+def _merge_block_v(dv_pad: int, splits_pad: int) -> int:
+    """Value columns per merge program: a [splits, columns] tile of at most 4,096 floats."""
+    return max(16, min(dv_pad, 4096 // splits_pad))
 
 
 @triton.jit
@@ -565,10 +571,11 @@ def decode_with(
         V_FROM_K=_v_from_k(k_cache, v_cache, dims), **_dot_args(q),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
-    _decode_merge_kernel[(batch, num_heads)](
+    splits_pad = max(2, triton.next_power_of_2(num_splits))
+    block_v = _merge_block_v(dims.dv_pad, splits_pad)
+    _decode_merge_kernel[(batch, num_heads, triton.cdiv(dims.dv, block_v))](
         part_out, part_lse, out, *part_out.stride()[:3], *part_lse.stride()[:2], *out.stride(),
-        num_splits, DV=dims.dv, DV_PAD=dims.dv_pad,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+        num_splits, DV=dims.dv, BLOCK_V=block_v, SPLITS_PAD=splits_pad, num_warps=4,
     )  # fmt: skip
     return out
 

@@ -106,6 +106,19 @@ def test_decode_splits_merge_exactly(num_splits, seed):
     check(got, want, torch.float32)
 
 
+def test_decode_merges_many_splits_in_value_blocks(seed):
+    """64 splits, most of them empty, and a value width (96, padded to 128) that the merge takes
+    in two column blocks, the second one partly past Dv."""
+    gen = torch.Generator().manual_seed(seed + 64)
+    k_cache, v_cache, table, kv_len = make_case(gen, [300, 1, 45], 16, 1, 32, 96, torch.float32)
+    assert at._merge_block_v(128, 64) == 64
+    q = torch.randn(3, 2, 32, generator=gen)
+    cu = torch.arange(4, dtype=torch.int32)
+    want = reference(q, k_cache, v_cache, table, cu, kv_len, 16, 0.3, None)
+    qd, kd, vd, td, ld = to_device(q, k_cache, v_cache, table, kv_len)
+    check(at.decode_with(qd, kd, vd, td, ld, 16, 0.3, num_splits=64), want, torch.float32)
+
+
 def test_decode_reads_strided_queries_and_fp16(seed):
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, table, kv_len = make_case(gen, [50, 9], 16, 2, 64, 64, torch.float16)
