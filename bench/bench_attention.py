@@ -249,28 +249,32 @@ def sweep(case: Case, timer: Timer, copy_bw: float) -> None:
 
     q = case.queries(1)
     args = (q, case.k_cache, case.v_cache, case.block_table, case.kv_len, case.block_size)
-    mla_shapes = [(64, 16, 8, 2), (64, 16, 8, 3), (64, 16, 8, 4), (64, 32, 8, 2), (32, 32, 8, 2),
-                  (16, 32, 4, 2), (64, 32, 16, 2), (64, 32, 16, 3), (64, 64, 16, 2)]  # fmt: skip
-    gqa_shapes = [(16, 64, 4, 2), (16, 64, 4, 3), (16, 32, 4, 3), (16, 128, 4, 2), (16, 64, 8, 2)]
+    # (heads, keys, warps, stages, value columns per program: 0 all)
+    mla_shapes = [(64, 16, 8, 2, 0), (64, 16, 8, 3, 0), (64, 16, 8, 4, 0), (64, 32, 8, 2, 0),
+                  (32, 32, 8, 2, 0), (16, 32, 4, 2, 0), (64, 32, 16, 2, 0), (64, 64, 16, 2, 0),
+                  (64, 32, 8, 3, 256), (64, 64, 8, 2, 256), (64, 64, 8, 3, 128),
+                  (64, 64, 4, 3, 128)]  # fmt: skip
+    gqa_shapes = [(16, 64, 4, 2, 0), (16, 64, 4, 3, 0), (16, 32, 4, 3, 0), (16, 128, 4, 2, 0),
+                  (16, 64, 8, 2, 0)]  # fmt: skip
     shapes = mla_shapes if case.shape.head_dim > 256 else gqa_shapes
     hbm = case.batch * case.context * case.shape.cache_bytes_per_token / copy_bw
     rows = []
-    for block_h, block_n, warps, stages in shapes:
-        tiles = at.Tiles(block_h, block_n, warps, stages)
+    for block_h, block_n, warps, stages, block_dv in shapes:
+        tiles = at.Tiles(block_h, block_n, warps, stages, block_dv=block_dv)
+        name = f"h{block_h} n{block_n} w{warps} s{stages}" + (f" v{block_dv}" if block_dv else "")
         for splits in (None, 16, 32, 64):
-            try:
+            try:  # NOTE: a shape compiles at its first call, before the capture
                 seconds = timer.median_graph_s(
                     lambda t=tiles, n=splits: at.decode_with(
                         *args, case.scale, tiles=t, num_splits=n
                     )
                 )
             except Exception as exc:  # a launch shape this GPU cannot run: say so, go on
-                rows.append((str(tiles), str(splits), type(exc).__name__, "-"))
+                rows.append((name, str(splits or "auto"), type(exc).__name__, "-"))
                 continue
-            rows.append((f"h{block_h} n{block_n} w{warps} s{stages}", str(splits or "auto"),
-                         us(seconds), pct(hbm, seconds)))  # fmt: skip
+            rows.append((name, str(splits or "auto"), us(seconds), pct(hbm, seconds)))
     print(f"\nsweep: {case.shape.name} decode, batch {case.batch}, context {case.context}")
-    cols = [Column("tiles", 18, "<"), Column("splits", 6), Column("us", 9), Column("%copy", 6)]
+    cols = [Column("tiles", 22, "<"), Column("splits", 6), Column("us", 9), Column("%copy", 6)]
     print_table(cols, rows)
 
 

@@ -11,7 +11,9 @@ head (decode: a group of heads of one sequence; prefill: queries x heads), so ev
 loads serves all of them; scores and softmax run in float32 (base 2, the scale folded in).
 
 Decode (flash-decoding): the keys of each sequence are split over `num_splits` programs, each
-writing its normalized partial output and log-sum-exp; a second kernel merges them. The split
+writing its normalized partial output and log-sum-exp; a second kernel merges them. A head tile's
+value columns may be split too (Tiles.block_dv): each of its programs scores the keys in full but
+accumulates only its own columns, for a smaller accumulator (MLA's is 512 wide). The split
 count depends on shapes only (batch, heads, block_table's width), never on kv_len's values, and
 nothing syncs with the host, so a decode step can be captured in a CUDA graph.
 
@@ -56,12 +58,16 @@ class Tiles:
     num_warps: int
     num_stages: int
     block_q: int = 1  # prefill only: queries per program (rows = block_q * block_h)
+    block_dv: int = 0  # decode only: value columns per program (0: all; each program of a
+    # head tile scores the keys in full, but holds an accumulator only block_dv wide)
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n", "block_q"):
             value = getattr(self, name)
             if value <= 0 or value & (value - 1):
                 raise ValueError(f"{name} must be a positive power of two, got {value}")
+        if self.block_dv and (self.block_dv < 16 or self.block_dv & (self.block_dv - 1)):
+            raise ValueError(f"block_dv must be 0 or a power of two >= 16, got {self.block_dv}")
         if self.block_n < 16 or self.block_q * self.block_h < 16:
             raise ValueError("tiles need at least 16 keys and 16 query rows (tensor-core shapes)")
 
@@ -131,18 +137,20 @@ def _key_tile(
     stride_vh,
     stride_vd,
     qk_scale,
+    v0,
     D: tl.constexpr,
     DV: tl.constexpr,
     DA: tl.constexpr,
     DB: tl.constexpr,
-    DV_PAD: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     V_FROM_K: tl.constexpr,
     PRECISION: tl.constexpr,
     IN_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     """One step of online softmax over key positions `keys` [N] for query rows [M]: row r sees
-    key j where row_lo[r] <= j < row_hi[r]; keys outside [load_lo, load_hi) are not loaded."""
+    key j where row_lo[r] <= j < row_hi[r]; keys outside [load_lo, load_hi) are not loaded;
+    acc [M, BLOCK_DV] gathers value columns v0 .. v0 + BLOCK_DV - 1."""
     key_ok = (keys >= load_lo) & (keys < load_hi)  # [N]
     block = tl.load(block_row + keys // block_size, mask=key_ok, other=0)
     slot = block.to(tl.int64) * block_size + keys % block_size  # [N]
@@ -169,9 +177,9 @@ def _key_tile(
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_FROM_K:
-        v = k_a  # [N, DA], DA == Dv: the value is the key's first Dv columns
+        v = k_a  # [N, DA], DA == Dv == BLOCK_DV: the value is the key's first Dv columns
     else:
-        offs_v = tl.arange(0, DV_PAD)
+        offs_v = v0 + tl.arange(0, BLOCK_DV)
         v_rows = v_cache + slot[:, None] * stride_vs + kv_head * stride_vh
         v = (
             tl.load(
@@ -181,7 +189,7 @@ def _key_tile(
             )
             .to(IN_DTYPE)
             .to(DOT_DTYPE)
-        )  # [N, DV_PAD]
+        )  # [N, BLOCK_DV]
     p = p.to(IN_DTYPE).to(DOT_DTYPE)  # rounded to q's dtype, as attend() rounds its probs
     acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
     return acc, m_new, l_i
@@ -246,7 +254,7 @@ def _decode_split_kernel(
     DV: tl.constexpr,
     DA: tl.constexpr,
     DB: tl.constexpr,
-    DV_PAD: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -255,8 +263,11 @@ def _decode_split_kernel(
     IN_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
-    # NOTE: head tiles vary fastest, so the tiles that read the same keys run side by side (L2).
-    pid_tile, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # NOTE: value blocks, then head tiles vary fastest, so the programs that read the same keys
+    # run side by side (L2)
+    pid, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    v_blocks = tl.cdiv(DV, BLOCK_DV)
+    pid_tile, v0 = pid // v_blocks, (pid % v_blocks) * BLOCK_DV
     tiles_per_kv = tl.cdiv(group, BLOCK_H)
     kv_head = pid_tile // tiles_per_kv
     in_group = (pid_tile % tiles_per_kv) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -272,7 +283,7 @@ def _decode_split_kernel(
 
     q_rows = q + b * stride_qb + heads[:, None] * stride_qh
     q_a, q_b = _load_queries(q_rows, head_ok, stride_qd, D, DA, DB, DOT_DTYPE)
-    acc = tl.zeros([BLOCK_H, DV_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     row_lo = tl.full([BLOCK_H], 0, dtype=tl.int32) + start
@@ -283,16 +294,18 @@ def _decode_split_kernel(
         acc, m_i, l_i = _key_tile(
             acc, m_i, l_i, q_a, q_b, keys, row_lo, row_hi, start, end, block_row, block_size,
             k_cache, v_cache, kv_head, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh,
-            stride_vd, qk_scale, D, DV, DA, DB, DV_PAD, V_FROM_K, PRECISION, IN_DTYPE, DOT_DTYPE,
+            stride_vd, qk_scale, v0, D, DV, DA, DB, BLOCK_DV, V_FROM_K, PRECISION, IN_DTYPE,
+            DOT_DTYPE,
         )  # fmt: skip
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    offs_v = tl.arange(0, DV_PAD)
+    offs_v = v0 + tl.arange(0, BLOCK_DV)
     part = part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
     tl.store(part + offs_v[None, :], out, mask=head_ok[:, None] & (offs_v[None, :] < DV))
-    tl.store(part_lse + b * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
+    if v0 == 0:
+        tl.store(part_lse + b * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
 
 
 @triton.jit(do_not_specialize=_SPLIT_STRIDES + ("num_splits",))
@@ -435,7 +448,7 @@ def _prefill_kernel(
             acc, m_i, l_i = _key_tile(
                 acc, m_i, l_i, q_a, q_b, keys, row_lo, row_hi, lo, hi, block_row, block_size,
                 k_cache, v_cache, kv_head, stride_ks, stride_kh, stride_kd, stride_vs,
-                stride_vh, stride_vd, qk_scale, D, DV, DA, DB, DV_PAD, V_FROM_K, PRECISION,
+                stride_vh, stride_vd, qk_scale, 0, D, DV, DA, DB, DV_PAD, V_FROM_K, PRECISION,
                 IN_DTYPE, DOT_DTYPE,
             )  # fmt: skip
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -551,24 +564,26 @@ def decode_with(
     if batch == 0:
         return out
     tiles_per_kv = triton.cdiv(group, tiles.block_h)
+    block_dv = min(tiles.block_dv or dims.dv_pad, dims.dv_pad)
+    v_blocks = triton.cdiv(dims.dv, block_dv)
     if num_splits is None:
         max_keys = block_table.shape[1] * block_size
         if window is not None:
             max_keys = min(max_keys, window)
-        programs_per_seq = num_kv_heads * tiles_per_kv
+        programs_per_seq = num_kv_heads * tiles_per_kv * v_blocks
         num_splits = num_decode_splits(batch, programs_per_seq, max_keys, _num_sms(q.device))
     part_shape = (batch, num_heads, num_splits, dims.dv)
     part_out = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    grid = (num_kv_heads * tiles_per_kv, num_splits, batch)
+    grid = (num_kv_heads * tiles_per_kv * v_blocks, num_splits, batch)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, block_table, kv_len, part_out, part_lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
         *part_out.stride()[:3], *part_lse.stride()[:2],
         group, block_size, scale * LOG2E, window or 0, num_splits,
-        D=dims.d, DV=dims.dv, DA=dims.da, DB=dims.db, DV_PAD=dims.dv_pad,
+        D=dims.d, DV=dims.dv, DA=dims.da, DB=dims.db, BLOCK_DV=block_dv,
         BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, HAS_WINDOW=window is not None,
-        V_FROM_K=_v_from_k(k_cache, v_cache, dims), **_dot_args(q),
+        V_FROM_K=_v_from_k(k_cache, v_cache, dims) and block_dv == dims.dv_pad, **_dot_args(q),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     splits_pad = max(2, triton.next_power_of_2(num_splits))

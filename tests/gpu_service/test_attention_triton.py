@@ -93,6 +93,26 @@ def test_decode_matches_reference(name, dtype, seed):
     check(got, want, dtype)
 
 
+@pytest.mark.parametrize("name,block_dv", [("mla", 128), ("mla-fp8-bs16", 256),
+                                            ("mha-odd-dims", 16), ("gqa-window", 32)])
+def test_decode_in_value_blocks(name, block_dv, seed):
+    """Tiles.block_dv: each program of a head tile holds only block_dv value columns (MLA's
+    value then loaded apart from its key tile); the output is the whole attention."""
+    kv_lens, block_size, hq, hkv, d, dv, cache_dtype, mla, window = DECODE_CASES[name]
+    gen = torch.Generator().manual_seed(seed + block_dv)
+    k_cache, v_cache, table, kv_len = make_case(gen, kv_lens, block_size, hkv, d, dv,
+                                                cache_dtype, mla)  # fmt: skip
+    q = torch.randn(len(kv_lens), hq, d, generator=gen)
+    cu = torch.arange(len(kv_lens) + 1, dtype=torch.int32)
+    want = reference(q, k_cache, v_cache, table, cu, kv_len, block_size, d**-0.5, window)
+    qd, kd, td, ld = to_device(q, k_cache, table, kv_len)
+    vd = kd[..., :dv] if mla else v_cache.to(DEVICE)
+    tiles = at.Tiles(block_h=16, block_n=16, num_warps=4, num_stages=1, block_dv=block_dv)
+    got = at.decode_with(qd, kd, vd, td, ld, block_size, d**-0.5, window, tiles=tiles,
+                         num_splits=3)  # fmt: skip
+    check(got, want, torch.float32)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_decode_splits_merge_exactly(num_splits, seed):
     """Whatever the key partition (empty splits included), the merge gives the same attention."""
