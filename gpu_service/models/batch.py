@@ -80,6 +80,11 @@ class Batch:
 Rows = slice | torch.Tensor  # a group's rows of T: a slice where they are contiguous
 
 
+def num_rows(rows: Rows) -> int:
+    """How many rows a group has (no device sync)."""
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.shape[0]
+
+
 @dataclass(frozen=True)
 class AttentionGroup:
     """Decode sequences of a step (all, or on the CPU one width class), or its prefills."""

@@ -8,8 +8,10 @@ W_uk [h, nope, r] and W_uv [h, v, r] its two halves (same math, reassociated):
     q_nope . k_nope = (W_uk^T q_nope) . c    -> queries [W_uk^T q_nope | q_rot] vs keys [c | k_rot]
     sum_k p_k v_k   = W_uv (sum_k p_k c_k)   -> values are c; W_uv applied once per query
 so attention is MQA with one (kv_lora_rank + rope)-wide kv head and nothing per head is built for
-the cached tokens. Tensor parallelism (parallel.py) splits the heads: q_b (or q_proj), kv_b's
-W_uk / W_uv and o_proj's inputs per head; q_a, kv_a and the latent cache are replicated, since the
+the cached tokens. Prompt chunks long enough that expanding costs fewer FLOPs (above ~171 queries
+a sequence at DeepSeek-V3's shapes) attend to the keys expanded instead (mla_prefill.py).
+Tensor parallelism (parallel.py) splits the heads: q_b (or q_proj), kv_b's W_uk / W_uv and
+o_proj's inputs per head; q_a, kv_a and the latent cache are replicated, since the
 latent is one kv head every query head reads (splitting it would cost an all-gather per layer to
 save (kv_lora_rank + rope) values per token and layer). Softmax scale: qk_head_dim^-0.5, times
 YaRN's mscale(factor, mscale_all_dim)^2 when the config asks for YaRN.
@@ -22,21 +24,22 @@ NOTE: transformers 5.24 ignores norm_topk_prob for V2; DeepSeek's own V2 code ap
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
 from torch import nn
 
-from gpu_service.models.batch import StepContext
+from gpu_service.models.batch import AttentionMetadata, StepContext, num_rows
 from gpu_service.models.config import BaseConfig
 from gpu_service.models.experts import RoutedExperts
 from gpu_service.models.kv_cache import KVCache, KVCacheConfig, write_cache
 from gpu_service.models.layers import DenseMLP, Linear, RMSNorm
 from gpu_service.models.loader import WeightLoader
+from gpu_service.models.mla_prefill import expanded_prefill, worth_expanding
 from gpu_service.models.model import CausalLM, DecoderLayer
 from gpu_service.models.moe import GroupedSigmoidRouter, MoE, SoftmaxRouter
-from gpu_service.models.paged_attention import paged_attention
+from gpu_service.models.paged_attention import attention_kernels, paged_attention
 from gpu_service.models.parallel import RowParallelLinear
 from gpu_service.models.rope import RopeConfig, Rotary, apply_rotary
 from ktserve.checkpoint import HFConfig, InvalidConfig, ModelSpec
@@ -161,15 +164,36 @@ class MLAttention(nn.Module):
         q_rot = rotate(q_rot)
         k_rot = rotate(k_rot[:, None, :])[:, 0]  # [T, rope]
         (cache,) = ctx.kv_cache.layers[self.layer]  # [S, r + rope]
-        write_cache(cache, ctx.meta.slot_mapping, torch.cat((c, k_rot), dim=-1))
+        meta = ctx.meta
+        write_cache(cache, meta.slot_mapping, torch.cat((c, k_rot), dim=-1))
+        prefill = meta.prefill
+        if prefill is None or not worth_expanding(
+            num_rows(prefill.rows) // len(prefill.kv_len), rank, nope, cfg.v_head_dim
+        ):
+            out = self._absorbed(q_nope, q_rot, cache, meta)
+        else:  # NOTE: the prompt chunks expanded (mla_prefill.py), the decode rows absorbed
+            if meta.decodes:
+                out = self._absorbed(q_nope, q_rot, cache, replace(meta, prefill=None))
+            else:
+                out = q_nope.new_empty((t, heads, cfg.v_head_dim))
+            kernel = None
+            if x.is_cuda:
+                kernel = attention_kernels(x.device, head_dim=min(nope + rope, cfg.v_head_dim))[1]
+            out[prefill.rows] = expanded_prefill(
+                q_nope[prefill.rows], q_rot[prefill.rows], cache, prefill, meta.block_size,
+                self.w_uk, self.w_uv, self.scale, kernel,
+            )  # fmt: skip
+        return self.o_proj(out.reshape(t, heads * cfg.v_head_dim))
+
+    def _absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, cache: torch.Tensor,
+                  meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
+        """[T, h, v] attention over the latent for the rows of meta's groups (others unset)."""
+        rank = self.cfg.kv_lora_rank
         latent = cache[:, None, :]  # [S, 1, r + rope]: one kv head; values its first r columns
         q_lat = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)  # [T, h, r]
         queries = torch.cat((q_lat, q_rot), dim=-1)  # [T, h, r + rope]
-        out = paged_attention(
-            queries, latent, latent[..., :rank], ctx.meta, self.scale
-        )  # [T, h, r]
-        out = torch.einsum("thr,hvr->thv", out, self.w_uv)  # [T, h, v]
-        return self.o_proj(out.reshape(t, heads * cfg.v_head_dim))
+        out = paged_attention(queries, latent, latent[..., :rank], meta, self.scale)  # [T, h, r]
+        return torch.einsum("thr,hvr->thv", out, self.w_uv)  # [T, h, v]
 
 
 def _router(cfg: DeepseekConfig, loader: WeightLoader, prefix: str) -> nn.Module:

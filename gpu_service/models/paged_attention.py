@@ -33,7 +33,7 @@ import torch
 from gpu_service.models.kv_cache import read_cache
 
 if TYPE_CHECKING:
-    from gpu_service.models.batch import AttentionGroup, AttentionMetadata
+    from gpu_service.models.batch import AttentionGroup, AttentionMetadata, Rows
 
 log = logging.getLogger("ktserve.gpu")
 
@@ -165,7 +165,8 @@ def attention_kernels(
 ) -> tuple[Callable, Callable]:
     """(paged_decode, paged_prefill) for tensors on `device`: the GPU kernels on CUDA where their
     module imports, else the torch reference. latent: MLA's absorbed cache (values a view of the
-    keys), whose prefill stays on the torch reference: on the GPU host at DeepSeek-V3 shapes the
+    keys), whose prefill (short chunks: long ones expand the keys, mla_prefill.py) stays on the
+    torch reference: on the GPU host at DeepSeek-V3 shapes the
     Triton prefill took 92.9 ms per 1k-token chunk at a 32k context against the torch gather's
     62.0 (bench/bench_attention.py), while its decode took half the torch time. head_dim: the
     smaller of the key and value head dims; below TRITON_MIN_HEAD_DIM the reference runs."""
@@ -186,7 +187,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """A step's attention, q [T, Hq, D] -> [T, Hq, Dv]: each of the metadata's decode groups and
     its prefill group through their kernel, one call per group, the new tokens' K/V already in
-    the cache."""
+    the cache (rows of no group, where a caller left a group out, are left unset)."""
     latent = v_cache.data_ptr() == k_cache.data_ptr()
     decode, prefill = attention_kernels(q.device, latent, min(q.shape[-1], v_cache.shape[-1]))
     bs = meta.block_size
@@ -201,10 +202,16 @@ def paged_attention(
     calls = [(group, run_decode) for group in meta.decodes]
     if meta.prefill is not None:
         calls.append((meta.prefill, run_prefill))
-    if len(calls) == 1:  # its rows are all of T
+    num_rows = q.shape[0]
+    if len(calls) == 1 and _covers(calls[0][0].rows, num_rows):
         ((group, run),) = calls
         return run(group, q)
-    out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))  # [T, Hq, Dv]
+    out = q.new_empty((num_rows, q.shape[1], v_cache.shape[-1]))  # [T, Hq, Dv]
     for group, run in calls:
         out[group.rows] = run(group, q[group.rows])
     return out
+
+
+def _covers(rows: Rows, num_rows: int) -> bool:
+    """Whether a group's rows are all num_rows rows of the step, in order."""
+    return isinstance(rows, slice) and rows.indices(num_rows) == (0, num_rows, 1)

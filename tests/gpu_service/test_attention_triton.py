@@ -93,8 +93,9 @@ def test_decode_matches_reference(name, dtype, seed):
     check(got, want, dtype)
 
 
-@pytest.mark.parametrize("name,block_dv", [("mla", 128), ("mla-fp8-bs16", 256),
-                                            ("mha-odd-dims", 16), ("gqa-window", 32)])
+@pytest.mark.parametrize(
+    "name,block_dv", [("mla", 128), ("mla-fp8-bs16", 256), ("mha-odd-dims", 16), ("gqa-window", 32)]
+)
 def test_decode_in_value_blocks(name, block_dv, seed):
     """Tiles.block_dv: each program of a head tile holds only block_dv value columns (MLA's
     value then loaded apart from its key tile); the output is the whole attention."""

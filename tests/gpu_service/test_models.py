@@ -201,6 +201,39 @@ def test_logits_match_transformers(cases: dict[str, Case], name: str) -> None:
     assert all_err < FP32_REL_TOL
 
 
+MLA = [v for v in MAIN if VARIANTS[v][0].startswith("deepseek")]
+
+
+@pytest.mark.parametrize("name", MLA)
+def test_long_prompt_chunks_expand_and_match_transformers(cases, name, monkeypatch) -> None:
+    """Prompt chunks long enough to expand MLA's keys (mla_prefill.py: above 16 queries at these
+    shapes), the second one at the end of the first's context, in one step with a decode row:
+    every position's logits are transformers'."""
+    from gpu_service.models import deepseek
+
+    case = cases[name]
+    expanded = []
+    real = deepseek.expanded_prefill
+    monkeypatch.setattr(deepseek, "expanded_prefill",
+                        lambda *a, **k: expanded.append(len(a[0])) or real(*a, **k))  # fmt: skip
+    model = _load(case.path, block_size=4)
+    prompt, other = _prompt(case.seed + 20, 50), _prompt(case.seed + 21, 6)
+    expected = _reference_logits(case, prompt)
+    cache, decoding = model.kv_cache.allocate(len(prompt)), model.kv_cache.allocate(len(other))
+    first = model.forward(Batch((SeqInput(prompt[:30], cache, 0),)), all_positions=True)
+    model.forward(Batch((SeqInput(other, decoding, 0),)))
+    model.kv_cache.extend(decoding, len(other) + 1)
+    mixed = Batch((SeqInput([other[0]], decoding, len(other)), SeqInput(prompt[30:], cache, 30)))
+    second = model.forward(mixed, all_positions=True)
+    model.kv_cache.free(cache)
+    model.kv_cache.free(decoding)
+    got = torch.cat((first, second[1:]))
+    err = _rel_err(got, expected)
+    print(f"[{name}] seed={case.seed} expanded chunks {expanded}: all positions rel err {err:.2e}")
+    assert expanded == [30] * len(model.layers) + [20] * len(model.layers)
+    assert err < FP32_REL_TOL
+
+
 @pytest.mark.parametrize("name", MAIN)
 def test_greedy_matches_generate(cases: dict[str, Case], name: str) -> None:
     case = cases[name]

@@ -1,0 +1,106 @@
+"""MLA prefill over expanded keys (mla_prefill.py) against float64 attention written from the
+definition: keys [W_uk c | k_rot] and values W_uv c per head, over shuffled block tables, ragged
+chunks at the end of longer contexts, one key block or many (online softmax), torch and the
+Triton kernel (on CUDA compiled, else under its interpreter)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from gpu_service.models import mla_prefill
+from gpu_service.models.batch import AttentionGroup
+from gpu_service.models.paged_attention import paged_prefill
+from tests.support.attention_reference import reference
+
+HEADS, NOPE, ROPE, RANK, V = 4, 16, 8, 32, 16
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def make_case(gen, shapes, block_size, dtype, device):
+    """shapes: (new queries, kv_len) per sequence -> (q_nope, q_rot, cache, group, w_uk, w_uv)."""
+    blocks = [-(-n // block_size) for _, n in shapes]
+    num_blocks = sum(blocks) + 2
+    order = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    table = torch.zeros((len(shapes), max(blocks) + 1), dtype=torch.int32)
+    used = 0
+    for i, count in enumerate(blocks):
+        table[i, :count] = order[used : used + count]
+        used += count
+    cache = torch.randn(num_blocks * block_size, RANK + ROPE, generator=gen)
+    rows = sum(q for q, _ in shapes)
+    q_nope = torch.randn(rows, HEADS, NOPE, generator=gen)
+    q_rot = torch.randn(rows, HEADS, ROPE, generator=gen)
+    w_uk = torch.randn(HEADS, NOPE, RANK, generator=gen) / RANK**0.5
+    w_uv = torch.randn(HEADS, V, RANK, generator=gen) / RANK**0.5
+    cu = torch.tensor([0] + [sum(q for q, _ in shapes[: i + 1]) for i in range(len(shapes))])
+    kv_len = torch.tensor([n for _, n in shapes], dtype=torch.int32)
+    group = AttentionGroup(slice(0, rows), table.to(device), cu.to(torch.int32).to(device),
+                           kv_len.to(device))  # fmt: skip
+    tensors = [t.to(dtype).to(device) for t in (q_nope, q_rot, cache, w_uk, w_uv)]
+    return tensors, group
+
+
+def definition(q_nope, q_rot, cache, group, block_size, w_uk, w_uv, scale):
+    """float64: every slot's keys and values expanded, then plain attention per sequence."""
+    c, k_rot = cache.double().cpu().split([RANK, ROPE], dim=-1)
+    keys = torch.cat((torch.einsum("sr,hnr->shn", c, w_uk.double().cpu()),
+                      k_rot[:, None, :].expand(-1, HEADS, -1)), dim=-1)  # fmt: skip
+    values = torch.einsum("sr,hvr->shv", c, w_uv.double().cpu())
+    q = torch.cat((q_nope, q_rot), dim=-1).double().cpu()
+    return reference(q, keys, values, group.block_table.cpu(), group.cu_seqlens_q.cpu(),
+                     group.kv_len.cpu(), block_size, scale, None)  # fmt: skip
+
+
+def kernels():
+    """(name, kernel) pairs: torch always; attention_triton's prefill where triton imports."""
+    out = [("torch", None)]
+    if importlib.util.find_spec("triton") is not None:
+        from gpu_service.models import attention_triton
+
+        out.append(("triton", attention_triton.paged_prefill))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("block_bytes", [1 << 30, 3000], ids=["one-block", "many-blocks"])
+@pytest.mark.parametrize("name,kernel", kernels(), ids=[n for n, _ in kernels()])
+def test_expanded_prefill_matches_definition(name, kernel, block_bytes, dtype, seed):
+    gen = torch.Generator().manual_seed(seed + 41)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = [(7, 50), (20, 20), (1, 33), (12, 90)]  # a chunk at the end of each context
+    (q_nope, q_rot, cache, w_uk, w_uv), group = make_case(gen, shapes, 16, dtype, device)
+    scale = (NOPE + ROPE) ** -0.5
+    want = definition(q_nope, q_rot, cache, group, 16, w_uk, w_uv, scale)
+    got = mla_prefill.expanded_prefill(q_nope, q_rot, cache, group, 16, w_uk, w_uv, scale,
+                                       kernel, block_bytes=block_bytes)  # fmt: skip
+    assert got.dtype == dtype and got.shape == want.shape
+    err = (got.cpu().double() - want).abs().max().item()
+    print(f"{name}, {block_bytes} bytes a block, {dtype}: max abs error {err:.2e}")
+    assert err <= TOLERANCE[dtype]
+
+
+def test_expanded_equals_absorbed(seed):
+    """The absorbed form (deepseek.py's decode and short chunks: queries W_uk^T q_nope over the
+    latent, W_uv after) gives the same attention: the two forms are one computation."""
+    gen = torch.Generator().manual_seed(seed + 42)
+    shapes = [(30, 70), (9, 9)]
+    (q_nope, q_rot, cache, w_uk, w_uv), group = make_case(gen, shapes, 16, torch.float32, "cpu")
+    scale = 0.1
+    latent = cache[:, None, :]
+    queries = torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rot), dim=-1)
+    absorbed = paged_prefill(queries, latent, latent[..., :RANK], group.block_table,
+                             group.cu_seqlens_q, group.kv_len, 16, scale)  # fmt: skip
+    absorbed = torch.einsum("thr,hvr->thv", absorbed, w_uv)
+    got = mla_prefill.expanded_prefill(q_nope, q_rot, cache, group, 16, w_uk, w_uv, scale,
+                                       block_bytes=2000)  # fmt: skip
+    assert (got - absorbed).abs().max().item() < 2e-5
+
+
+def test_worth_expanding_at_the_flop_crossover():
+    """DeepSeek-V3 (r 512, nope 128, v 128): 171 queries a sequence and more go expanded."""
+    assert not mla_prefill.worth_expanding(170, 512, 128, 128)
+    assert mla_prefill.worth_expanding(171, 512, 128, 128)
+    assert not mla_prefill.worth_expanding(1, RANK, NOPE, V)
