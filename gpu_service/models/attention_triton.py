@@ -20,7 +20,9 @@ nothing syncs with the host, so a decode step can be captured in a CUDA graph.
 Prefill: the queries of sequence i (rows cu_seqlens_q[i]:cu_seqlens_q[i+1]) are at positions
 kv_len[i] - n_i .. kv_len[i] - 1, causal over the sequence's cached keys. The grid has
 T // BLOCK_Q + B query blocks (sequence i's blocks start at cu_seqlens_q[i] // BLOCK_Q + i), each
-program finding its sequence by binary search, so the grid too comes from shapes alone.
+program finding its sequence by binary search, so the grid too comes from shapes alone. Off the
+causal default, every query sees all kv_len keys; each row's log-sum-exp may be stored too, so
+that partial attentions over key ranges merge (mla_prefill.py).
 """
 
 from __future__ import annotations
@@ -380,6 +382,7 @@ def _prefill_kernel(
     cu_seqlens_q,
     kv_len,
     out,
+    lse,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -393,6 +396,8 @@ def _prefill_kernel(
     stride_ot,
     stride_oh,
     stride_od,
+    stride_lt,
+    stride_lh,
     num_seqs,
     group,
     block_size,
@@ -407,6 +412,8 @@ def _prefill_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    STORE_LSE: tl.constexpr,
     V_FROM_K: tl.constexpr,
     PRECISION: tl.constexpr,
     IN_DTYPE: tl.constexpr,
@@ -428,14 +435,17 @@ def _prefill_kernel(
         tokens = (q_begin + q_idx).to(tl.int64)
         n_kv = tl.load(kv_len + seq)
         pos = n_kv - n_q + q_idx  # [M]
-        row_hi = pos + 1
         row_lo = tl.zeros_like(pos)
-        last_pos = n_kv - n_q + tl.minimum(first_q + BLOCK_Q, n_q) - 1
+        if CAUSAL:
+            row_hi = pos + 1
+            hi = n_kv - n_q + tl.minimum(first_q + BLOCK_Q, n_q)  # the last query's pos + 1
+        else:  # every query sees every key
+            row_hi = tl.zeros_like(pos) + n_kv
+            hi = n_kv
         lo = 0
         if HAS_WINDOW:
             row_lo = tl.maximum(pos - window + 1, 0)
             lo = tl.maximum(n_kv - n_q + first_q - window + 1, 0)
-        hi = last_pos + 1
 
         q_rows = q + tokens[:, None] * stride_qt + heads[:, None] * stride_qh
         q_a, q_b = _load_queries(q_rows, row_ok, stride_qd, D, DA, DB, DOT_DTYPE)
@@ -456,6 +466,10 @@ def _prefill_kernel(
         dst = out + tokens[:, None] * stride_ot + heads[:, None] * stride_oh
         mask = row_ok[:, None] & (offs_v[None, :] < DV)
         tl.store(dst + offs_v[None, :] * stride_od, result.to(out.dtype.element_ty), mask=mask)
+        if STORE_LSE:  # base 2, the scale folded in: log2 sum_k 2^(s_k * scale * log2 e)
+            seen = l_i > 0
+            row_lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+            tl.store(lse + tokens * stride_lt + heads * stride_lh, row_lse, mask=row_ok)
 
 
 @functools.lru_cache(maxsize=8)
@@ -605,11 +619,14 @@ def paged_prefill(
     block_size: int,
     scale: float,
     window: int | None = None,
+    causal: bool = True,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q [T, Hq, D] ragged by cu_seqlens_q [B + 1] -> [T, Hq, Dv] in q's dtype."""
-    return prefill_with(
-        q, k_cache, v_cache, block_table, cu_seqlens_q, kv_len, block_size, scale, window
-    )
+    """q [T, Hq, D] ragged by cu_seqlens_q [B + 1] -> [T, Hq, Dv] in q's dtype. causal=False:
+    every query sees all of its sequence's kv_len keys. lse: a float32 [T, Hq] that receives
+    each row's log-sum-exp of its scaled scores, in base 2 (to merge partial attentions)."""
+    return prefill_with(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_len, block_size,
+                        scale, window, causal=causal, lse=lse)  # fmt: skip
 
 
 def prefill_with(
@@ -623,6 +640,8 @@ def prefill_with(
     scale: float,
     window: int | None = None,
     tiles: Tiles | None = None,
+    causal: bool = True,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_prefill with the launch shape chosen by the caller (benchmarks, tests)."""
     num_heads, num_kv_heads = _check_cache(
@@ -640,18 +659,24 @@ def prefill_with(
     dims = _HeadDims.of(q.shape[-1], v_cache.shape[-1])
     tiles = tiles or prefill_tiles(dims.d, group)
     num_tokens = q.shape[0]
+    if lse is not None and (lse.shape != (num_tokens, num_heads) or lse.dtype != torch.float32):
+        raise ValueError(f"lse must be float32 [T, Hq] = [{num_tokens}, {num_heads}]")
+    if window is not None and not causal:
+        raise ValueError("a sliding window is causal: window needs causal=True")
     out = torch.empty((num_tokens, num_heads, dims.dv), dtype=q.dtype, device=q.device)
     if num_tokens == 0 or batch == 0:
         return out
     tiles_per_kv = triton.cdiv(group, tiles.block_h)
     grid = (num_tokens // tiles.block_q + batch, num_kv_heads * tiles_per_kv)
+    lse_out, lse_strides = (out, (0, 0)) if lse is None else (lse, lse.stride())
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_table, cu_seqlens_q, kv_len, out,
+        q, k_cache, v_cache, block_table, cu_seqlens_q, kv_len, out, lse_out,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0), *out.stride(),
-        batch, group, block_size, scale * LOG2E, window or 0,
+        *lse_strides, batch, group, block_size, scale * LOG2E, window or 0,
         D=dims.d, DV=dims.dv, DA=dims.da, DB=dims.db, DV_PAD=dims.dv_pad,
         BLOCK_Q=tiles.block_q, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
-        HAS_WINDOW=window is not None, V_FROM_K=_v_from_k(k_cache, v_cache, dims),
+        HAS_WINDOW=window is not None, CAUSAL=causal, STORE_LSE=lse is not None,
+        V_FROM_K=_v_from_k(k_cache, v_cache, dims),
         **_dot_args(q), num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     return out

@@ -9,7 +9,8 @@ W_uk [h, nope, r] and W_uv [h, v, r] its two halves (same math, reassociated):
     sum_k p_k v_k   = W_uv (sum_k p_k c_k)   -> values are c; W_uv applied once per query
 so attention is MQA with one (kv_lora_rank + rope)-wide kv head and nothing per head is built for
 the cached tokens. Prompt chunks long enough that expanding costs fewer FLOPs (above ~171 queries
-a sequence at DeepSeek-V3's shapes) attend to the keys expanded instead (mla_prefill.py).
+a sequence at DeepSeek-V3's shapes) attend to the keys expanded instead, on CUDA
+(mla_prefill.py).
 Tensor parallelism (parallel.py) splits the heads: q_b (or q_proj), kv_b's W_uk / W_uv and
 o_proj's inputs per head; q_a, kv_a and the latent cache are replicated, since the
 latent is one kv head every query head reads (splitting it would cost an all-gather per layer to
@@ -36,10 +37,10 @@ from gpu_service.models.experts import RoutedExperts
 from gpu_service.models.kv_cache import KVCache, KVCacheConfig, write_cache
 from gpu_service.models.layers import DenseMLP, Linear, RMSNorm
 from gpu_service.models.loader import WeightLoader
-from gpu_service.models.mla_prefill import expanded_prefill, worth_expanding
+from gpu_service.models.mla_prefill import expanded_kernel, expanded_prefill, worth_expanding
 from gpu_service.models.model import CausalLM, DecoderLayer
 from gpu_service.models.moe import GroupedSigmoidRouter, MoE, SoftmaxRouter
-from gpu_service.models.paged_attention import attention_kernels, paged_attention
+from gpu_service.models.paged_attention import paged_attention
 from gpu_service.models.parallel import RowParallelLinear
 from gpu_service.models.rope import RopeConfig, Rotary, apply_rotary
 from ktserve.checkpoint import HFConfig, InvalidConfig, ModelSpec
@@ -166,19 +167,15 @@ class MLAttention(nn.Module):
         (cache,) = ctx.kv_cache.layers[self.layer]  # [S, r + rope]
         meta = ctx.meta
         write_cache(cache, meta.slot_mapping, torch.cat((c, k_rot), dim=-1))
-        prefill = meta.prefill
-        if prefill is None or not worth_expanding(
-            num_rows(prefill.rows) // len(prefill.kv_len), rank, nope, cfg.v_head_dim
-        ):
+        prefill, kernel = meta.prefill, expanded_kernel(x.device)
+        per_seq = 0 if prefill is None else num_rows(prefill.rows) // len(prefill.kv_len)
+        if kernel is None or not worth_expanding(per_seq, rank, nope, cfg.v_head_dim):
             out = self._absorbed(q_nope, q_rot, cache, meta)
         else:  # NOTE: the prompt chunks expanded (mla_prefill.py), the decode rows absorbed
             if meta.decodes:
                 out = self._absorbed(q_nope, q_rot, cache, replace(meta, prefill=None))
             else:
                 out = q_nope.new_empty((t, heads, cfg.v_head_dim))
-            kernel = None
-            if x.is_cuda:
-                kernel = attention_kernels(x.device, head_dim=min(nope + rope, cfg.v_head_dim))[1]
             out[prefill.rows] = expanded_prefill(
                 q_nope[prefill.rows], q_rot[prefill.rows], cache, prefill, meta.block_size,
                 self.w_uk, self.w_uv, self.scale, kernel,

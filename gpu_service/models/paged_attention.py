@@ -40,6 +40,7 @@ log = logging.getLogger("ktserve.gpu")
 TRITON_MODULE = "gpu_service.models.attention_triton"
 # per query chunk: Hq x chunk x keys; on the CPU a chunk's scores stay cache-sized (8 MiB fp32)
 PREFILL_SCORE_ELEMENTS = 1 << 21
+LOG2E = 1.4426950408889634
 PREFILL_SCORE_ELEMENTS_CUDA = 1 << 26
 
 
@@ -83,10 +84,16 @@ def paged_prefill(
     block_size: int,
     scale: float,
     window: int | None = None,
+    causal: bool = True,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] ragged (sequence i: rows cu_seqlens_q[i]:cu_seqlens_q[i + 1], at positions
     kv_len[i] - n_i .. kv_len[i] - 1), block_table [B, W] int32, cu_seqlens_q [B + 1] int32,
-    kv_len [B] int32 -> [T, Hq, Dv] in q's dtype."""
+    kv_len [B] int32 -> [T, Hq, Dv] in q's dtype. causal=False: every query sees all of its
+    sequence's keys. lse: a float32 [T, Hq] that receives each row's log-sum-exp of its scaled
+    scores, in base 2 (to merge partial attentions)."""
+    if window is not None and not causal:
+        raise ValueError("a sliding window is causal: window needs causal=True")
     num_heads = q.shape[1]
     out = q.new_empty((q.shape[0], num_heads, v_cache.shape[-1]))
     starts, lens = cu_seqlens_q.tolist(), kv_len.tolist()
@@ -98,22 +105,26 @@ def paged_prefill(
         for c0 in range(0, n, chunk):
             c1 = min(n, c0 + chunk)
             lo = 0 if window is None else max(0, first + c0 - window + 1)
-            k_pos = torch.arange(lo, first + c1, device=q.device)  # [K] the keys it can see
+            hi = first + c1 if causal else length
+            k_pos = torch.arange(lo, hi, device=q.device)  # [K] the keys it can see
             q_pos = torch.arange(first + c0, first + c1, device=q.device)  # [C]
             slots = block_table[i, k_pos // block_size].long() * block_size + k_pos % block_size
             keys, values = _gather(k_cache, v_cache, slots, q.dtype)  # [K, Hkv, D], [K, Hkv, Dv]
-            allowed = k_pos[None, :] <= q_pos[:, None]  # [C, K]
+            allowed = k_pos[None, :] <= (q_pos[:, None] if causal else length)  # [C, K]
             if window is not None:
                 allowed &= k_pos[None, :] > q_pos[:, None] - window
-            rows = q[q_start + c0 : q_start + c1]  # [C, Hq, D]
-            out[q_start + c0 : q_start + c1] = _attend_rows(rows, keys, values, allowed, scale)
+            rows = slice(q_start + c0, q_start + c1)
+            row_lse = None if lse is None else lse[rows]
+            out[rows] = _attend_rows(q[rows], keys, values, allowed, scale, row_lse)
     return out
 
 
 def _attend_rows(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 allowed: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+                 allowed: torch.Tensor, scale: float,
+                 lse: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """rows [C, Hq, D] over keys [K, Hkv, D] / values [K, Hkv, Dv] where allowed [C, K]
-    -> [C, Hq, Dv]. A kv head's query heads go as rows of one GEMM (its keys never repeated)."""
+    -> [C, Hq, Dv] (lse [C, Hq]: set to each row's base-2 log-sum-exp of its scaled scores).
+    A kv head's query heads go as rows of one GEMM (its keys never repeated)."""
     c, num_heads, head_dim = rows.shape
     num_kv_heads = keys.shape[1]
     groups = num_heads // num_kv_heads
@@ -121,6 +132,9 @@ def _attend_rows(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     qg = qg.reshape(num_kv_heads, groups * c, head_dim)
     scores = torch.bmm(qg, keys.permute(1, 2, 0)).mul_(scale)  # [Hkv, G * C, K]
     scores.view(num_kv_heads, groups, c, -1).masked_fill_(~allowed, float("-inf"))
+    if lse is not None:
+        row_lse = torch.logsumexp(scores.float(), dim=-1) * LOG2E  # [Hkv, G * C]
+        lse.copy_(row_lse.view(num_kv_heads, groups, c).permute(2, 0, 1).reshape(c, num_heads))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(rows.dtype)
     out = torch.bmm(probs, values.permute(1, 0, 2))  # [Hkv, G * C, Dv]
     return out.view(num_kv_heads, groups, c, -1).permute(2, 0, 1, 3).reshape(c, num_heads, -1)

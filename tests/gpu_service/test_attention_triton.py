@@ -24,6 +24,7 @@ if importlib.util.find_spec("triton") is None:
 # without CUDA, tests/conftest.py has set TRITON_INTERPRET=1: the kernels run interpreted
 
 from gpu_service.models import attention_triton as at  # noqa: E402
+from gpu_service.models.paged_attention import paged_prefill  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -178,6 +179,40 @@ def test_prefill_matches_reference(name, dtype, seed):
     vd = kd[..., :dv] if mla else v_cache.to(DEVICE)
     got = at.paged_prefill(qd, kd, vd, td, cd, ld, block_size, scale, window)
     check(got, want, dtype)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "all-keys"])
+def test_prefill_log_sum_exp_and_all_keys(causal, impl, seed):
+    """causal=False: each query sees all of its sequence's keys; lse: each row's log-sum-exp of
+    its scaled scores in base 2; against float64 from the same scores. The kernel and the torch
+    reference (paged_attention.py) alike."""
+    prefill = at.paged_prefill if impl == "triton" else paged_prefill
+    gen = torch.Generator().manual_seed(seed + int(causal))
+    seqs = [(5, 40), (17, 17), (1, 3)]
+    k_cache, v_cache, table, kv_len = make_case(gen, [n for _, n in seqs], 16, 2, 32, 16,
+                                                torch.float32)  # fmt: skip
+    n_q = [n for n, _ in seqs]
+    cu = torch.tensor([0, *torch.tensor(n_q).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(sum(n_q), 4, 32, generator=gen)
+    scale = 0.3
+    want_out, want_lse = [], []
+    for i, (n, length) in enumerate(seqs):
+        pos = torch.arange(length)
+        slots = table[i].long()[pos // 16] * 16 + pos % 16
+        keys = k_cache[slots].double().repeat_interleave(2, dim=1)  # [K, Hq, D]
+        values = v_cache[slots].double().repeat_interleave(2, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[cu[i] : cu[i + 1]].double(), keys) * scale
+        if causal:
+            q_pos = torch.arange(length - n, length)
+            scores = scores.masked_fill(pos[None, :] > q_pos[:, None], float("-inf"))
+        want_out.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+        want_lse.append((scores.logsumexp(-1) / torch.log(torch.tensor(2.0))).T)  # [n, Hq]
+    qd, kd, vd, td, cd, ld = to_device(q, k_cache, v_cache, table, cu, kv_len)
+    lse = torch.empty(sum(n_q), 4, dtype=torch.float32, device=DEVICE)
+    got = prefill(qd, kd, vd, td, cd, ld, 16, scale, causal=causal, lse=lse)
+    check(got, torch.cat(want_out), torch.float32)
+    assert (lse.cpu().double() - torch.cat(want_lse)).abs().max().item() < 1e-4
 
 
 def test_prefill_tiles_that_span_heads_and_queries(seed):

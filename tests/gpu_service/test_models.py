@@ -208,10 +208,13 @@ MLA = [v for v in MAIN if VARIANTS[v][0].startswith("deepseek")]
 def test_long_prompt_chunks_expand_and_match_transformers(cases, name, monkeypatch) -> None:
     """Prompt chunks long enough to expand MLA's keys (mla_prefill.py: above 16 queries at these
     shapes), the second one at the end of the first's context, in one step with a decode row:
-    every position's logits are transformers'."""
-    from gpu_service.models import deepseek
+    every position's logits are transformers'. The expanded form runs where attention_triton's
+    kernel does: here, on the CPU, under its interpreter."""
+    pytest.importorskip("triton", reason="the expanded form runs in attention_triton's kernel")
+    from gpu_service.models import attention_triton, deepseek
 
     case = cases[name]
+    monkeypatch.setattr(deepseek, "expanded_kernel", lambda device: attention_triton.paged_prefill)
     expanded = []
     real = deepseek.expanded_prefill
     monkeypatch.setattr(deepseek, "expanded_prefill",
