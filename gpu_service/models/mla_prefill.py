@@ -36,7 +36,9 @@ from gpu_service.models.paged_attention import triton_kernels
 if TYPE_CHECKING:
     from gpu_service.models.batch import AttentionGroup
 
-EXPANDED_BLOCK_BYTES = 512 << 20  # NOTE: transient; the chunk's own block may be larger
+# NOTE: a block's keys and values are transient, within the memory plan's smallest headroom
+# (MIN_HEADROOM); the chunk's own block may be larger, as the plan's profile prefill measured it
+EXPANDED_BLOCK_BYTES = 256 << 20
 MIN_DIM = 16  # the kernel's smallest head dims (tensor-core tiles)
 
 

@@ -105,3 +105,11 @@ def test_worth_expanding_at_the_flop_crossover():
 def test_expanded_only_where_the_kernel_runs():
     """On the CPU MLA prefill stays absorbed (torch's absorbed form measured faster there)."""
     assert mla_prefill.expanded_kernel(torch.device("cpu")) is None
+
+
+def test_a_key_block_fits_the_memory_plans_headroom():
+    """The expanded keys and values of one block are transient beyond what the plan's profile
+    prefill measured: they must fit the smallest headroom it leaves."""
+    from gpu_service.memory_plan import MIN_HEADROOM
+
+    assert mla_prefill.EXPANDED_BLOCK_BYTES <= MIN_HEADROOM
