@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gpu_service.child_processes import die_with_parent, wait_or_kill
+from gpu_service.child_processes import wait_or_kill
 from gpu_service.moe_client import RECONNECT_OPTIONS
 from gpu_service.shard_coverage import WorkerShard, check_coverage
 from ktserve import shared_store
+from ktserve.parent_process import with_parent
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.protocol import expert_pb2_grpc as pb_grpc
 from ktserve.worker_auth import worker_channel
@@ -161,8 +162,9 @@ class Supervisor:
         self.restart = restart
         self.drain_timeout_s = drain_timeout_s
         self._lock = threading.Lock()
-        # NOTE: Popen forks (preexec_fn); a thread inside a gRPC call across fork() makes gRPC
-        # skip its fork handlers and the child can abort, so spawns and health checks take turns.
+        # NOTE: Popen vforks (with_parent: no preexec_fn), yet spawns and health checks still
+        # take turns: a thread inside a gRPC call across a fork() makes gRPC skip its fork
+        # handlers, and a child of a plain fork could abort.
         self._fork_lock = threading.Lock()
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -243,14 +245,13 @@ class Supervisor:
         with self._fork_lock:
             proc = subprocess.Popen(
                 worker.spec.argv,
-                env=self._env,
+                env=with_parent(self._env),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=None,
                 text=True,
                 bufsize=1,
                 process_group=0,
-                preexec_fn=die_with_parent,
             )
         with self._lock:
             worker.proc = proc

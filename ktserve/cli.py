@@ -12,6 +12,7 @@ import sys
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from ktserve.parent_process import follow_parent
 from ktserve.version import ktserve_version
 
 
@@ -53,6 +54,7 @@ def build_parser(configured: Collection[str] = tuple(COMMANDS)) -> argparse.Argu
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command argv names; a user's mistake is one line and exit code 2."""
+    follow_parent()  # NOTE: a worker the GPU service started goes when it goes
     argv = sys.argv[1:] if argv is None else argv
     named = next((arg for arg in argv if not arg.startswith("-")), None)
     args = build_parser([named] if named in COMMANDS else []).parse_args(argv)

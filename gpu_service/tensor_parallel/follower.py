@@ -27,6 +27,7 @@ from gpu_service.models import Batch, KVCache, SeqInput, load_model
 from gpu_service.models.model import CausalLM
 from gpu_service.models.parallel import TensorParallel
 from gpu_service.tensor_parallel.messages import Cache, Setup, Step, Stop, read_message
+from ktserve.parent_process import follow_parent
 
 log = logging.getLogger("ktserve.tp")
 
@@ -86,6 +87,7 @@ def serve(stdin) -> None:
 
 
 def main() -> int:
+    follow_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tp-follower %(message)s")
     try:
         serve(sys.stdin.buffer)

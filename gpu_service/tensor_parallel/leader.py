@@ -35,12 +35,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gpu_service.child_processes import die_with_parent, wait_or_kill
+from gpu_service.child_processes import wait_or_kill
 from gpu_service.models.batch import Batch
 from gpu_service.models.model import CausalLM
 from gpu_service.models.parallel import TensorParallel
 from gpu_service.models.weight_formats import LinearQuantConfig
 from gpu_service.tensor_parallel.messages import Cache, Message, Setup, Step, Stop, encode
+from ktserve.parent_process import with_parent
 
 log = logging.getLogger("ktserve.gpu")
 STOP_TIMEOUT_S = 10.0
@@ -109,8 +110,7 @@ class TensorParallelLeader:
         env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONPATH": path}
         for rank in range(1, cfg.world_size):
             proc = subprocess.Popen([sys.executable, "-m", "gpu_service.tensor_parallel.follower"],
-                                    stdin=subprocess.PIPE, env=env,
-                                    preexec_fn=die_with_parent)  # fmt: skip
+                                    stdin=subprocess.PIPE, env=with_parent(env))  # fmt: skip
             self.procs.append(proc)
             self._send(proc, rank, self._setup(rank))
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True,

@@ -1,6 +1,6 @@
 """Stopping the processes the GPU service starts: real subprocesses, one that obeys SIGTERM and
-one that ignores it; and a child started with die_with_parent gets SIGTERM when its parent
-goes."""
+one that ignores it; and a child started with with_parent (ktserve/parent_process.py) gets
+SIGTERM when its parent goes, or exits at once when the parent went before it could follow."""
 
 from __future__ import annotations
 
@@ -48,15 +48,21 @@ def test_wait_or_kill_kills_only_what_outlives_the_timeout(caplog):
             proc.stdout.close()
 
 
-def test_a_child_started_with_die_with_parent_goes_with_its_parent():
-    """A middle process starts a grandchild with die_with_parent and exits: the grandchild gets
-    SIGTERM (its parent-death signal) and ends."""
+FOLLOWS_PARENT = (
+    "from ktserve.parent_process import follow_parent; follow_parent()\n" + OBEYS_SIGTERM
+)
+
+
+def test_a_child_started_with_parent_goes_with_its_parent():
+    """A middle process starts a grandchild with with_parent() (no preexec_fn: Popen vforks),
+    whose first act is follow_parent(), and exits: the grandchild gets SIGTERM (its
+    parent-death signal) and ends."""
     middle = textwrap.dedent(f"""
         import subprocess, sys
-        from gpu_service.child_processes import die_with_parent
-        child = subprocess.Popen([sys.executable, "-c", {OBEYS_SIGTERM!r}],
+        from ktserve.parent_process import with_parent
+        child = subprocess.Popen([sys.executable, "-c", {FOLLOWS_PARENT!r}],
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                 preexec_fn=die_with_parent)
+                                 env=with_parent())
         assert child.stdout.readline().strip() == "ready"
         print(child.pid, flush=True)
     """)
@@ -76,3 +82,14 @@ def test_a_child_started_with_die_with_parent_goes_with_its_parent():
         assert gone, f"pid {grandchild} outlived its parent"
     finally:
         os.close(fd)
+
+
+def test_a_child_whose_parent_went_first_exits():
+    """follow_parent() in a child whose recorded parent is no longer its parent (it died before
+    the prctl): the child exits at once, naming the parent."""
+    env = {**os.environ, "KTSERVE_PARENT_PID": str(os.getpid() + 10**6)}
+    code = "from ktserve.parent_process import follow_parent; follow_parent(); print('stayed')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode != 0 and "stayed" not in proc.stdout
+    assert "is gone" in proc.stderr
