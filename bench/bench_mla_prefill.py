@@ -146,7 +146,8 @@ def main() -> None:
           f"of {args.reps}, alternated; expanded through the {kernel}")  # fmt: skip
     cols = [Column("context", 7), Column("chunk", 5), Column("absorbed ms", 11),
             Column("expanded ms", 11), Column("speedup", 7), Column("abs TFLOP/s", 11),
-            Column("exp TFLOP/s", 11), Column("> crossover", 11), Column("max|diff|", 9)]  # fmt: skip
+            Column("exp TFLOP/s", 11), Column("> crossover", 11),
+            Column("max|diff|", 9)]  # fmt: skip
     print_table(cols, rows)
 
 
