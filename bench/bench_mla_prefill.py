@@ -3,9 +3,9 @@
 One prompt chunk at the end of a sequence's context, random weights and latent cache (shuffled
 blocks of 64 tokens), in the model dtype (bf16): the attention part of a DeepSeek layer from the
 roped queries on (q_nope, q_rot) to the per-head values before o_proj.
-- absorbed: queries W_uk^T q_nope over the latent [c | k_rot], values c, then W_uv (deepseek.py's
-  decode path, and prefill's before mla_prefill; on CUDA the torch reference, as
-  attention_kernels picks for the latent);
+- absorbed: deepseek.absorbed_attention (queries W_uk^T q_nope over the latent [c | k_rot],
+  values c, then W_uv: the decode path, and short chunks'; on CUDA through the torch reference,
+  as attention_kernels picks for the latent);
 - expanded: mla_prefill.expanded_prefill (keys decompressed per head, a key block of
   EXPANDED_BLOCK_BYTES at a time; on CUDA through the Triton prefill kernel, which serving uses;
   elsewhere through the torch reference, which serving does not: on the CPU it stays absorbed).
@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages
@@ -32,7 +33,8 @@ import torch
 from bench.common import Column, default_device, print_table
 from gpu_service.models import mla_prefill
 from gpu_service.models.batch import AttentionGroup
-from gpu_service.models.paged_attention import attention_kernels, paged_prefill
+from gpu_service.models.deepseek import absorbed_attention
+from gpu_service.models.paged_attention import paged_prefill, prefill_group
 
 BLOCK = 64
 
@@ -74,15 +76,9 @@ class Case:
         self.shape, self.context, self.chunk = s, context, chunk
 
     def absorbed(self) -> torch.Tensor:
-        s = self.shape
-        prefill = attention_kernels(self.cache.device, latent=True)[1]
-        latent = self.cache[:, None, :]
-        q_lat = torch.einsum("thn,hnr->thr", self.q_nope, self.w_uk)
-        queries = torch.cat((q_lat, self.q_rot), dim=-1)
-        g = self.group
-        out = prefill(queries, latent, latent[..., : s.rank], g.block_table, g.cu_seqlens_q,
-                      g.kv_len, BLOCK, self.scale)  # fmt: skip
-        return torch.einsum("thr,hvr->thv", out, self.w_uv)
+        attend = partial(prefill_group, group=self.group, block_size=BLOCK, scale=self.scale)
+        return absorbed_attention(self.q_nope, self.q_rot, self.cache, self.w_uk, self.w_uv,
+                                  attend)  # fmt: skip
 
     def expanded(self) -> torch.Tensor:
         kernel = mla_prefill.expanded_kernel(self.cache.device) or paged_prefill

@@ -25,13 +25,14 @@ NOTE: transformers 5.24 ignores norm_topk_prob for V2; DeepSeek's own V2 code ap
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 from torch import nn
 
-from gpu_service.models.batch import AttentionMetadata, StepContext, num_rows
+from gpu_service.models.batch import StepContext, num_rows
 from gpu_service.models.config import BaseConfig
 from gpu_service.models.experts import RoutedExperts
 from gpu_service.models.kv_cache import KVCache, KVCacheConfig, write_cache
@@ -40,7 +41,7 @@ from gpu_service.models.loader import WeightLoader
 from gpu_service.models.mla_prefill import expanded_kernel, expanded_prefill, worth_expanding
 from gpu_service.models.model import CausalLM, DecoderLayer
 from gpu_service.models.moe import GroupedSigmoidRouter, MoE, SoftmaxRouter
-from gpu_service.models.paged_attention import paged_attention
+from gpu_service.models.paged_attention import decode_group, paged_attention
 from gpu_service.models.parallel import RowParallelLinear
 from gpu_service.models.rope import RopeConfig, Rotary, apply_rotary
 from ktserve.checkpoint import HFConfig, InvalidConfig, ModelSpec
@@ -169,28 +170,41 @@ class MLAttention(nn.Module):
         write_cache(cache, meta.slot_mapping, torch.cat((c, k_rot), dim=-1))
         prefill, kernel = meta.prefill, expanded_kernel(x.device)
         per_seq = 0 if prefill is None else num_rows(prefill.rows) // len(prefill.kv_len)
+        w_uk, w_uv, scale = self.w_uk, self.w_uv, self.scale
         if kernel is None or not worth_expanding(per_seq, rank, nope, cfg.v_head_dim):
-            out = self._absorbed(q_nope, q_rot, cache, meta)
+            out = absorbed_attention(q_nope, q_rot, cache, w_uk, w_uv,
+                                     partial(paged_attention, meta=meta, scale=scale))  # fmt: skip
         else:  # NOTE: the prompt chunks expanded (mla_prefill.py), the decode rows absorbed
-            if meta.decodes:
-                out = self._absorbed(q_nope, q_rot, cache, replace(meta, prefill=None))
-            else:
-                out = q_nope.new_empty((t, heads, cfg.v_head_dim))
+            out = q_nope.new_empty((t, heads, cfg.v_head_dim))
+            for group in meta.decodes:
+                attend = partial(decode_group, group=group, block_size=meta.block_size,
+                                 scale=scale)  # fmt: skip
+                out[group.rows] = absorbed_attention(q_nope[group.rows], q_rot[group.rows], cache,
+                                                     w_uk, w_uv, attend)  # fmt: skip
             out[prefill.rows] = expanded_prefill(
                 q_nope[prefill.rows], q_rot[prefill.rows], cache, prefill, meta.block_size,
-                self.w_uk, self.w_uv, self.scale, kernel,
+                w_uk, w_uv, scale, kernel,
             )  # fmt: skip
         return self.o_proj(out.reshape(t, heads * cfg.v_head_dim))
 
-    def _absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, cache: torch.Tensor,
-                  meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
-        """[T, h, v] attention over the latent for the rows of meta's groups (others unset)."""
-        rank = self.cfg.kv_lora_rank
-        latent = cache[:, None, :]  # [S, 1, r + rope]: one kv head; values its first r columns
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, self.w_uk)  # [T, h, r]
-        queries = torch.cat((q_lat, q_rot), dim=-1)  # [T, h, r + rope]
-        out = paged_attention(queries, latent, latent[..., :rank], meta, self.scale)  # [T, h, r]
-        return torch.einsum("thr,hvr->thv", out, self.w_uv)  # [T, h, v]
+
+def absorbed_attention(
+    q_nope: torch.Tensor,
+    q_rot: torch.Tensor,
+    cache: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    attend: Callable,
+) -> torch.Tensor:
+    """MLA over the latent: q_nope [n, h, nope], q_rot [n, h, rope] (roped), cache [S, r + rope],
+    w_uk [h, nope, r], w_uv [h, v, r] -> [n, h, v]; attend(queries, k_cache, v_cache) is a paged
+    attention over the latent as one kv head (values its first r columns)."""
+    rank = w_uk.shape[-1]
+    latent = cache[:, None, :]  # [S, 1, r + rope]
+    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [n, h, r]
+    queries = torch.cat((q_lat, q_rot), dim=-1)  # [n, h, r + rope]
+    out = attend(queries, latent, latent[..., :rank])  # [n, h, r]
+    return torch.einsum("thr,hvr->thv", out, w_uv)  # [n, h, v]
 
 
 def _router(cfg: DeepseekConfig, loader: WeightLoader, prefix: str) -> nn.Module:

@@ -33,7 +33,7 @@ import torch
 from gpu_service.models.kv_cache import read_cache
 
 if TYPE_CHECKING:
-    from gpu_service.models.batch import AttentionGroup, AttentionMetadata, Rows
+    from gpu_service.models.batch import AttentionGroup, AttentionMetadata
 
 log = logging.getLogger("ktserve.gpu")
 
@@ -191,6 +191,44 @@ def attention_kernels(
     return paged_decode, paged_prefill
 
 
+def decode_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """One decode group's attention, q [b, Hq, D] (its rows) -> [b, Hq, Dv], through the kernel
+    attention_kernels picks."""
+    decode = _kernels(q, k_cache, v_cache)[0]
+    return decode(q, k_cache, v_cache, group.block_table, group.kv_len, block_size, scale, window)
+
+
+def prefill_group(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: AttentionGroup,
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """A prefill group's attention, q [n, Hq, D] (its rows) -> [n, Hq, Dv], through the kernel
+    attention_kernels picks."""
+    prefill = _kernels(q, k_cache, v_cache)[1]
+    return prefill(q, k_cache, v_cache, group.block_table, group.cu_seqlens_q, group.kv_len,
+                   block_size, scale, window)  # fmt: skip
+
+
+def _kernels(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[Callable, Callable]:
+    latent = v_cache.data_ptr() == k_cache.data_ptr()
+    return attention_kernels(q.device, latent, min(q.shape[-1], v_cache.shape[-1]))
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -201,31 +239,15 @@ def paged_attention(
 ) -> torch.Tensor:
     """A step's attention, q [T, Hq, D] -> [T, Hq, Dv]: each of the metadata's decode groups and
     its prefill group through their kernel, one call per group, the new tokens' K/V already in
-    the cache (rows of no group, where a caller left a group out, are left unset)."""
-    latent = v_cache.data_ptr() == k_cache.data_ptr()
-    decode, prefill = attention_kernels(q.device, latent, min(q.shape[-1], v_cache.shape[-1]))
-    bs = meta.block_size
-
-    def run_decode(group: AttentionGroup, rows: torch.Tensor) -> torch.Tensor:
-        return decode(rows, k_cache, v_cache, group.block_table, group.kv_len, bs, scale, window)
-
-    def run_prefill(group: AttentionGroup, rows: torch.Tensor) -> torch.Tensor:
-        return prefill(rows, k_cache, v_cache, group.block_table, group.cu_seqlens_q,
-                       group.kv_len, bs, scale, window)  # fmt: skip
-
-    calls = [(group, run_decode) for group in meta.decodes]
+    the cache."""
+    calls = [(group, decode_group) for group in meta.decodes]
     if meta.prefill is not None:
-        calls.append((meta.prefill, run_prefill))
-    num_rows = q.shape[0]
-    if len(calls) == 1 and _covers(calls[0][0].rows, num_rows):
+        calls.append((meta.prefill, prefill_group))
+    args = (k_cache, v_cache)
+    if len(calls) == 1:  # its rows are all of T
         ((group, run),) = calls
-        return run(group, q)
-    out = q.new_empty((num_rows, q.shape[1], v_cache.shape[-1]))  # [T, Hq, Dv]
+        return run(q, *args, group, meta.block_size, scale, window)
+    out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))  # [T, Hq, Dv]
     for group, run in calls:
-        out[group.rows] = run(group, q[group.rows])
+        out[group.rows] = run(q[group.rows], *args, group, meta.block_size, scale, window)
     return out
-
-
-def _covers(rows: Rows, num_rows: int) -> bool:
-    """Whether a group's rows are all num_rows rows of the step, in order."""
-    return isinstance(rows, slice) and rows.indices(num_rows) == (0, num_rows, 1)

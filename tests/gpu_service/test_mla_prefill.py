@@ -6,6 +6,8 @@ interpreter."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -13,7 +15,8 @@ pytest.importorskip("triton", reason="the expanded form runs in attention_triton
 # without CUDA, tests/conftest.py has set TRITON_INTERPRET=1: the kernels run interpreted
 from gpu_service.models import attention_triton, mla_prefill  # noqa: E402
 from gpu_service.models.batch import AttentionGroup  # noqa: E402
-from gpu_service.models.paged_attention import paged_prefill  # noqa: E402
+from gpu_service.models.deepseek import absorbed_attention  # noqa: E402
+from gpu_service.models.paged_attention import prefill_group  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,17 +82,14 @@ def test_expanded_prefill_matches_definition(dims, block_bytes, dtype, seed):
 
 
 def test_expanded_equals_absorbed(seed):
-    """The absorbed form (deepseek.py's decode and short chunks: queries W_uk^T q_nope over the
-    latent, W_uv after) gives the same attention: the two forms are one computation."""
+    """The absorbed form (deepseek.absorbed_attention, decode rows' and short chunks': queries
+    W_uk^T q_nope over the latent, W_uv after) gives the same attention: one computation."""
     gen = torch.Generator().manual_seed(seed + 42)
     shapes = [(30, 70), (9, 9)]
     (q_nope, q_rot, cache, w_uk, w_uv), group = make_case(gen, shapes, 16, torch.float32)
     scale = 0.1
-    latent = cache[:, None, :]
-    queries = torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rot), dim=-1)
-    absorbed = paged_prefill(queries, latent, latent[..., :RANK], group.block_table,
-                             group.cu_seqlens_q, group.kv_len, 16, scale)  # fmt: skip
-    absorbed = torch.einsum("thr,hvr->thv", absorbed, w_uv)
+    attend = partial(prefill_group, group=group, block_size=16, scale=scale)
+    absorbed = absorbed_attention(q_nope, q_rot, cache, w_uk, w_uv, attend)
     got = mla_prefill.expanded_prefill(q_nope, q_rot, cache, group, 16, w_uk, w_uv, scale,
                                        KERNEL, block_bytes=2000)  # fmt: skip
     assert (got - absorbed).abs().max().item() < 2e-5
