@@ -162,9 +162,9 @@ class Supervisor:
         self.restart = restart
         self.drain_timeout_s = drain_timeout_s
         self._lock = threading.Lock()
-        # NOTE: Popen vforks (with_parent: no preexec_fn), yet spawns and health checks still
-        # take turns: a thread inside a gRPC call across a fork() makes gRPC skip its fork
-        # handlers, and a child of a plain fork could abort.
+        # NOTE: Popen vforks where it can (with_parent: no preexec_fn); where it falls back to
+        # fork(), a thread inside a gRPC call across it makes gRPC skip its fork handlers and the
+        # child can abort, so spawns and health checks still take turns.
         self._fork_lock = threading.Lock()
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None

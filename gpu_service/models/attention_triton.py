@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+from gpu_service.models.paged_attention import LOG2E
+
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 256
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)

@@ -40,8 +40,8 @@ log = logging.getLogger("ktserve.gpu")
 TRITON_MODULE = "gpu_service.models.attention_triton"
 # per query chunk: Hq x chunk x keys; on the CPU a chunk's scores stay cache-sized (8 MiB fp32)
 PREFILL_SCORE_ELEMENTS = 1 << 21
-LOG2E = 1.4426950408889634
 PREFILL_SCORE_ELEMENTS_CUDA = 1 << 26
+LOG2E = 1.4426950408889634  # log2(e): base-2 exponentials and log-sum-exps (here, the kernels)
 
 
 def paged_decode(
