@@ -970,6 +970,12 @@ cdef class Channel:
         return msg
 
     @property
+    def consumer_sleeping(self):
+        """Whether the consumer blocks on its semaphore now (its wait spun out)."""
+        self._check_open()
+        return kt_bell_load(&self._hdr.consumer_sleeping) != 0
+
+    @property
     def step_continues(self):
         """Consumer of a device channel: the last request it took was not its step's last slot,
         so the step's next call is coming (recv_request spins for it, never sleeping, for up to

@@ -88,7 +88,7 @@ void* worker_main(void* raw) {
       if (++polls < 64) continue;
       polls = 0;
       int64_t now = now_ns();
-      if (now < deadline || now < p->hold_until.load(std::memory_order_relaxed)) continue;
+      if (now < deadline || now < p->hold_until.load(std::memory_order_acquire)) continue;
       // NOTE: sleepers before the re-check of gen, and the waker's gen before its read of
       // sleepers (all seq_cst): either this sees the job or the waker sees a sleeper to wake.
       p->sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -166,7 +166,7 @@ int ktk_pool_sleepers(const ktk_pool* p) { return p->sleepers.load(std::memory_o
 
 void ktk_pool_hold(ktk_pool* p, int64_t hold_ns) {
   if (p->n == 1) return;
-  p->hold_until.store(now_ns() + hold_ns, std::memory_order_relaxed);
+  p->hold_until.store(now_ns() + hold_ns, std::memory_order_seq_cst);
   ktk_pool_wake(p);
 }
 

@@ -228,3 +228,65 @@ def test_attach_refuses_unknown_header_flags(device):
             ktshm.Channel.attach(device.name, FAST)
     finally:
         flags.value = 1
+
+
+
+NO_SPIN = ktshm.ChannelConfig(num_slots=2, region_bytes=1 << 16, spin_us=0, peer_timeout_s=5)
+
+
+def _answer(device: ktshm.Channel, consumer: ktshm.Channel, req: ktshm.Message) -> None:
+    consumer.reply(req, [np.ones(1, np.float32)])
+    device.await_reply(req.slot, timeout=5)
+    device.finish(req.slot)
+
+
+def _waiting(consumer: ktshm.Channel, got: list, waiters: list) -> threading.Thread:
+    """A thread in consumer.recv_request (added to waiters: join them before closing the
+    channel), returned once its wait has begun."""
+    ready_before = consumer.call_stamps()[1]
+    waiter = threading.Thread(target=lambda: got.append(consumer.recv_request(timeout=2)))
+    waiters.append(waiter)
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while consumer.call_stamps()[1] == ready_before:
+        assert time.monotonic() < deadline, "the consumer never began to wait"
+    return waiter
+
+
+def test_between_a_steps_slots_the_consumer_spins_and_after_its_last_it_sleeps():
+    """spin_us 0: a consumer blocks as soon as nothing is posted, except between two slots of a
+    step, where the next call is coming: it spins for it (STEP_HOLD_S at most)."""
+    device = ktshm.Channel.create(NO_SPIN, device=True)
+    consumer = ktshm.Channel.attach(device.name, NO_SPIN)
+    waiters: list[threading.Thread] = []
+    try:
+        for slot in (0, 1):
+            device.device_layout(slot, KIND_ECHO, slot, [((1,), "float32")])
+        device.begin_step()
+        device.ring(0)
+        req = consumer.recv_request(timeout=5)
+        assert req.slot == 0 and consumer.step_continues
+        _answer(device, consumer, req)
+        got: list[ktshm.Message] = []
+        waiter = _waiting(consumer, got, waiters)
+        held_until_ns = consumer.call_stamps()[1] + int(ktshm.STEP_HOLD_S / 2 * 1e9)
+        while time.monotonic_ns() < held_until_ns:
+            assert not consumer.consumer_sleeping, "slept between a step's slots"
+        device.ring(1)
+        waiter.join(5)
+        assert got[0].slot == 1 and not consumer.step_continues  # the step's last slot
+        _answer(device, consumer, got[0])
+        got.clear()
+        waiter = _waiting(consumer, got, waiters)
+        deadline = time.monotonic() + 5
+        while not consumer.consumer_sleeping:  # the step is over: no spin left
+            assert time.monotonic() < deadline, "never slept after the step's last slot"
+        device.ring(0)  # (a post wakes it)
+        waiter.join(5)
+        assert got[0].slot == 0 and consumer.step_continues
+        _answer(device, consumer, got[0])
+    finally:
+        for waiter in waiters:  # NOTE: a wait in progress reads the mapping close() unmaps
+            waiter.join(5)
+        consumer.close()
+        device.close()
