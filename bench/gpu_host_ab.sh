@@ -8,7 +8,7 @@
 #   usage: BASE=.device/base.tar MODES=graph,graph-d1 BATCH=1,4,16 ROUNDS=2 bash bench/gpu_host_ab.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
-base="${BASE:?BASE: a tar of the baseline tree's sources}"
+base="${BASE:?BASE: a tar of the baseline sources}"
 modes="${MODES:-graph,graph-d1}"
 batch="${BATCH:-1,4,16}"
 rounds="${ROUNDS:-2}"

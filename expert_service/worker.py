@@ -239,9 +239,6 @@ class ExpertWorker:
                     continue
                 self.kernel.wake()  # NOTE: sleeping pool threads wake while we dispatch
                 self._execute(channel, req, serving)
-                if channel.step_continues:
-                    # NOTE: the step's next call comes one GPU layer later, often past spin_us
-                    self.kernel.hold_awake(ktshm.STEP_HOLD_S)
         finally:
             # NOTE: a killed GPU service cannot unlink its segments: the consumer does, once the
             # producer's heartbeat shows it gone (waited for when our parent died with it).

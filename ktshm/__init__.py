@@ -5,7 +5,6 @@ from ktshm.channel import (
     DTYPES,
     NAME_TAG_ENV,
     SEGMENT_PREFIX,
-    STEP_HOLD_S,
     Channel,
     Message,
     cleanup_stale,
@@ -34,7 +33,6 @@ from ktshm.errors import (
 __all__ = [
     "DTYPES",
     "DTYPE_CODES",
-    "STEP_HOLD_S",
     "Channel",
     "ChannelBusy",
     "ChannelClosed",

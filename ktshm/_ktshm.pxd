@@ -20,7 +20,6 @@ cdef extern from "ktshm.h" nogil:
     uint32_t KT_ARRAY_ALIGN
     uint32_t KT_MAX_ARRAYS
     uint32_t KT_MAX_DIMS
-    uint64_t KT_STEP_HOLD_NS
     uint32_t KT_FLAG_DEVICE
 
     enum kt_status:
@@ -103,7 +102,6 @@ cdef extern from "ktshm.h" nogil:
         uint64_t expect_word
         uint32_t known_epoch
         uint64_t spin_ns
-        uint64_t hold_until_ns
         uint64_t deadline_ns
         uint64_t peer_timeout_ns
         sem_t* sem

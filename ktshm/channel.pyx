@@ -77,7 +77,6 @@ NAME_TAG_ENV = "KTSHM_NAME_TAG"
 _NAME_TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 MAX_ARRAYS = KT_MAX_ARRAYS
 MAX_DIMS = KT_MAX_DIMS
-STEP_HOLD_S = KT_STEP_HOLD_NS / 1e9  # see Channel.step_continues
 
 # dtype code -> (name, numpy dtype of the view); bfloat16 travels as uint16 bits.
 DTYPES = {
@@ -212,8 +211,6 @@ cdef class Channel:
     cdef uint32_t _known_epoch
     cdef uint64_t _next_seq
     cdef uint64_t _spin_ns
-    cdef bint _step_continues
-    cdef uint64_t _hold_until_ns
     cdef uint64_t _peer_timeout_ns
     cdef int _owner_pid
     cdef bint _closed
@@ -649,7 +646,6 @@ cdef class Channel:
         a.expect_word = kt_word(seq, self._inflight[seq], KT_SLOT_REPLY)
         a.known_epoch = self._known_epoch
         a.spin_ns = self._spin_ns
-        a.hold_until_ns = 0
         a.deadline_ns = self._deadline(timeout)
         a.peer_timeout_ns = self._peer_timeout_ns
         a.sem = self._sem_rep
@@ -835,7 +831,6 @@ cdef class Channel:
         a.bell_value = 1
         a.known_epoch = self._known_epoch
         a.spin_ns = self._spin_ns
-        a.hold_until_ns = 0
         a.deadline_ns = self._deadline(timeout)
         a.peer_timeout_ns = self._peer_timeout_ns
         a.sem = self._sem_rep
@@ -923,9 +918,6 @@ cdef class Channel:
         if self._took or self._ready_ns == 0:
             self._ready_ns = kt_now_ns()  # NOTE: only the first look after a call: not a retry
             self._took = False
-            # NOTE: the step's next call comes one layer's GPU work after this one's reply
-            self._hold_until_ns = self._ready_ns + KT_STEP_HOLD_NS if self._step_continues else 0
-        a.hold_until_ns = self._hold_until_ns
         while True:
             with nogil:
                 st = kt_wait(&a)
@@ -948,7 +940,6 @@ cdef class Channel:
         else:
             seq = slot.seq
         index = a.found_index
-        self._step_continues = self.device and index + 1 < self.num_slots
         if not self._request_layouts:
             self._request_layouts = [None] * self.num_slots
             self._reply_layouts = [None] * self.num_slots
@@ -968,19 +959,6 @@ cdef class Channel:
         msg = Message(seq, index, slot.request.kind, slot.request.layer,
                       slot.request.num_tokens, KT_OK, arrays, names)
         return msg
-
-    @property
-    def consumer_sleeping(self):
-        """Whether the consumer blocks on its semaphore now (its wait spun out)."""
-        self._check_open()
-        return kt_bell_load(&self._hdr.consumer_sleeping) != 0
-
-    @property
-    def step_continues(self):
-        """Consumer of a device channel: the last request it took was not its step's last slot,
-        so the step's next call is coming (recv_request spins for it, never sleeping, for up to
-        STEP_HOLD_S after the reply)."""
-        return self._step_continues
 
     def call_stamps(self):
         """Consumer: CLOCK_MONOTONIC nanoseconds (time.monotonic_ns's clock, shared by every

@@ -212,8 +212,6 @@ typedef struct {
     uint64_t expect_word;
     uint32_t known_epoch; /* producer: its requests' stamp; consumer: the epoch it attached as */
     uint64_t spin_ns;
-    /* consumer: spin, never block, before this (absolute CLOCK_MONOTONIC; 0: spin_ns alone) */
-    uint64_t hold_until_ns;
     uint64_t deadline_ns; /* absolute CLOCK_MONOTONIC */
     uint64_t peer_timeout_ns;
     sem_t *sem;
@@ -285,10 +283,6 @@ static inline int kt_check_peer(kt_wait_args *a, uint64_t now) {
     return KT_OK;
 }
 
-/* A device channel's consumer that answered a slot before the step's last one spins this long at
- * most for the next (it comes one layer's GPU work later; a sleeper is woken only within the
- * host's poll period, kt_wait_step's KT_STEP_POLL_NS plus the sleep's overshoot). */
-#define KT_STEP_HOLD_NS 20000000ULL
 #define KT_BLOCK_SLICE_NS 20000000ULL /* 20 ms: peer liveness is re-checked at least this often */
 #define KT_SPIN_CLOCK_EVERY 64u
 
@@ -317,7 +311,7 @@ static inline int kt_wait(kt_wait_args *a) {
             next_peer_check = now + 1000000ULL; /* 1 ms */
         }
         if (now >= a->deadline_ns) return kt_check(a) ? KT_OK : KT_ETIMEOUT;
-        if (now < spin_until || now < a->hold_until_ns) {
+        if (now < spin_until) {
             KT_CPU_RELAX();
             continue;
         }

@@ -61,8 +61,6 @@ cdef extern from "ktk.h":
     void ktk_last_forward(const ktk_kernel* kern, int64_t* start_ns, int64_t* end_ns,
                           int* experts) nogil
     void ktk_kernel_wake(ktk_kernel* kern) nogil
-    void ktk_kernel_hold(ktk_kernel* kern, int64_t hold_ns) nogil
-    int ktk_kernel_sleeping_threads(const ktk_kernel* kern) nogil
     int ktk_stream_read(ktk_kernel* kern, const void* buf, size_t nbytes, uint64_t* xor_out) nogil
 
 
@@ -259,14 +257,6 @@ cdef class Kernel:
         if self._k != NULL:
             with nogil:
                 ktk_kernel_wake(self._k)
-
-    def hold(self, int64_t hold_ns) -> None:
-        if self._k != NULL:
-            with nogil:
-                ktk_kernel_hold(self._k, hold_ns)
-
-    def sleeping_threads(self) -> int:
-        return ktk_kernel_sleeping_threads(self._k) if self._k != NULL else 0
 
     def stream_read(self, uintptr_t buf, size_t nbytes) -> int:
         if self._k == NULL:

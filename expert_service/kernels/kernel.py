@@ -129,16 +129,6 @@ class MoEKernel:
         if self._k is not None:
             self._k.wake()
 
-    def hold_awake(self, seconds: float) -> None:
-        """Wake pool threads that sleep and keep them all spinning for `seconds`: the next call
-        comes sooner than a sleeping thread would wake (a device step's next MoE layer)."""
-        if self._k is not None:
-            self._k.hold(int(seconds * 1e9))
-
-    def sleeping_threads(self) -> int:
-        """How many pool threads sleep now (the calling thread is never one)."""
-        return 0 if self._k is None else self._k.sleeping_threads()
-
     def stream_read(self, buf: Any) -> int:
         """Reads buf (a C-contiguous CPU array, size a multiple of 8 bytes) on the kernel's threads,
         each a contiguous slice, as a forward call streams weights; returns the xor of its 64-bit

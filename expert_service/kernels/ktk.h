@@ -105,11 +105,6 @@ void ktk_last_forward(const ktk_kernel* kern, int64_t* start_ns, int64_t* end_ns
 /* Wakes pool threads that sleep, so they spin when the next forward call comes: a caller that
  * knows a call is coming (a request arrived) overlaps their wake-up with its own preparation. */
 void ktk_kernel_wake(ktk_kernel* kern);
-/* Wakes the pool threads and keeps them spinning for hold_ns: the next call is known to come
- * sooner than a sleeping thread would wake (a device step's next MoE layer). */
-void ktk_kernel_hold(ktk_kernel* kern, int64_t hold_ns);
-/* How many pool threads sleep now (not counting the caller's). */
-int ktk_kernel_sleeping_threads(const ktk_kernel* kern);
 /* Every pool thread reads one contiguous slice of buf[0, bytes) (as a forward call streams its
  * weights); *xor_out = the xor of all 64-bit words. bytes must be a multiple of 8. */
 int ktk_stream_read(ktk_kernel* kern, const void* buf, size_t bytes, uint64_t* xor_out);

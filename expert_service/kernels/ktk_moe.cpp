@@ -478,10 +478,6 @@ void ktk_last_forward(const ktk_kernel* k, int64_t* start_ns, int64_t* end_ns, i
 
 void ktk_kernel_wake(ktk_kernel* k) { ktk_pool_wake(k->pool); }
 
-void ktk_kernel_hold(ktk_kernel* k, int64_t hold_ns) { ktk_pool_hold(k->pool, hold_ns); }
-
-int ktk_kernel_sleeping_threads(const ktk_kernel* k) { return ktk_pool_sleepers(k->pool); }
-
 int ktk_stream_read(ktk_kernel* k, const void* buf, size_t bytes, uint64_t* xor_out) {
   if (bytes % 8) return KTK_ERR_BAD_ARG;
   std::vector<uint64_t> xors(k->num_threads);

@@ -24,7 +24,6 @@ struct alignas(64) ktk_pool {
   alignas(64) std::atomic<uint32_t> gen{0};
   alignas(64) std::atomic<int> sleepers{0};
   alignas(64) std::atomic<uint32_t> wake{0};  // the futex word sleepers wait on
-  alignas(64) std::atomic<int64_t> hold_until{0};  // CLOCK_MONOTONIC ns: no sleep before it
   alignas(64) std::atomic<int> done{0};
   alignas(64) std::atomic<int> bar_count{0};
   alignas(64) std::atomic<uint32_t> bar_gen{0};
@@ -87,8 +86,7 @@ void* worker_main(void* raw) {
       _mm_pause();
       if (++polls < 64) continue;
       polls = 0;
-      int64_t now = now_ns();
-      if (now < deadline || now < p->hold_until.load(std::memory_order_acquire)) continue;
+      if (now_ns() < deadline) continue;
       // NOTE: sleepers before the re-check of gen, and the waker's gen before its read of
       // sleepers (all seq_cst): either this sees the job or the waker sees a sleeper to wake.
       p->sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -161,14 +159,6 @@ void ktk_pool_barrier(ktk_pool* p) {
 }
 
 int ktk_pool_size(const ktk_pool* p) { return p->n; }
-
-int ktk_pool_sleepers(const ktk_pool* p) { return p->sleepers.load(std::memory_order_seq_cst); }
-
-void ktk_pool_hold(ktk_pool* p, int64_t hold_ns) {
-  if (p->n == 1) return;
-  p->hold_until.store(now_ns() + hold_ns, std::memory_order_seq_cst);
-  ktk_pool_wake(p);
-}
 
 void ktk_pool_wake(ktk_pool* p) {
   if (p->n == 1 || p->sleepers.load(std::memory_order_seq_cst) == 0) return;

@@ -5,8 +5,6 @@
 #ifndef KTK_POOL_H
 #define KTK_POOL_H
 
-#include <stdint.h>
-
 typedef void (*ktk_task_fn)(void* ctx, int tid, int num_threads);
 typedef struct ktk_pool ktk_pool;
 
@@ -19,10 +17,5 @@ void ktk_pool_barrier(ktk_pool* pool);
 int ktk_pool_size(const ktk_pool* pool);
 /* Wakes sleeping workers without a job: they spin for spin_us again (no-op when none sleeps). */
 void ktk_pool_wake(ktk_pool* pool);
-/* Wakes sleeping workers and keeps every worker spinning for hold_ns from now (a caller that
- * knows its next job comes sooner than a sleeper would wake). */
-void ktk_pool_hold(ktk_pool* pool, int64_t hold_ns);
-/* How many workers sleep now. */
-int ktk_pool_sleepers(const ktk_pool* pool);
 
 #endif

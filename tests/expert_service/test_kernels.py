@@ -451,36 +451,6 @@ def test_pool_woken_early_or_asleep_computes_the_same(seed, packed, monkeypatch)
             np.testing.assert_array_equal(got, want)
 
 
-def _until(condition, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, what
-
-
-def test_a_held_pool_spins_through_the_hold_then_sleeps(seed, packed, monkeypatch):
-    """hold_awake wakes sleeping pool threads and none sleeps again before the hold ends, calls
-    within it included, though they spin 0 us; afterwards they sleep, and compute the same."""
-    x, ids, w = (t.numpy() for t in make_inputs(seed, 5))
-    monkeypatch.setenv("KTSERVE_KERNEL_SPIN_US", "0")
-    with MoEKernel(1) as one:
-        want = np.empty((5, H), np.float32)
-        one.forward(packed["int8"], x, ids, w, want)
-    with MoEKernel(3) as kern:
-        _until(lambda: kern.sleeping_threads() == 2, 5, "idle pool threads never slept")
-        hold_s = 1.0
-        kern.hold_awake(hold_s)
-        held_until = time.monotonic() + hold_s / 2
-        _until(lambda: kern.sleeping_threads() == 0, hold_s / 2, "the hold woke no thread")
-        got = np.empty((5, H), np.float32)
-        kern.forward(packed["int8"], x, ids, w, got)
-        np.testing.assert_array_equal(got, want)
-        while time.monotonic() < held_until:
-            assert kern.sleeping_threads() == 0, "a held thread slept"
-        _until(lambda: kern.sleeping_threads() == 2, 5, "threads never slept after the hold")
-        kern.forward(packed["int8"], x, ids, w, got)
-        np.testing.assert_array_equal(got, want)
-
-
 @pytest.mark.parametrize("fmt, top", [("int8", 127), ("int4", 7)])
 @pytest.mark.parametrize("source", ["float32", "bfloat16"])
 def test_quantizers_round_ties_to_even_and_clamp(seed, fmt, top, source) -> None:
