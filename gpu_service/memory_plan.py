@@ -1,20 +1,23 @@
 """The start-up GPU memory plan: how --gpu-memory-utilization of the GPU's total memory is split.
 
     budget = utilization * total
-           = weights + activations + cuda_graphs + non_torch + headroom + kv_cache
+           = weights + activations + cuda_graphs + non_torch + other + headroom + kv_cache
 weights: the model's buffers (after quantization). activations: the peak above the weights of a
 profiling forward of max_num_batched_tokens tokens, in sequences of at most max_model_len (and
 at most max_num_seqs of them), as vLLM's profile run; its MoE layers call the expert workers
 like any step. cuda_graphs: a reserve for the decode graphs'
 memory pool, the peak of an eager decode step at the largest graph batch (at least
 MIN_GRAPH_RESERVE). non_torch: memory in use on the device outside torch's allocator (the CUDA
-context, libraries' workspaces, other processes). headroom: HEADROOM_FRACTION of the budget (at
+context, libraries' workspaces, other processes). other: torch's allocations of this process
+beside the model's (a caller's tensors; an earlier service in the same process, once garbage,
+is collected first). headroom: HEADROOM_FRACTION of the budget (at
 least MIN_HEADROOM) against fragmentation. The KV cache takes the rest, in whole tokens.
 On the CPU nothing is measured: the plan holds the weights and the KV cache only.
 """
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,6 +35,7 @@ PARTS = (
     "activations",
     "cuda_graphs",
     "non_torch",
+    "other",
     "prefill_streaming",
     "headroom",
     "kv_cache",
@@ -102,13 +106,15 @@ def cuda_plan(
     lengths = profile_lengths(max_num_batched_tokens, max_model_len, max_num_seqs)
     activations = profile_peak(model, lengths)
     graphs = max(profile_peak(model, [1] * max_graph_batch), MIN_GRAPH_RESERVE)
+    gc.collect()  # NOTE: an earlier service's tensors, unreachable but in cycles, go first
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     budget = int(utilization * total)
     non_torch = max(total - free - torch.cuda.memory_reserved(device), 0)
     weights = weight_bytes(model)
+    other = max(torch.cuda.memory_allocated(device) - weights - streaming_bytes, 0)
     per_token = model.kv_cache.config.bytes_per_token(dtype)
-    fixed = weights + activations + graphs + non_torch + streaming_bytes
+    fixed = weights + activations + graphs + non_torch + other + streaming_bytes
     if kv_tokens is None:
         headroom = max(int(HEADROOM_FRACTION * budget), MIN_HEADROOM)
         kv_tokens = (budget - fixed - headroom) // per_token
@@ -117,14 +123,15 @@ def cuda_plan(
                 f"--gpu-memory-utilization {utilization} of {total / GIB:.2f} GiB leaves "
                 f"{(budget - fixed - headroom) / GIB:.2f} GiB for the KV cache after weights "
                 f"{weights / GIB:.2f}, activations {activations / GIB:.2f}, CUDA graphs "
-                f"{graphs / GIB:.2f}, prefill streaming {streaming_bytes / GIB:.2f}, other "
-                f"{non_torch / GIB:.2f} and headroom "
+                f"{graphs / GIB:.2f}, prefill streaming {streaming_bytes / GIB:.2f}, outside "
+                f"torch {non_torch / GIB:.2f}, this process's other tensors {other / GIB:.2f} "
+                f"and headroom "
                 f"{headroom / GIB:.2f} GiB: raise --gpu-memory-utilization, lower "
                 "--max-num-batched-tokens, or use --gpu-weight-format fp8 or int4"
             )
     kv_bytes = kv_tokens * per_token
     parts = {"weights": weights, "activations": activations, "cuda_graphs": graphs,
-             "non_torch": non_torch, "prefill_streaming": streaming_bytes,
+             "non_torch": non_torch, "other": other, "prefill_streaming": streaming_bytes,
              "headroom": budget - fixed - kv_bytes, "kv_cache": kv_bytes}  # fmt: skip
     return MemoryPlan(str(device), total, budget, parts, kv_tokens)
 

@@ -22,7 +22,7 @@ step-time model: fixed, per_token, per_attention_pair), and of the last step who
 were sized beside decode rows, ktserve_mixed_step_bound_seconds (its predicted-time bound) and
 ktserve_mixed_step_prompt_tokens (the prompt tokens it carried).
 Memory (set once at start-up from the plan, gpu_service/memory_plan.py):
-ktserve_gpu_memory_plan_bytes{part} (weights, activations, cuda_graphs, non_torch, headroom,
+ktserve_gpu_memory_plan_bytes{part} (weights, activations, cuda_graphs, non_torch, other, headroom,
 kv_cache; parts not measured on the device are absent) and ktserve_kv_cache_capacity_tokens.
 """
 

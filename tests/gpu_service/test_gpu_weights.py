@@ -386,3 +386,27 @@ def test_cuda_plan_fits_budget(tiny: dict) -> None:
     peak = torch.cuda.max_memory_allocated() + plan.parts["non_torch"]
     print(f"peak {peak / 2**30:.3f} GiB of a {plan.budget / 2**30:.3f} GiB budget")
     assert peak <= plan.budget
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA: the plan measures on the GPU host")
+@pytest.mark.skipif("deepseek_v3" not in available_families(), reason="no DeepseekV3Config")
+def test_cuda_plan_counts_what_the_process_holds_and_collects_its_garbage(tiny: dict) -> None:
+    """Tensors this process holds beside the model (an earlier service still alive) are the
+    plan's `other` and come out of the KV cache; unreachable ones in a reference cycle (a closed
+    service) are collected before the plan measures."""
+    path, _, _ = tiny["deepseek_v3"]
+    model = _load(path, "bf16", "cuda")
+    free, total = torch.cuda.mem_get_info()
+    utilization = min(1.0, (total - free + 4 * 2**30) / total)
+    base = cuda_plan(model, torch.bfloat16, utilization, 256, 4)
+    held = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    holding = cuda_plan(model, torch.bfloat16, utilization, 256, 4)
+    assert holding.parts["other"] - base.parts["other"] >= held.numel()
+    per_token = model.kv_cache.config.bytes_per_token(torch.bfloat16)
+    assert base.kv_cache_tokens - holding.kv_cache_tokens >= held.numel() // per_token - 1
+    cycle: list = [held]
+    cycle.append(cycle)
+    del held, cycle  # garbage now, freed only by the collector
+    after = cuda_plan(model, torch.bfloat16, utilization, 256, 4)
+    assert after.parts["other"] < base.parts["other"] + 2**30
+    assert sum(after.parts.values()) == after.budget
