@@ -59,12 +59,14 @@ class GPUService:
     def close(self) -> None:
         if self.refresher is not None:
             self.refresher.stop()
-        self.engine.stop()
+        self.engine.close()
         if self.tensor_parallel is not None:
             self.tensor_parallel.close()
         if self.streaming is not None:
             self.streaming.close()
         self.experts.close()
+        if self.engine.model.device.type == "cuda":
+            torch.cuda.empty_cache()  # NOTE: another service in this process plans from free memory
 
 
 def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,

@@ -373,6 +373,7 @@ class DecodeGraphs:
         )  # fmt: skip
 
     def close(self) -> None:
+        self._buckets.clear()  # NOTE: the graphs first: they captured the KV cache's addresses
         if self.calls is not None:
             self.calls.close()
 

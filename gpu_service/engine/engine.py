@@ -95,6 +95,18 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def close(self, timeout: float = 10.0) -> None:
+        """stop(), then release the decode graphs and the KV cache (the device memory goes back
+        whoever still holds the engine; the model stays usable for direct forwards only after
+        a new cache is set)."""
+        self.stop(timeout)
+        if self._thread is not None and self._thread.is_alive():
+            log.warning("the engine thread did not stop within %.0f s: its device memory stays "
+                        "allocated", timeout)  # fmt: skip
+            return
+        self.runner.close()
+        self.model.kv_cache.release()
+
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
                     on_event: EventCallback, request_id: str | None = None) -> str:  # fmt: skip
         """Queue a request; raises InvalidRequest (see validation.py) or EngineStopped."""

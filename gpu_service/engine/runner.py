@@ -46,6 +46,13 @@ class Runner:
         self.masker = TokenMasker()
         self.vocab_size = model.config.vocab_size
 
+    def close(self) -> None:
+        """Drop the decode graphs (their device calls' channels closed): before the KV cache
+        they captured goes."""
+        if self.decode_graphs is not None:
+            self.decode_graphs.close()
+            self.decode_graphs = None
+
     def run(self, step: ScheduledStep) -> StepResult:
         start = time.perf_counter()
         self.model.kv_cache.copy_blocks(step.block_copies)

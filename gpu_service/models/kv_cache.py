@@ -165,6 +165,12 @@ class KVCache:
         self._live: dict[int, SeqCache] = {}
         self._next_seq_id = 0
 
+    def release(self) -> None:
+        """Drop the cache's tensors (a closed service's device memory goes back at once, whoever
+        still holds the service); nothing may use the cache afterwards."""
+        self.layers = []
+        self.host = None
+
     @property
     def prefix_caching(self) -> bool:
         return self.config.enable_prefix_caching

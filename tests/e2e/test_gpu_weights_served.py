@@ -73,3 +73,29 @@ def test_served_quantized_gpu_part(checkpoint, seed, fmt):
         if service is not None:
             service.close()
         worker.close()
+
+
+def test_close_gives_the_kv_cache_back_though_the_service_is_held(checkpoint, seed):
+    """A closed service's KV cache (and decode graphs) go at close(), not when the last
+    reference to the service does: a benchmark's next service in the same process plans its
+    memory from what is free."""
+    import gc
+    import weakref
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 101, (6,), generator=gen).tolist()
+    worker = ExpertProcess("--model", str(checkpoint), "--format", "bf16")
+    service = None
+    try:
+        service = worker_service(checkpoint, worker, max_model_len=64)
+        greedy_together(service, [prompt], 4)
+        tensors = [weakref.ref(t) for layer in service.engine.model.kv_cache.layers
+                   for t in layer]  # fmt: skip
+        assert tensors and all(ref() is not None for ref in tensors)
+        service.close()
+        gc.collect()
+        assert all(ref() is None for ref in tensors), "close() left the KV cache allocated"
+    finally:
+        if service is not None:
+            service.close()
+        worker.close()
