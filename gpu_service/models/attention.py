@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpu_service.models import fused_ops
 from gpu_service.models.batch import StepContext
 from gpu_service.models.kv_cache import write_cache
 from gpu_service.models.layers import Linear, RMSNorm
@@ -49,12 +50,29 @@ class GQAAttention(nn.Module):
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        k_cache, v_cache = ctx.kv_cache.layers[self.layer]  # [S, Hkv, D] each
+        q = self._norm_rope_and_cache(q, k, v, k_cache, v_cache, ctx)
+        out = paged_attention(q, k_cache, v_cache, ctx.meta, self.scale, self.window)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, -1))
+
+    def _norm_rope_and_cache(self, q, k, v, k_cache, v_cache, ctx: StepContext) -> torch.Tensor:
+        """q/k per-head RMSNorm (Qwen3), RoPE, k and v into the cache -> the rotated q; one fused
+        kernel where it applies (fused_ops.qk_rope_cache), else the torch code (its oracle)."""
+        norms = (self.q_norm, self.k_norm) if self.q_norm is not None else (None, None)
+        weights = tuple(n.weight if n is not None else None for n in norms)
+        one_eps = norms[0] is None or norms[0].eps == norms[1].eps
+        if (
+            self.fused_kernels
+            and one_eps
+            and fused_ops.qk_rope_cache_fits(q, k, v, k_cache, v_cache, ctx.cos, ctx.sin, weights)
+        ):
+            eps = norms[0].eps if norms[0] is not None else 0.0
+            return fused_ops.qk_rope_cache(q, k, v, *weights, eps, ctx.cos, ctx.sin, k_cache,
+                                           v_cache, ctx.meta.slot_mapping)  # fmt: skip
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, ctx.cos, ctx.sin, interleaved=False, fused=self.fused_kernels)
         k = apply_rotary(k, ctx.cos, ctx.sin, interleaved=False, fused=self.fused_kernels)
-        k_cache, v_cache = ctx.kv_cache.layers[self.layer]  # [S, Hkv, D] each
         write_cache(k_cache, ctx.meta.slot_mapping, k)
         write_cache(v_cache, ctx.meta.slot_mapping, v)
-        out = paged_attention(q, k_cache, v_cache, ctx.meta, self.scale, self.window)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, -1))
+        return q

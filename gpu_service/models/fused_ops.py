@@ -10,7 +10,9 @@ And the routers after their gate GEMM, one kernel per token row (moe.py's router
 oracle): softmax_topk (Qwen-MoE, Mixtral, DeepSeek-V2 greedy: softmax in float32, top-k, renorm,
 scaling) and grouped_sigmoid_topk (DeepSeek-V3: sigmoid, the bias for choosing only, top-2-sum
 group scores, the best topk_group groups, top-k, renorm, scaling). Ties go to the lower expert id.
-`supports(...)` says when a tensor can take them (CUDA, Triton importable, unit last stride);
+And GQA's steps between its projections and the paged attention, one kernel for all heads of a
+step (qk_rope_cache: Qwen3's per-head q/k RMSNorm, RoPE, k and v written into the cache at
+their slots), where torch runs 6-8 launches. `supports(...)` says when a tensor can take them (CUDA, Triton importable, unit last stride);
 otherwise callers keep the torch code, as they do when their model's `fused_kernels` is off
 (CausalLM.use_fused_kernels: --no-fused-kernels).
 """
@@ -66,6 +68,60 @@ if triton is not None:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _norm_rope_head(src, w_ptr, cos_ptr, sin_ptr, t, half, eps, kind: tl.constexpr,
+                        NORM: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """One head's [x1 | x2] (halves of D = 2 half at src), RMSNorm'd by w when NORM, then
+        rotated by token t's cos/sin: the two halves in float32, each rounded where the torch
+        code rounds (to `kind`)."""
+        i = tl.arange(0, BLOCK)
+        mask = i < half
+        x1 = tl.load(src + i, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half + i, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * half) + eps)
+            w1 = tl.load(w_ptr + i, mask=mask).to(tl.float32)
+            w2 = tl.load(w_ptr + half + i, mask=mask).to(tl.float32)
+            x1 = (w1 * (x1 * inv).to(kind).to(tl.float32)).to(kind).to(tl.float32)
+            x2 = (w2 * (x2 * inv).to(kind).to(tl.float32)).to(kind).to(tl.float32)
+        c = tl.load(cos_ptr + t * half + i, mask=mask)
+        s = tl.load(sin_ptr + t * half + i, mask=mask)
+        return (x1 * c - x2 * s).to(kind), (x2 * c + x1 * s).to(kind)
+
+    @triton.jit
+    def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr,
+                              q_out, k_cache, v_cache, q_ts, q_hs, k_ts, k_hs, v_ts, v_hs,
+                              kc_ss, kc_hs, vc_ss, vc_hs, heads_q, heads_kv, half, eps,
+                              NORM: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        # one program per (token, head) of q, then of k (with v): [Hq heads | Hkv heads]
+        pid = tl.program_id(0)
+        t, h = pid // (heads_q + heads_kv), pid % (heads_q + heads_kv)
+        kind = q_out.dtype.element_ty
+        i = tl.arange(0, BLOCK)
+        mask = i < half
+        if h < heads_q:
+            src = q_ptr + t * q_ts + h * q_hs
+            r1, r2 = _norm_rope_head(src, qw_ptr, cos_ptr, sin_ptr, t, half, eps, kind, NORM,
+                                     BLOCK)  # fmt: skip
+            dst = q_out + (t * heads_q + h) * 2 * half
+            tl.store(dst + i, r1, mask=mask)
+            tl.store(dst + half + i, r2, mask=mask)
+        else:
+            kh = h - heads_q
+            slot = tl.load(slots_ptr + t).to(tl.int64)
+            src = k_ptr + t * k_ts + kh * k_hs
+            r1, r2 = _norm_rope_head(src, kw_ptr, cos_ptr, sin_ptr, t, half, eps, kind, NORM,
+                                     BLOCK)  # fmt: skip
+            cache_kind = k_cache.dtype.element_ty
+            dst = k_cache + slot * kc_ss + kh * kc_hs
+            tl.store(dst + i, r1.to(cache_kind), mask=mask)
+            tl.store(dst + half + i, r2.to(cache_kind), mask=mask)
+            j = tl.arange(0, 2 * BLOCK)
+            vmask = j < 2 * half
+            v = tl.load(v_ptr + t * v_ts + kh * v_hs + j, mask=vmask)
+            vdst = v_cache + slot * vc_ss + kh * vc_hs
+            tl.store(vdst + j, v.to(v_cache.dtype.element_ty), mask=vmask)
 
     @triton.jit
     def _softmax_topk_kernel(logits_ptr, ids_ptr, weights_ptr, row_stride, num_experts, scaling,
@@ -194,4 +250,36 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
             x, cos.contiguous(), sin.contiguous(), out, x.stride(0), x.stride(1), heads, dim // 2,
             INTERLEAVED=interleaved, BLOCK=triton.next_power_of_2(dim // 2),
         )  # fmt: skip
+    return out
+
+
+def qk_rope_cache_fits(q, k, v, k_cache, v_cache, cos, sin, weights) -> bool:
+    """Whether qk_rope_cache takes these: supports(...) for all, caches not FP8 (which the torch
+    code writes as saturated bytes), norm weights (if any) of q's dtype, and k, v and cache
+    rows of one head dim."""
+    norm_ok = all(w is None or w.dtype == q.dtype for w in weights)
+    return (norm_ok and supports(q, k, v, k_cache, v_cache, cos, sin)
+            and k_cache.dtype != torch.float8_e4m3fn and v_cache.dtype != torch.float8_e4m3fn
+            and q.shape[-1] == k.shape[-1] == v.shape[-1] == k_cache.shape[-1]
+            == v_cache.shape[-1])  # fmt: skip
+
+
+def qk_rope_cache(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, slots):
+    """The attention's per-token steps before the paged attention, in one kernel: q [T, Hq, D]
+    and k [T, Hkv, D] RMSNorm'd per head (q_weight / k_weight [D]; None: no norm) and rotated
+    (halves, not interleaved) by cos/sin [T, D/2] float32; k and v [T, Hkv, D] written into
+    k_cache / v_cache [S, Hkv, D] at slots [T]. Returns the rotated q [T, Hq, D] (q's dtype).
+    The torch code it replaces (the oracle): RMSNorm, apply_rotary, kv_cache.write_cache."""
+    tokens, heads_q, dim = q.shape
+    heads_kv = k.shape[1]
+    out = torch.empty((tokens, heads_q, dim), dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return out
+    norm = q_weight is not None
+    _qk_rope_cache_kernel[(tokens * (heads_q + heads_kv),)](
+        q, k, v, q_weight if norm else q, k_weight if norm else k, cos.contiguous(),
+        sin.contiguous(), slots, out, k_cache, v_cache, *q.stride()[:2], *k.stride()[:2],
+        *v.stride()[:2], *k_cache.stride()[:2], *v_cache.stride()[:2], heads_q, heads_kv,
+        dim // 2, float(eps), NORM=norm, BLOCK=triton.next_power_of_2(dim // 2),
+    )  # fmt: skip
     return out

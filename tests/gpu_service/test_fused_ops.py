@@ -164,3 +164,48 @@ def test_grouped_sigmoid_router_matches_the_torch_code(seed, monkeypatch, expert
         want = _by_id(*router(x))
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens, heads_q, heads_kv, dim", [(1, 32, 4, 128), (5, 8, 2, 64),
+                                                            (3, 4, 4, 72)])  # fmt: skip
+def test_qk_rope_cache_matches_the_torch_code(seed, monkeypatch, norm, dtype, tokens, heads_q,
+                                              heads_kv, dim):  # fmt: skip
+    """One kernel for GQA's q/k RMSNorm, RoPE and the cache writes: q, and both whole caches
+    (slots not written included), equal the torch code's, q/k/v as views of one projection."""
+    skip_interpreted_bf16(dtype)
+    from gpu_service.models.kv_cache import write_cache
+
+    g = torch.Generator().manual_seed(seed)
+    width = (heads_q + 2 * heads_kv) * dim
+    qkv = (torch.randn(tokens, width, generator=g) * 3).to(DEVICE, dtype)
+    q = qkv[:, : heads_q * dim].view(tokens, heads_q, dim)
+    k = qkv[:, heads_q * dim : (heads_q + heads_kv) * dim].view(tokens, heads_kv, dim)
+    v = qkv[:, (heads_q + heads_kv) * dim :].view(tokens, heads_kv, dim)
+    weights = tuple((torch.rand(dim, generator=g) + 0.5).to(DEVICE, dtype) for _ in range(2))
+    angles = torch.rand(tokens, dim // 2, generator=g) * 6.3
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    slots_count = 4 * tokens + 3
+    slots = torch.randperm(slots_count, generator=g)[:tokens].to(DEVICE)
+    caches = [torch.randn(slots_count, heads_kv, dim, generator=g).to(DEVICE, dtype)
+              for _ in range(2)]  # fmt: skip
+    want_caches = [c.clone() for c in caches]
+    with monkeypatch.context() as m:
+        torch_path(m)
+        wq, wk = q, k
+        if norm:
+            wq, wk = RMSNorm(weights[0], 1e-6)(q), RMSNorm(weights[1], 1e-6)(k)
+        want_q = apply_rotary(wq, cos, sin, interleaved=False)
+        write_cache(want_caches[0], slots, apply_rotary(wk, cos, sin, interleaved=False))
+        write_cache(want_caches[1], slots, v)
+    print(f"seed={seed} tokens={tokens} heads {heads_q}/{heads_kv} dim={dim} norm={norm}")
+    assert fused_ops.qk_rope_cache_fits(q, k, v, *caches, cos, sin, weights) == (DEVICE == "cuda")
+    got_q = fused_ops.qk_rope_cache(q, k, v, *(weights if norm else (None, None)), 1e-6, cos,
+                                    sin, caches[0], caches[1], slots)  # fmt: skip
+    # the float32 sums differ in order only: after rounding, at most one unit apart
+    ulp = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    for got, want in ((got_q, want_q), (caches[0], want_caches[0]), (caches[1], want_caches[1])):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert ((got.float() - want.float()).abs() <= want.abs().float() * 2 * ulp + 1e-5).all()
+    torch.testing.assert_close(caches[1], want_caches[1], rtol=0, atol=0)  # v: a plain copy

@@ -5,6 +5,7 @@ TorchExperts. Every test prints its seeds and the errors it measured."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -482,10 +483,39 @@ def test_a_model_loaded_without_fused_kernels_runs_only_the_torch_code(cases, mo
         raise AssertionError("a fused kernel was called")
 
     monkeypatch.setattr(fused_ops, "supports", lambda *tensors: True)
-    for kernel in ("rms_norm", "rotary", "softmax_topk", "grouped_sigmoid_topk"):
+    for kernel in ("rms_norm", "rotary", "qk_rope_cache", "softmax_topk", "grouped_sigmoid_topk"):
         monkeypatch.setattr(fused_ops, kernel, called)
     prompt = _prompt(case.seed, 9)
     got = _prefill(off, prompt, all_positions=True)
     assert _rel_err(got, _reference_logits(case, prompt)) < 1e-4
     with pytest.raises(AssertionError, match="a fused kernel was called"):
         _prefill(on, prompt)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])  # q/k norms; none
+def test_gqa_through_the_fused_qk_rope_cache_kernel_keeps_transformers_logits(cases, monkeypatch,
+                                                                              name):  # fmt: skip
+    """On CUDA, GQA's q/k norms, RoPE and cache writes are one kernel (fused_ops.qk_rope_cache);
+    run here under Triton's interpreter, the model keeps transformers' logits at every position
+    (the later positions attend to keys the kernel wrote)."""
+    from gpu_service.models import fused_ops
+
+    if fused_ops.triton is None or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1) on the CPU")
+    case = cases[name]
+    model = _load(case.path)
+    calls: list[int] = []
+    real = fused_ops.qk_rope_cache
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_ops, "supports", lambda *tensors: True)
+    monkeypatch.setattr(fused_ops, "qk_rope_cache", counted)
+    prompt = _prompt(case.seed, 9)
+    got = _prefill(model, prompt, all_positions=True)
+    assert len(calls) == len(model.layers)
+    err = _rel_err(got, _reference_logits(case, prompt))
+    print(f"{name}: relative error {err:.2e} through the fused kernel")
+    assert err < FP32_REL_TOL
