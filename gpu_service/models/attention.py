@@ -24,9 +24,7 @@ class GQAAttention(nn.Module):
     def __init__(
         self,
         layer: int,
-        q_proj: Linear,
-        k_proj: Linear,
-        v_proj: Linear,
+        qkv_proj: Linear,
         o_proj: Linear,
         num_heads: int,
         num_kv_heads: int,
@@ -39,7 +37,7 @@ class GQAAttention(nn.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads are not a multiple of {num_kv_heads} kv heads")
         self.layer = layer
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
+        self.qkv_proj, self.o_proj = qkv_proj, o_proj  # qkv: q_proj, k_proj, v_proj stacked
         self.q_norm, self.k_norm = q_norm, k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window = window
@@ -47,9 +45,11 @@ class GQAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        kv_width = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split((self.num_heads * self.head_dim, kv_width, kv_width), -1)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         k_cache, v_cache = ctx.kv_cache.layers[self.layer]  # [S, Hkv, D] each
         q = self._norm_rope_and_cache(q, k, v, k_cache, v_cache, ctx)
         out = paged_attention(q, k_cache, v_cache, ctx.meta, self.scale, self.window)  # [T, Hq, D]

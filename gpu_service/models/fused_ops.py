@@ -12,9 +12,9 @@ scaling) and grouped_sigmoid_topk (DeepSeek-V3: sigmoid, the bias for choosing o
 group scores, the best topk_group groups, top-k, renorm, scaling). Ties go to the lower expert id.
 And GQA's steps between its projections and the paged attention, one kernel for all heads of a
 step (qk_rope_cache: Qwen3's per-head q/k RMSNorm, RoPE, k and v written into the cache at
-their slots), where torch runs 6-8 launches. `supports(...)` says when a tensor can take them (CUDA, Triton importable, unit last stride);
-otherwise callers keep the torch code, as they do when their model's `fused_kernels` is off
-(CausalLM.use_fused_kernels: --no-fused-kernels).
+their slots), where torch runs 6-8 launches. `supports(...)` says when a tensor can take
+them (CUDA, Triton importable, unit last stride); otherwise callers keep the torch code, as they
+do when their model's `fused_kernels` is off (CausalLM.use_fused_kernels: --no-fused-kernels).
 """
 
 from __future__ import annotations

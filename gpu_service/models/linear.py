@@ -83,6 +83,34 @@ class Linear(nn.Module):
         weight = loader.get(f"{prefix}.weight", shape, torch.float32, shard=shard)
         return make_linear(weight, b, fmt, loader.dtype)
 
+    @classmethod
+    def load_stacked(
+        cls,
+        loader: WeightLoader,
+        parts: list[tuple[str, int, Shard | None]],
+        in_features: int,
+        *,
+        bias: bool = False,
+    ) -> nn.Module:
+        """Linears of one input as one, their outputs concatenated in order (one GEMM where
+        there were several): parts = [(prefix, out_features, shard)], each loaded as load()
+        loads it, then stacked and put in the loader's GPU weight format as one weight (every
+        format quantizes per output row, so each part's rows come out as they would alone)."""
+        fmt = loader.linear_quant.format
+        dtype = None if fmt == "bf16" else torch.float32
+        weights, biases = [], []
+        for prefix, out_features, shard in parts:
+            weights.append(loader.get(f"{prefix}.weight", (out_features, in_features), dtype,
+                                      shard=shard))  # fmt: skip
+            if bias:
+                bias_shard = shard if shard is not None and shard.dim == 0 else None
+                biases.append(loader.get(f"{prefix}.bias", (out_features,), shard=bias_shard))
+        weight, b = torch.cat(weights), torch.cat(biases) if bias else None
+        del weights
+        if fmt == "bf16":
+            return cls(weight, b)
+        return make_linear(weight, b, fmt, loader.dtype)
+
     kernel_name = "linear"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -103,13 +103,11 @@ def load_gqa(
         k_norm = RMSNorm.load(loader, f"{p}.k_norm", head_dim, base.rms_norm_eps)
     local_kv_heads, kv_shard = tp.kv_heads(num_kv_heads)
     kv_out = num_kv_heads * head_dim
+    qkv = [(f"{p}.q_proj", heads * head_dim, tp.column()), (f"{p}.k_proj", kv_out, kv_shard),
+           (f"{p}.v_proj", kv_out, kv_shard)]  # fmt: skip
     return GQAAttention(
         layer,
-        Linear.load(
-            loader, f"{p}.q_proj", hidden, heads * head_dim, bias=qkv_bias, shard=tp.column()
-        ),  # fmt: skip
-        Linear.load(loader, f"{p}.k_proj", hidden, kv_out, bias=qkv_bias, shard=kv_shard),
-        Linear.load(loader, f"{p}.v_proj", hidden, kv_out, bias=qkv_bias, shard=kv_shard),
+        Linear.load_stacked(loader, qkv, hidden, bias=qkv_bias),
         RowParallelLinear.load(loader, f"{p}.o_proj", heads * head_dim, hidden, bias=o_bias),
         tp.local(heads, "attention heads"),
         local_kv_heads,
