@@ -300,8 +300,7 @@ class DecodeGraphs:
         if j == len(self.moe_layers):
             return model.logits(h)
         layer = layers[last]
-        h = layer.attend(h, ctx)
-        x = layer.mlp_input(h)
+        h, x = layer.attend_then_norm(h, ctx)
         now, later = layer.mlp.split(*layer.mlp.route(x))
         return _SegmentOut(h, ctx, (x, *now), later)
 

@@ -10,6 +10,7 @@ And the routers after their gate GEMM, one kernel per token row (moe.py's router
 oracle): softmax_topk (Qwen-MoE, Mixtral, DeepSeek-V2 greedy: softmax in float32, top-k, renorm,
 scaling) and grouped_sigmoid_topk (DeepSeek-V3: sigmoid, the bias for choosing only, top-2-sum
 group scores, the best topk_group groups, top-k, renorm, scaling). Ties go to the lower expert id.
+add_rms_norm: a residual add and the norm after it (the sum rounded as the torch code rounds it).
 And GQA's steps between its projections and the paged attention, one kernel for all heads of a
 step (qk_rope_cache: Qwen3's per-head q/k RMSNorm, RoPE, k and v written into the cache at
 their slots), where torch runs 6-8 launches. `supports(...)` says when a tensor can take
@@ -44,6 +45,23 @@ if triton is not None:
         normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
         tl.store(out_ptr + row * dim + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, h_row_stride, d_row_stride,
+                             dim, eps, BLOCK: tl.constexpr):  # fmt: skip
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < dim
+        kind = out_ptr.dtype.element_ty
+        h = tl.load(h_ptr + row * h_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(d_ptr + row * d_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (h + d).to(kind)
+        tl.store(sum_ptr + row * dim + cols, x, mask=mask)
+        x = x.to(tl.float32)
+        normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+        normed = normed.to(kind).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
+        tl.store(out_ptr + row * dim + cols, (w * normed).to(kind), mask=mask)
 
     @triton.jit
     def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_token_stride, x_head_stride, heads,
@@ -239,6 +257,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), dim, eps,
                                            BLOCK=triton.next_power_of_2(dim))  # fmt: skip
     return out
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """h, delta [T, D] of one dtype (rows of unit stride), weight [D] -> (h + delta, its
+    rms_norm): a residual add and the norm after it, in one kernel."""
+    dim = h.shape[-1]
+    total = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    if h.numel():
+        _add_rms_norm_kernel[(h.shape[0],)](h, delta, weight, total, out, h.stride(0),
+                                            delta.stride(0), dim, eps,
+                                            BLOCK=triton.next_power_of_2(dim))  # fmt: skip
+    return total, out
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool):

@@ -36,6 +36,14 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
+    def add_then_norm(self, h: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(h + delta, this norm of it) for h, delta [T, D]: one kernel where fused_ops runs."""
+        fused = self.fused_kernels and self.weight.dtype == h.dtype == delta.dtype
+        if fused and h.dim() == 2 and fused_ops.supports(h, delta, self.weight):
+            return fused_ops.add_rms_norm(h, delta, self.weight, self.eps)
+        h = h + delta
+        return h, self(h)
+
 
 class DenseMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); also the shared experts of DeepSeek and Qwen2-MoE."""

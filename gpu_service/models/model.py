@@ -66,9 +66,13 @@ class DecoderLayer(nn.Module):
         """What the layer's MLP (dense or MoE) runs on: the post-attention norm of h [T, H]."""
         return self.post_norm(h)
 
+    def attend_then_norm(self, h: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
+        """attend(h) and its mlp_input, the residual add and the norm as one step."""
+        return self.post_norm.add_then_norm(h, self.attn(self.input_norm(h), ctx))
+
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        h = self.attend(h, ctx)
-        return h + self.mlp(self.mlp_input(h))
+        h, x = self.attend_then_norm(h, ctx)
+        return h + self.mlp(x)
 
 
 class CausalLM(nn.Module):
@@ -202,8 +206,8 @@ class CausalLM(nn.Module):
         try:
             for layer in self.layers:
                 if isinstance(layer.mlp, MoE):
-                    h = layer.attend(h, ctx)
-                    out, deferred = layer.mlp.step(layer.mlp_input(h), deferred)
+                    h, x = layer.attend_then_norm(h, ctx)
+                    out, deferred = layer.mlp.step(x, deferred)
                     h = h + out
                 else:
                     h = layer(h, ctx)

@@ -64,6 +64,27 @@ def test_rms_norm_matches_the_torch_code(seed, monkeypatch, dtype, shape):
         torch.testing.assert_close(got, oracle(x), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 2048), (7, 576), (3, 72)])
+def test_add_rms_norm_matches_the_torch_code(seed, monkeypatch, dtype, shape):
+    """The residual add and the norm after it: the sum as the torch code rounds it, and its norm."""
+    skip_interpreted_bf16(dtype)
+    g = torch.Generator().manual_seed(seed)
+    h, delta = ((torch.randn(shape, generator=g) * 3).to(DEVICE, dtype) for _ in range(2))
+    weight = (torch.rand(shape[-1], generator=g) + 0.5).to(DEVICE, dtype)
+    norm = RMSNorm(weight, 1e-6)
+    with monkeypatch.context() as m:
+        fused_path(m)
+        got_sum, got = norm.add_then_norm(h, delta)
+    with monkeypatch.context() as m:
+        torch_path(m)
+        want_sum, want = norm.add_then_norm(h, delta)
+    torch.testing.assert_close(got_sum, want_sum, rtol=0, atol=0)  # one rounding, the same one
+    ulp = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert ((got.float() - want.float()).abs() <= want.abs().float() * ulp + 1e-6).all()
+
+
 def test_rms_norm_of_a_strided_view(seed):
     """q/k norms run on views of a projection's output: rows evenly spaced, unit last stride."""
     g = torch.Generator().manual_seed(seed)

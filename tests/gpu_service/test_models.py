@@ -483,7 +483,9 @@ def test_a_model_loaded_without_fused_kernels_runs_only_the_torch_code(cases, mo
         raise AssertionError("a fused kernel was called")
 
     monkeypatch.setattr(fused_ops, "supports", lambda *tensors: True)
-    for kernel in ("rms_norm", "rotary", "qk_rope_cache", "softmax_topk", "grouped_sigmoid_topk"):
+    kernels = ("rms_norm", "add_rms_norm", "rotary", "qk_rope_cache", "softmax_topk",
+               "grouped_sigmoid_topk")  # fmt: skip
+    for kernel in kernels:
         monkeypatch.setattr(fused_ops, kernel, called)
     prompt = _prompt(case.seed, 9)
     got = _prefill(off, prompt, all_positions=True)
