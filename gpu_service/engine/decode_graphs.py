@@ -285,6 +285,7 @@ class DecodeGraphs:
         """Segment j (its MoE reply in bucket.routed): a _SegmentOut, or for the last one the
         logits [B_pad, V] float32."""
         model, layers = self.model, self.model.layers
+        pending = None  # an MLP output not yet added to h (the next layer's first norm adds it)
         if prev is None:
             h = model.embed_tokens(bucket.tokens)  # [B_pad, H]
             ctx = model.context(bucket.metadata())
@@ -292,15 +293,16 @@ class DecodeGraphs:
         else:
             x = prev.moe_in[0]
             joined = bucket.deferred if j >= 2 and self.moes[j - 2].num_deferred else None
-            mlp_out = self.moes[j - 1].combine(bucket.routed, shared, x.dtype, joined)
-            h, ctx, first = prev.h + mlp_out, prev.ctx, self.moe_layers[j - 1] + 1
+            pending = self.moes[j - 1].combine(bucket.routed, shared, x.dtype, joined)
+            h, ctx, first = prev.h, prev.ctx, self.moe_layers[j - 1] + 1
         last = self.moe_layers[j] if j < len(self.moe_layers) else len(layers)
         for layer in layers[first:last]:
-            h = layer(h, ctx)
+            h, x = layer.attend_then_norm(h, ctx, pending)
+            pending = layer.mlp(x)
         if j == len(self.moe_layers):
-            return model.logits(h)
+            return model.logits(h if pending is None else h + pending)
         layer = layers[last]
-        h, x = layer.attend_then_norm(h, ctx)
+        h, x = layer.attend_then_norm(h, ctx, pending)
         now, later = layer.mlp.split(*layer.mlp.route(x))
         return _SegmentOut(h, ctx, (x, *now), later)
 

@@ -66,9 +66,16 @@ class DecoderLayer(nn.Module):
         """What the layer's MLP (dense or MoE) runs on: the post-attention norm of h [T, H]."""
         return self.post_norm(h)
 
-    def attend_then_norm(self, h: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, ...]:
-        """attend(h) and its mlp_input, the residual add and the norm as one step."""
-        return self.post_norm.add_then_norm(h, self.attn(self.input_norm(h), ctx))
+    def attend_then_norm(
+        self, h: torch.Tensor, ctx: StepContext, pending: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attend(h), its mlp_input) with `pending` (the layer before's MLP output, not added
+        yet) added to h first: each residual add is one step with the norm after it."""
+        if pending is None:
+            attn_in = self.input_norm(h)
+        else:
+            h, attn_in = self.input_norm.add_then_norm(h, pending)
+        return self.post_norm.add_then_norm(h, self.attn(attn_in, ctx))
 
     def forward(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         h, x = self.attend_then_norm(h, ctx)
@@ -203,20 +210,22 @@ class CausalLM(nn.Module):
         seq_lens = [len(s.token_ids) for s in batch.seqs]
         # NOTE: a list, not any(): every backend plans the step
         self.last_step_streamed = any([backend.begin_step(seq_lens) for backend in step_aware])
+        pending = None  # the last layer's MLP output: added to h in the next layer's first norm
         try:
             for layer in self.layers:
+                h, x = layer.attend_then_norm(h, ctx, pending)
                 if isinstance(layer.mlp, MoE):
-                    h, x = layer.attend_then_norm(h, ctx)
-                    out, deferred = layer.mlp.step(x, deferred)
-                    h = h + out
+                    pending, deferred = layer.mlp.step(x, deferred)
                 else:
-                    h = layer(h, ctx)
+                    pending = layer.mlp(x)
         except BaseException:
             abandon(deferred)
             raise
         finally:
             for backend in step_aware:
                 backend.end_step()
+        if pending is not None:
+            h = h + pending
         for s in batch.seqs:
             s.cache.num_tokens = s.end_pos
         if not logits:
