@@ -130,15 +130,18 @@ class MLAttention(nn.Module):
         bias, tp = cfg.attention_bias, loader.tp
         self.cfg, self.layer, self.num_heads = cfg, layer, tp.local(heads, "attention heads")
         q_out = heads * cfg.qk_head_dim
+        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        kv_a = (f"{p}.kv_a_proj_with_mqa", latent, None)
         if cfg.q_lora_rank is None:
             self.q_proj = Linear.load(loader, f"{p}.q_proj", hidden, q_out, shard=tp.column())
+            self.kv_a_proj = Linear.load(loader, kv_a[0], hidden, latent, bias=bias)
         else:
-            self.q_a_proj = Linear.load(loader, f"{p}.q_a_proj", hidden, cfg.q_lora_rank, bias=bias)
+            # NOTE: q_a and kv_a read the same x: one GEMM, [T, q_lora_rank + latent]
+            q_a = (f"{p}.q_a_proj", cfg.q_lora_rank, None)
+            self.qkv_a_proj = Linear.load_stacked(loader, [q_a, kv_a], hidden, bias=bias)
             self.q_a_norm = RMSNorm.load(loader, f"{p}.q_a_layernorm", cfg.q_lora_rank, 1e-6)
             self.q_b_proj = Linear.load(loader, f"{p}.q_b_proj", cfg.q_lora_rank, q_out,
                                         shard=tp.column())  # fmt: skip
-        latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        self.kv_a_proj = Linear.load(loader, f"{p}.kv_a_proj_with_mqa", hidden, latent, bias=bias)
         self.kv_a_norm = RMSNorm.load(loader, f"{p}.kv_a_layernorm", cfg.kv_lora_rank, 1e-6)
         kv_out = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         kv_b = loader.get(f"{p}.kv_b_proj.weight", (kv_out, cfg.kv_lora_rank), shard=tp.column())
@@ -154,11 +157,12 @@ class MLAttention(nn.Module):
         cfg, t, heads = self.cfg, x.shape[0], self.num_heads
         nope, rope, rank = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         if cfg.q_lora_rank is None:
-            q = self.q_proj(x)
+            q, kv_a = self.q_proj(x), self.kv_a_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+            q_a, kv_a = self.qkv_a_proj(x).split([cfg.q_lora_rank, rank + rope], dim=-1)
+            q = self.q_b_proj(self.q_a_norm(q_a))
         q_nope, q_rot = q.view(t, heads, nope + rope).split([nope, rope], dim=-1)  # [T, h, *]
-        c, k_rot = self.kv_a_proj(x).split([rank, rope], dim=-1)  # [T, r], [T, rope]
+        c, k_rot = kv_a.split([rank, rope], dim=-1)  # [T, r], [T, rope]
         c = self.kv_a_norm(c)
         interleaved = cfg.rope.interleaved
         rotate = partial(apply_rotary, cos=ctx.cos, sin=ctx.sin, interleaved=interleaved,
