@@ -34,7 +34,7 @@ from bench.common import Column, default_device, print_table
 from gpu_service.models import mla_prefill
 from gpu_service.models.batch import AttentionGroup
 from gpu_service.models.deepseek import absorbed_attention
-from gpu_service.models.paged_attention import paged_prefill, prefill_group
+from gpu_service.models.paged_attention import group_attention, paged_prefill
 
 BLOCK = 64
 
@@ -76,7 +76,8 @@ class Case:
         self.shape, self.context, self.chunk = s, context, chunk
 
     def absorbed(self) -> torch.Tensor:
-        attend = partial(prefill_group, group=self.group, block_size=BLOCK, scale=self.scale)
+        attend = partial(group_attention, group=self.group, block_size=BLOCK, scale=self.scale,
+                         prefill=True)  # fmt: skip
         return absorbed_attention(self.q_nope, self.q_rot, self.cache, self.w_uk, self.w_uv,
                                   attend)  # fmt: skip
 

@@ -41,7 +41,7 @@ from gpu_service.models.loader import WeightLoader
 from gpu_service.models.mla_prefill import expanded_kernel, expanded_prefill, worth_expanding
 from gpu_service.models.model import CausalLM, DecoderLayer
 from gpu_service.models.moe import GroupedSigmoidRouter, MoE, SoftmaxRouter
-from gpu_service.models.paged_attention import decode_group, paged_attention
+from gpu_service.models.paged_attention import group_attention, paged_attention
 from gpu_service.models.parallel import RowParallelLinear
 from gpu_service.models.rope import RopeConfig, Rotary, apply_rotary
 from ktserve.checkpoint import HFConfig, InvalidConfig, ModelSpec
@@ -181,8 +181,8 @@ class MLAttention(nn.Module):
         else:  # NOTE: the prompt chunks expanded (mla_prefill.py), the decode rows absorbed
             out = q_nope.new_empty((t, heads, cfg.v_head_dim))
             for group in meta.decodes:
-                attend = partial(decode_group, group=group, block_size=meta.block_size,
-                                 scale=scale)  # fmt: skip
+                attend = partial(group_attention, group=group, block_size=meta.block_size,
+                                 scale=scale, prefill=False)  # fmt: skip
                 out[group.rows] = absorbed_attention(q_nope[group.rows], q_rot[group.rows], cache,
                                                      w_uk, w_uv, attend)  # fmt: skip
             out[prefill.rows] = expanded_prefill(

@@ -191,7 +191,7 @@ def attention_kernels(
     return paged_decode, paged_prefill
 
 
-def decode_group(
+def group_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -199,34 +199,18 @@ def decode_group(
     block_size: int,
     scale: float,
     window: int | None = None,
+    *,
+    prefill: bool,
 ) -> torch.Tensor:
-    """One decode group's attention, q [b, Hq, D] (its rows) -> [b, Hq, Dv], through the kernel
-    attention_kernels picks."""
-    decode = _kernels(q, k_cache, v_cache)[0]
+    """One group's attention, q [n, Hq, D] (its rows) -> [n, Hq, Dv], through the decode or the
+    prefill kernel attention_kernels picks (latent: v_cache a leading view of k_cache)."""
+    latent = _is_leading_view(v_cache, k_cache)
+    head_dim = min(q.shape[-1], v_cache.shape[-1])
+    decode, prefill_kernel = attention_kernels(q.device, latent, head_dim)
+    if prefill:
+        return prefill_kernel(q, k_cache, v_cache, group.block_table, group.cu_seqlens_q,
+                              group.kv_len, block_size, scale, window)  # fmt: skip
     return decode(q, k_cache, v_cache, group.block_table, group.kv_len, block_size, scale, window)
-
-
-def prefill_group(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    group: AttentionGroup,
-    block_size: int,
-    scale: float,
-    window: int | None = None,
-) -> torch.Tensor:
-    """A prefill group's attention, q [n, Hq, D] (its rows) -> [n, Hq, Dv], through the kernel
-    attention_kernels picks."""
-    prefill = _kernels(q, k_cache, v_cache)[1]
-    return prefill(q, k_cache, v_cache, group.block_table, group.cu_seqlens_q, group.kv_len,
-                   block_size, scale, window)  # fmt: skip
-
-
-def _kernels(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
-) -> tuple[Callable, Callable]:
-    latent = v_cache.data_ptr() == k_cache.data_ptr()
-    return attention_kernels(q.device, latent, min(q.shape[-1], v_cache.shape[-1]))
 
 
 def paged_attention(
@@ -240,14 +224,15 @@ def paged_attention(
     """A step's attention, q [T, Hq, D] -> [T, Hq, Dv]: each of the metadata's decode groups and
     its prefill group through their kernel, one call per group, the new tokens' K/V already in
     the cache."""
-    calls = [(group, decode_group) for group in meta.decodes]
+    groups = [(group, False) for group in meta.decodes]
     if meta.prefill is not None:
-        calls.append((meta.prefill, prefill_group))
+        groups.append((meta.prefill, True))
     args = (k_cache, v_cache)
-    if len(calls) == 1:  # its rows are all of T
-        ((group, run),) = calls
-        return run(q, *args, group, meta.block_size, scale, window)
+    if len(groups) == 1:  # its rows are all of T
+        ((group, prefill),) = groups
+        return group_attention(q, *args, group, meta.block_size, scale, window, prefill=prefill)
     out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))  # [T, Hq, Dv]
-    for group, run in calls:
-        out[group.rows] = run(q[group.rows], *args, group, meta.block_size, scale, window)
+    for group, prefill in groups:
+        out[group.rows] = group_attention(q[group.rows], *args, group, meta.block_size, scale,
+                                          window, prefill=prefill)  # fmt: skip
     return out

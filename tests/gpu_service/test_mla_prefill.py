@@ -16,7 +16,7 @@ pytest.importorskip("triton", reason="the expanded form runs in attention_triton
 from gpu_service.models import attention_triton, mla_prefill  # noqa: E402
 from gpu_service.models.batch import AttentionGroup  # noqa: E402
 from gpu_service.models.deepseek import absorbed_attention  # noqa: E402
-from gpu_service.models.paged_attention import prefill_group  # noqa: E402
+from gpu_service.models.paged_attention import group_attention  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,7 +88,7 @@ def test_expanded_equals_absorbed(seed):
     shapes = [(30, 70), (9, 9)]
     (q_nope, q_rot, cache, w_uk, w_uv), group = make_case(gen, shapes, 16, torch.float32)
     scale = 0.1
-    attend = partial(prefill_group, group=group, block_size=16, scale=scale)
+    attend = partial(group_attention, group=group, block_size=16, scale=scale, prefill=True)
     absorbed = absorbed_attention(q_nope, q_rot, cache, w_uk, w_uv, attend)
     got = mla_prefill.expanded_prefill(q_nope, q_rot, cache, group, 16, w_uk, w_uv, scale,
                                        KERNEL, block_bytes=2000)  # fmt: skip
