@@ -74,14 +74,8 @@ class Linear(nn.Module):
         model dtype when quantize=False (routers' and gates' linears); with `shard`, only that
         part of the weight (and of the bias, when the shard splits the outputs): quantized
         formats quantize the part."""
-        fmt = loader.linear_quant.format if quantize else "bf16"
-        bias_shard = shard if shard is not None and shard.dim == 0 else None
-        b = loader.get(f"{prefix}.bias", (out_features,), shard=bias_shard) if bias else None
-        shape = (out_features, in_features)
-        if fmt == "bf16":
-            return cls(loader.get(f"{prefix}.weight", shape, shard=shard), b)
-        weight = loader.get(f"{prefix}.weight", shape, torch.float32, shard=shard)
-        return make_linear(weight, b, fmt, loader.dtype)
+        return cls.load_stacked(loader, [(prefix, out_features, shard)], in_features, bias=bias,
+                                quantize=quantize)  # fmt: skip
 
     @classmethod
     def load_stacked(
@@ -91,12 +85,13 @@ class Linear(nn.Module):
         in_features: int,
         *,
         bias: bool = False,
+        quantize: bool = True,
     ) -> nn.Module:
         """Linears of one input as one, their outputs concatenated in order (one GEMM where
         there were several): parts = [(prefix, out_features, shard)], each loaded as load()
-        loads it, then stacked and put in the loader's GPU weight format as one weight (every
-        format quantizes per output row, so each part's rows come out as they would alone)."""
-        fmt = loader.linear_quant.format
+        says, then stacked and put in the format as one weight (every format quantizes per
+        output row, so each part's rows come out as they would alone)."""
+        fmt = loader.linear_quant.format if quantize else "bf16"
         dtype = None if fmt == "bf16" else torch.float32
         weights, biases = [], []
         for prefix, out_features, shard in parts:
@@ -105,7 +100,8 @@ class Linear(nn.Module):
             if bias:
                 bias_shard = shard if shard is not None and shard.dim == 0 else None
                 biases.append(loader.get(f"{prefix}.bias", (out_features,), shard=bias_shard))
-        weight, b = torch.cat(weights), torch.cat(biases) if bias else None
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        b = None if not bias else biases[0] if len(biases) == 1 else torch.cat(biases)
         del weights
         if fmt == "bf16":
             return cls(weight, b)
