@@ -42,11 +42,13 @@ class GQAAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window = window
         self.scale = head_dim**-0.5
+        self._qkv_split = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+        # the fused kernel takes one eps for both norms
+        self._fusable = q_norm is None or (k_norm is not None and q_norm.eps == k_norm.eps)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
-        kv_width = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split((self.num_heads * self.head_dim, kv_width, kv_width), -1)
+        q, k, v = self.qkv_proj(x).split(self._qkv_split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -58,15 +60,16 @@ class GQAAttention(nn.Module):
     def _norm_rope_and_cache(self, q, k, v, k_cache, v_cache, ctx: StepContext) -> torch.Tensor:
         """q/k per-head RMSNorm (Qwen3), RoPE, k and v into the cache -> the rotated q; one fused
         kernel where it applies (fused_ops.qk_rope_cache), else the torch code (its oracle)."""
-        norms = (self.q_norm, self.k_norm) if self.q_norm is not None else (None, None)
-        weights = tuple(n.weight if n is not None else None for n in norms)
-        one_eps = norms[0] is None or norms[0].eps == norms[1].eps
+        q_norm, k_norm = self.q_norm, self.k_norm
+        weights = (
+            (None, None) if q_norm is None or k_norm is None else (q_norm.weight, k_norm.weight)
+        )
         if (
             self.fused_kernels
-            and one_eps
+            and self._fusable
             and fused_ops.qk_rope_cache_fits(q, k, v, k_cache, v_cache, ctx.cos, ctx.sin, weights)
         ):
-            eps = norms[0].eps if norms[0] is not None else 0.0
+            eps = 0.0 if q_norm is None else q_norm.eps
             return fused_ops.qk_rope_cache(q, k, v, *weights, eps, ctx.cos, ctx.sin, k_cache,
                                            v_cache, ctx.meta.slot_mapping)  # fmt: skip
         if self.q_norm is not None and self.k_norm is not None:
