@@ -36,15 +36,29 @@ def supports(*tensors: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _normalized(x, inv, w, kind: tl.constexpr):
+        """RMSNorm's last steps, rounded where the torch code rounds: w * (x inv).to(kind)."""
+        return (w.to(tl.float32) * (x * inv).to(kind).to(tl.float32)).to(kind)
+
+    @triton.jit
+    def _rotated(x1, x2, c, s, kind: tl.constexpr):
+        """The rotary embedding of the halves (x1, x2) by cos / sin, each rounded to kind."""
+        return (x1 * c - x2 * s).to(kind), (x2 * c + x1 * s).to(kind)
+
+    @triton.jit
+    def _rms_norm_row(x, w_ptr, cols, mask, dim, eps, kind: tl.constexpr):
+        """A row x [BLOCK] float32 (0 past dim) RMSNorm'd by w."""
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+        return _normalized(x, inv, tl.load(w_ptr + cols, mask=mask), kind)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_row_stride, dim, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < dim
         x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
-        normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
-        tl.store(out_ptr + row * dim + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+        normed = _rms_norm_row(x, w_ptr, cols, mask, dim, eps, out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * dim + cols, normed, mask=mask)
 
     @triton.jit
     def _add_rms_norm_kernel(h_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, h_row_stride, d_row_stride,
@@ -57,11 +71,8 @@ if triton is not None:
         d = tl.load(d_ptr + row * d_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         x = (h + d).to(kind)
         tl.store(sum_ptr + row * dim + cols, x, mask=mask)
-        x = x.to(tl.float32)
-        normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
-        normed = normed.to(kind).to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=mask).to(tl.float32)
-        tl.store(out_ptr + row * dim + cols, (w * normed).to(kind), mask=mask)
+        normed = _rms_norm_row(x.to(tl.float32), w_ptr, cols, mask, dim, eps, kind)
+        tl.store(out_ptr + row * dim + cols, normed, mask=mask)
 
     @triton.jit
     def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_token_stride, x_head_stride, heads,
@@ -80,9 +91,9 @@ if triton is not None:
         c = tl.load(cos_ptr + t * half + i, mask=mask)
         s = tl.load(sin_ptr + t * half + i, mask=mask)
         dst = out_ptr + (t * heads + h) * 2 * half
-        kind = out_ptr.dtype.element_ty
-        tl.store(dst + i, (x1 * c - x2 * s).to(kind), mask=mask)
-        tl.store(dst + half + i, (x2 * c + x1 * s).to(kind), mask=mask)
+        r1, r2 = _rotated(x1, x2, c, s, out_ptr.dtype.element_ty)
+        tl.store(dst + i, r1, mask=mask)
+        tl.store(dst + half + i, r2, mask=mask)
 
 
 if triton is not None:
@@ -99,13 +110,11 @@ if triton is not None:
         x2 = tl.load(src + half + i, mask=mask, other=0.0).to(tl.float32)
         if NORM:
             inv = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * half) + eps)
-            w1 = tl.load(w_ptr + i, mask=mask).to(tl.float32)
-            w2 = tl.load(w_ptr + half + i, mask=mask).to(tl.float32)
-            x1 = (w1 * (x1 * inv).to(kind).to(tl.float32)).to(kind).to(tl.float32)
-            x2 = (w2 * (x2 * inv).to(kind).to(tl.float32)).to(kind).to(tl.float32)
+            x1 = _normalized(x1, inv, tl.load(w_ptr + i, mask=mask), kind).to(tl.float32)
+            x2 = _normalized(x2, inv, tl.load(w_ptr + half + i, mask=mask), kind).to(tl.float32)
         c = tl.load(cos_ptr + t * half + i, mask=mask)
         s = tl.load(sin_ptr + t * half + i, mask=mask)
-        return (x1 * c - x2 * s).to(kind), (x2 * c + x1 * s).to(kind)
+        return _rotated(x1, x2, c, s, kind)
 
     @triton.jit
     def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slots_ptr,
