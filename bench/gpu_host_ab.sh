@@ -17,13 +17,11 @@ base_tree=/tmp/ab-base
 mkdir -p "$work"
 say() { echo "[$(date +%H:%M:%S)] $*"; }
 build_in_place & this_build=$!
-(rm -rf "$base_tree" && mkdir -p "$base_tree" && tar -xf "$base" -C "$base_tree" &&
- cd "$base_tree" && python3 setup.py -q build_py build_ext --inplace \
- > "$out/base-build.log" 2>&1) & base_build=$!
+build_tree "$base" "$base_tree" "$out/base-build.log" & base_build=$!
 # a checkpoint an earlier call left on this (warm) machine is the same seeded one
 [ -f "$work/q16/config.json" ] ||
   timeout 200 python3 bench/real_checkpoint.py "$work/q16" --shape qwen3 --layers 16 | tail -1
-wait "$base_build" || { tail -20 "$out/base-build.log"; echo "FAILED: the baseline does not build"; exit 1; }
+wait "$base_build" || exit 1
 wait "$this_build" || exit 1
 say built
 rc=0

@@ -16,6 +16,14 @@ build_in_place() {
   local log="${1:-$out/build.log}"
   python3 setup.py -q build_py build_ext --inplace > "$log" 2>&1 || { tail -30 "$log"; return 1; }
 }
+# a baseline tree (a tar of another commit's sources) unpacked into $2 and built in place there,
+# the log in $3: build_tree TAR DIR LOG; says why and fails where it does not build
+build_tree() {
+  local tar="$1" dir="$2" log="$3"
+  rm -rf "$dir" && mkdir -p "$dir" && tar -xf "$tar" -C "$dir" &&
+    (cd "$dir" && python3 setup.py -q build_py build_ext --inplace > "$log" 2>&1) ||
+    { tail -20 "$log"; echo "FAILED: the baseline tree $tar does not build"; return 1; }
+}
 # pytest on CUDA (KTSERVE_TEST_DEVICE=cuda): cuda_tests LOG SECONDS TEST_FILE...; the log's tail
 # printed; fails where the run failed or a test skipped for want of CUDA
 cuda_tests() {

@@ -15,10 +15,8 @@ rounds="${ROUNDS:-2}"
 say() { echo "[$(date +%H:%M:%S)] $*"; }
 build_in_place & this_build=$!
 if [ -n "$base" ]; then
-  (rm -rf /tmp/kernel-base && mkdir -p /tmp/kernel-base && tar -xf "$base" -C /tmp/kernel-base &&
-   cd /tmp/kernel-base && python3 setup.py -q build_py build_ext --inplace \
-   > "$out/base-build.log" 2>&1) & base_build=$!
-  wait "$base_build" || { tail -20 "$out/base-build.log"; echo "FAILED: the baseline tree does not build"; exit 1; }
+  build_tree "$base" /tmp/kernel-base "$out/base-build.log" & base_build=$!
+  wait "$base_build" || exit 1
 fi
 wait "$this_build" || exit 1
 say built
