@@ -224,12 +224,11 @@ class CausalLM(nn.Module):
         finally:
             for backend in step_aware:
                 backend.end_step()
-        if pending is not None:
-            h = h + pending
         for s in batch.seqs:
             s.cache.num_tokens = s.end_pos
         if not logits:
             return None
         if not all_positions:
             h = h[meta.last_index]  # [B, H]
-        return self.logits(h)
+            pending = None if pending is None else pending[meta.last_index]
+        return self.logits(h if pending is None else h + pending)
