@@ -5,13 +5,24 @@
 # (BASE: a tar of another commit's sources, e.g. `git archive REV -o .device/base.tar -- setup.py
 # pyproject.toml expert_service bench tests ktshm ktserve proto gpu_service`), that tree is built
 # beside this one and the two benches alternate, ROUNDS times each, so drift hits both alike.
-# Logs go to $OUT (or ./gpu-host-out).
+# KT_KERNEL: a tar of kt-kernel's AMX extension and the libraries it links (kt_kernel/ and
+# kt_kernel.libs/ from its wheel, whose whole 101 MB is over a call's carry), unpacked onto the
+# path, and the benches time it beside ours (bench_moe_kernel.py --peer kt-kernel, PEER_FORMATS).
+# SHAPES and TOKENS narrow the bench. Logs go to $OUT (or ./gpu-host-out).
 #   usage: BASE=.device/base.tar FORMATS=int4 ROUNDS=2 bash bench/gpu_host_kernel.sh
+#          KT_KERNEL=.peer/kt_kernel_amx.tar.gz SHAPES=dsv3 TOKENS=1 bash bench/gpu_host_kernel.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 base="${BASE:-}"
 formats="${FORMATS:-int8,int4}"
 rounds="${ROUNDS:-2}"
+shapes="${SHAPES:-dsv3,qwen3}"
+tokens="${TOKENS:-1,16}"
+peer=()
+if [ -n "${KT_KERNEL:-}" ]; then
+  tar -xzf "$KT_KERNEL" -C /tmp/site || exit 1
+  peer=(--peer kt-kernel --peer-formats "${PEER_FORMATS:-int4}")
+fi
 say() { echo "[$(date +%H:%M:%S)] $*"; }
 build_in_place & this_build=$!
 if [ -n "$base" ]; then
@@ -30,10 +41,10 @@ for r in $(seq "$rounds"); do
   for tree in "${trees[@]}"; do
     name=$([ "$tree" = "$PWD" ] && echo this || echo base)
     (cd "$tree" && PYTHONPATH="$tree:/tmp/site" timeout 150 python3 bench/bench_moe_kernel.py \
-       --threads 15 --shapes dsv3,qwen3 --formats "$formats" --tokens 1,16 --prefill-tokens 512 \
-       --no-torch --repeats 3 --min-seconds 0.3) > "$out/kernel-$r-$name.log" 2>&1 || rc=1
+       --threads 15 --shapes "$shapes" --formats "$formats" --tokens "$tokens" --prefill-tokens 512 \
+       --no-torch --repeats 3 --min-seconds 0.3 "${peer[@]}") > "$out/kernel-$r-$name.log" 2>&1 || rc=1
     say "$name, round $r"
-    grep -E "^(DeepSeek|Qwen3)" "$out/kernel-$r-$name.log"
+    grep -E "^(DeepSeek|Qwen3)|kt-kernel" "$out/kernel-$r-$name.log"
     grep -E "^DRAM read samples" "$out/kernel-$r-$name.log"
   done
 done
