@@ -101,7 +101,9 @@ def expert_tensor_bytes(checkpoint: Path) -> int:
 def worker_stats(stub) -> dict[str, float]:
     s = stub.GetStats(pb.StatsRequest(), timeout=30)
     return {"calls": s.calls, "bytes": s.weight_bytes_read, "idle": s.idle_seconds,
-            "gaps": s.idle_gaps, **{p: getattr(s, f"{p}_seconds") for p in PHASES}}  # fmt: skip
+            "gaps": s.idle_gaps, "inner_idle": s.inner_idle_seconds,
+            "inner_gaps": s.inner_idle_gaps,
+            **{p: getattr(s, f"{p}_seconds") for p in PHASES}}  # fmt: skip
 
 
 def decode(service, stub, batch: int, tokens: int) -> dict[str, float]:
@@ -252,11 +254,14 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
         "\nper MoE layer and step (ms): gpu = the segments mode's GPU time; worker phases "
         "from GetStats; hand-off = the rest of the step (transfers, wake-ups, launches); idle = "
         "the worker's mean gap from a reply to the next request (the caller's time between "
-        "two calls: gpu + hand-off)"
+        "two calls: gpu + hand-off); idle in = the same gap between two MoE layers of one "
+        "step only (the non-expert time of a layer in the model's middle: the gaps that span "
+        "a step's end, with the head and the first layers, left out), and its share of the "
+        "kernel"
     )
     cols = [Column("mode", 11, "<"), Column("batch", 5), Column("layer", 6), Column("gpu", 6),
             *[Column(p, len(p)) for p in PHASES], Column("hand-off", 8),
-            Column("idle", 6)]  # fmt: skip
+            Column("idle", 6), Column("idle in", 7), Column("/kernel", 7)]  # fmt: skip
     rows = []
     seg = results.get("segments", {}).get("decode", {})
     for mode, res in results.items():
@@ -268,9 +273,12 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
             rest = per_layer - gpu - phase["dispatch"] - phase["kernel"] - phase["publish"]
             gaps = r["worker"].get("gaps", 0)
             idle = r["worker"]["idle"] / gaps * 1e3 if gaps else float("nan")
+            inner_gaps = r["worker"].get("inner_gaps", 0)
+            inner = r["worker"]["inner_idle"] / inner_gaps * 1e3 if inner_gaps else float("nan")
+            share = inner / phase["kernel"] if phase["kernel"] else float("nan")
             rows.append([mode, str(b), f"{per_layer:.3f}", f"{gpu:.3f}",
                          *[f"{phase[p]:.3f}" for p in PHASES], f"{rest:.3f}",
-                         f"{idle:.3f}"])  # fmt: skip
+                         f"{idle:.3f}", f"{inner:.3f}", f"{100 * share:.0f}%"])  # fmt: skip
     print_table(cols, rows)
     if args.prefills:
         print("\nprefill (one prompt; time to first token)")

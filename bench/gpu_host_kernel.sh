@@ -8,7 +8,7 @@
 # KT_KERNEL: a tar of kt-kernel's AMX extension and the libraries it links (kt_kernel/ and
 # kt_kernel.libs/ from its wheel, whose whole 101 MB is over a call's carry), unpacked onto the
 # path, and the benches time it beside ours (bench_moe_kernel.py --peer kt-kernel, PEER_FORMATS).
-# SHAPES and TOKENS narrow the bench. Logs go to $OUT (or ./gpu-host-out).
+# SHAPES and TOKENS narrow the bench; TESTS=0 skips the tests. Logs go to $OUT (or ./gpu-host-out).
 #   usage: BASE=.device/base.tar FORMATS=int4 ROUNDS=2 bash bench/gpu_host_kernel.sh
 #          KT_KERNEL=.peer/kt_kernel_amx.tar.gz SHAPES=dsv3 TOKENS=1 bash bench/gpu_host_kernel.sh
 set -uo pipefail
@@ -32,9 +32,11 @@ fi
 wait "$this_build" || exit 1
 say built
 rc=0
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/expert_service/test_kernels.py \
-  tests/expert_service/test_amx_emulated.py > "$out/kernel-tests.log" 2>&1 || rc=1
-tail -2 "$out/kernel-tests.log"
+if [ "${TESTS:-1}" != 0 ]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/expert_service/test_kernels.py \
+    tests/expert_service/test_amx_emulated.py > "$out/kernel-tests.log" 2>&1 || rc=1
+  tail -2 "$out/kernel-tests.log"
+fi
 trees=("$PWD")
 [ -n "$base" ] && trees=(/tmp/kernel-base "$PWD")
 for r in $(seq "$rounds"); do

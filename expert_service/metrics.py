@@ -74,7 +74,7 @@ class CallCounts:
     scrape may read a call half-counted, never lose one)."""
 
     __slots__ = ("calls", "tokens", "weight_bytes", "busy_seconds", "phase_seconds", "layers",
-                 "idle_seconds", "idle_gaps")  # fmt: skip
+                 "idle_seconds", "idle_gaps", "inner_idle_seconds", "inner_idle_gaps")  # fmt: skip
 
     def __init__(self) -> None:
         self.calls = self.tokens = self.weight_bytes = 0
@@ -82,6 +82,8 @@ class CallCounts:
         # the gaps under worker.IDLE_GAP_S between a reply and the next request, summed, and
         # how many (WorkerStats)
         self.idle_seconds, self.idle_gaps = 0.0, 0
+        # of those, the gaps before a later layer's call than the last answered (WorkerStats)
+        self.inner_idle_seconds, self.inner_idle_gaps = 0.0, 0
         # seconds summed: dispatch, kernel, publish, bookkeeping (WorkerStats)
         self.phase_seconds = [0.0, 0.0, 0.0, 0.0]
         self.layers: dict[int, list] = {}  # layer -> [bucket counts (LATENCY_BUCKETS, +Inf), sum]

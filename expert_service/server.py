@@ -156,6 +156,8 @@ class ExpertServicer(pb_grpc.ExpertServiceServicer):
             bookkeeping_seconds=phases[3],
             idle_seconds=m.total("idle_seconds"),
             idle_gaps=m.total("idle_gaps"),
+            inner_idle_seconds=m.total("inner_idle_seconds"),
+            inner_idle_gaps=m.total("inner_idle_gaps"),
             call_timings=_call_timings_pb(self.worker.call_timing_parts()),
             activations=[
                 pb.ExpertCount(layer=layer, expert=expert, count=count)

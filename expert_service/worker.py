@@ -64,6 +64,19 @@ class _Serving:
     in_flight: int = 0
     calls_completed: int = 0
     answered_at: float = 0.0  # perf_counter when the last call (of any kind) was answered
+    answered_layer: int = -1  # the layer of the last MoE call answered (-1: none yet)
+
+
+def count_idle_gap(counts: CallCounts, answered_layer: int, layer: int, gap: float) -> None:
+    """Counts the caller's time before a call for `layer` (`gap` seconds from the reply to the
+    call before it, which was for `answered_layer`, -1 if none) as idle when it is under
+    IDLE_GAP_S, and as inner idle too when `layer` is the later one (two MoE layers of a step)."""
+    if gap < IDLE_GAP_S:  # the caller's time between two layers' calls, hand-off included
+        counts.idle_seconds += gap
+        counts.idle_gaps += 1
+        if layer > answered_layer >= 0:
+            counts.inner_idle_seconds += gap
+            counts.inner_idle_gaps += 1
 
 
 @dataclass
@@ -334,10 +347,8 @@ class ExpertWorker:
         if serving.timings is not None:
             serving.timings.record(channel.call_stamps(), forward[:2])
         counts = serving.counts
-        gap = start - serving.answered_at
-        if gap < IDLE_GAP_S:  # the caller's time between two layers' calls, hand-off included
-            counts.idle_seconds += gap
-            counts.idle_gaps += 1
+        count_idle_gap(counts, serving.answered_layer, req.layer, start - serving.answered_at)
+        serving.answered_layer = req.layer
         counts.add(req.layer, x.shape[0], forward[2] * shard.expert_nbytes, published - start)
         phases = counts.phase_seconds
         phases[0] += kernel_start - start

@@ -12,6 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import ktshm
+from expert_service.metrics import CallCounts
+from expert_service.worker import IDLE_GAP_S, count_idle_gap
 from ktserve.checkpoint import ModelSpec
 from ktserve.protocol import expert_pb2 as pb
 from tests.support.checkpoints import make_tiny_checkpoint
@@ -37,6 +39,22 @@ def scrape(port: int) -> dict[str, float]:
             rest = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
             samples[f"{s.name}{{{rest}}}"] = s.value
     return samples
+
+
+def test_idle_gaps_inside_a_step_are_told_from_those_across_its_end():
+    # (layer, gap before it): a step over MoE layers 1, 2, 3 where layer 2 also has a deferred
+    # call, the next step's first layer, then a gap too long to be a layer's (another request)
+    calls = [(1, 0.0030), (2, 0.0010), (2, 0.0001), (3, 0.0020), (1, 0.0040), (2, 0.0007),
+             (3, IDLE_GAP_S + 1e-4)]  # fmt: skip
+    counts, answered = CallCounts(), -1
+    for layer, gap in calls:
+        count_idle_gap(counts, answered, layer, gap)
+        answered = layer
+    # the first call follows none: idle, not inner
+    assert counts.idle_gaps == 6
+    assert counts.idle_seconds == pytest.approx(0.0030 + 0.0010 + 0.0001 + 0.0020 + 0.0040 + 0.0007)
+    assert counts.inner_idle_gaps == 3  # 1 -> 2, (2 ->) 3, 1 -> 2
+    assert counts.inner_idle_seconds == pytest.approx(0.0010 + 0.0020 + 0.0007)
 
 
 def test_two_channels_calls_are_all_counted(checkpoint, seed):
@@ -83,6 +101,8 @@ def test_two_channels_calls_are_all_counted(checkpoint, seed):
         got = {(a.layer, a.expert): a.count for a in stats.activations}
         assert got == dict(want_activations)
         assert len(stats.call_timings.kernel_ns) == 2 * 16  # each channel's last 16
+        assert stats.inner_idle_gaps <= stats.idle_gaps
+        assert stats.inner_idle_seconds <= stats.idle_seconds
 
         samples = scrape(port)
         assert samples["ktserve_expert_moe_calls_total{}"] == len(calls)
