@@ -186,25 +186,8 @@ inline __m512 group_scales(const uint16_t* gs) {
 // tiles are flushed to fp32 (acc += C * scale on AVX-512: the group scales differ per output row)
 // kInt4FlushLag steps later, after the next steps' tile work is issued, and consecutive steps use
 // C tiles 0, 1 and 2, 3, so the tile unit computes while the vector unit flushes earlier steps.
-// A step's nibbles are unpacked into its B tiles kInt4UnpackLead steps ahead, into a ring of
-// kInt4UnpackLead + 1 buffers: a tile load does not take data from the store buffer, it waits
-// until the stores that wrote its lines have retired and reached L1, so a B tile unpacked right
-// before its load held each step up by that drain.
 // Tiles: C 0-3, B 4-5, A 6-7 (configure(8, 32)). kInt4FlushLag: how many steps behind.
 constexpr int kInt4FlushLag = 2;
-constexpr int kInt4UnpackLead = 2;
-using Int4Tiles = int8_t[1024];  // a step's B tiles: two groups of 16 rows x 32 weights as int8
-
-// Step s's groups (from group g) unpacked into bq, their nibbles' successors prefetched the same
-// byte distance ahead as the other passes.
-template <int NC>
-inline void int4_step_unpack(const uint8_t* w, int g, int8_t* bq) {
-  const char* wpf = reinterpret_cast<const char*>(w + g * 256) + kPrefetchBytes;
-  for (int i = 0; i < 256 * (3 - NC); i += 64) _mm_prefetch(wpf + i, _MM_HINT_T0);
-  unpack_group16(w + g * 256, bq);
-  if (NC == 1) unpack_group16(w + (g + 1) * 256, bq + 512);
-}
-
 // GCC pastes tile numbers into the instruction text, so they must be literals: one body per pair
 // of C tiles (CA, CB), for int4_step_tiles below.
 #define KTK_INT4_STEP_PRODUCTS(CA, CB)                  \
@@ -224,13 +207,18 @@ inline void int4_step_unpack(const uint8_t* w, int g, int8_t* bq) {
   _tile_stored(CA, c[0], 64);                           \
   _tile_stored(CB, c[1], 64);
 
-// One step's tile products (its B tiles: bq, unpacked earlier) into C tiles 2 * SET and
-// 2 * SET + 1, stored to c[0], c[1].
+// One step's tile work into C tiles 2 * SET and 2 * SET + 1, stored to c[0], c[1] (bq: its B
+// tiles).
 template <int NC, int SET>
-inline void int4_step_tiles(int g, const int8_t* x, int ldx, const int8_t* bq, int32_t (*c)[256]) {
-  // The tile-load intrinsic does not tell the compiler it reads bq: this empty asm does (the
-  // unpack's stores stay before it).
-  __asm__ volatile("" ::"m"(*reinterpret_cast<const Int4Tiles*>(bq)));
+inline void int4_step_tiles(const uint8_t* w, int g, const int8_t* x, int ldx, int8_t* bq,
+                            int32_t (*c)[256]) {
+  // Nibbles: the same byte distance ahead as the other passes.
+  const char* wpf = reinterpret_cast<const char*>(w + g * 256) + kPrefetchBytes;
+  for (int i = 0; i < 256 * (3 - NC); i += 64) _mm_prefetch(wpf + i, _MM_HINT_T0);
+  unpack_group16(w + g * 256, bq);
+  if (NC == 1) unpack_group16(w + (g + 1) * 256, bq + 512);
+  // The tile-load intrinsic does not tell the compiler it reads bq: this empty asm does.
+  __asm__ volatile("" ::"m"(*reinterpret_cast<const int8_t(*)[1024]>(bq)));
   // Nor that the tile stores overwrite c: reads of c before this stay before them.
   __asm__ volatile("" : "+m"(c[0]), "+m"(c[1]));
   if constexpr (SET == 0) {
@@ -239,7 +227,7 @@ inline void int4_step_tiles(int g, const int8_t* x, int ldx, const int8_t* bq, i
     KTK_INT4_STEP_PRODUCTS(2, 3)
   }
   // ... and keeps the next unpack into bq behind the tile loads.
-  __asm__ volatile("" : "+m"(*reinterpret_cast<Int4Tiles*>(const_cast<int8_t*>(bq))));
+  __asm__ volatile("" : "+m"(*reinterpret_cast<int8_t(*)[1024]>(bq)));
 }
 #undef KTK_INT4_STEP_PRODUCTS
 
@@ -271,31 +259,24 @@ inline void int4_step_flush(const uint16_t* gs, int g, int32_t (*c)[256], __m512
 template <int NC>
 void int4_pass(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
                const float* xs, int rows, float* out) {
-  alignas(64) Int4Tiles bq[kInt4UnpackLead + 1];     // [step % (lead + 1)]
+  alignas(64) int8_t bq[2][1024];                    // [step parity][B tiles]
   alignas(64) int32_t c[kInt4FlushLag + 1][2][256];  // [step % (lag + 1)][C tile][16 x 16]
   __m512 acc[NC * 16];
 #pragma GCC unroll 32
   for (int i = 0; i < NC * 16; ++i) acc[i] = _mm512_setzero_ps();
   const int per_step = 3 - NC;  // groups
   const int steps = K / 32 / per_step;
-  for (int s = 0; s < kInt4UnpackLead && s < steps; ++s) int4_step_unpack<NC>(w, s * per_step, bq[s]);
-  // ring: s % (lag + 1); slot: s % (lead + 1)
-  for (int s = 0, ring = 0, slot = 0; s < steps + kInt4FlushLag; ++s) {
+  for (int s = 0, ring = 0; s < steps + kInt4FlushLag; ++s, ring = ring == kInt4FlushLag ? 0 : ring + 1) {
     if (s < steps) {
       if (s & 1)
-        int4_step_tiles<NC, 1>(s * per_step, x, ldx, bq[slot], c[ring]);
+        int4_step_tiles<NC, 1>(w, s * per_step, x, ldx, bq[1], c[ring]);
       else
-        int4_step_tiles<NC, 0>(s * per_step, x, ldx, bq[slot], c[ring]);
-      const int ahead = s + kInt4UnpackLead;  // its slot: the one before this step's
-      if (ahead < steps)
-        int4_step_unpack<NC>(w, ahead * per_step, bq[slot == 0 ? kInt4UnpackLead : slot - 1]);
+        int4_step_tiles<NC, 0>(w, s * per_step, x, ldx, bq[0], c[ring]);
     }
     if (s >= kInt4FlushLag) {
       const int back = ring >= kInt4FlushLag ? ring - kInt4FlushLag : ring + 1;  // (s - lag) % (lag + 1)
       int4_step_flush<NC>(gs, (s - kInt4FlushLag) * per_step, c[back], acc);
     }
-    ring = ring == kInt4FlushLag ? 0 : ring + 1;
-    slot = slot == kInt4UnpackLead ? 0 : slot + 1;
   }
   // Constant indices (the loop unrolled) keep acc in registers.
 #pragma GCC unroll 32
