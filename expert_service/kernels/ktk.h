@@ -44,7 +44,10 @@ enum { KTK_DT_F32 = 0, KTK_DT_BF16 = 1, KTK_DT_F16 = 2, KTK_DT_F8E4M3 = 3 /* pac
  * int4: xg[m*ldg + g] = sum of X[m][32g .. 32g+31].
  * read_xor: the xor of the 64-bit words of p[0, bytes) (bytes a multiple of KTK_READ_STEP), read
  * with the ISA's widest loads: a plain streaming read, for measuring the read bandwidth the kernel
- * gets. */
+ * gets.
+ * silu_mul16: h[m*ldh + r] = silu(gate[m*16 + r]) * up[m*16 + r] for m < rows, r < 16 (one block's
+ * gate and up results), silu(v) = v / (1 + e^-v) with e^x from a polynomial within 2 ulp of expf
+ * (the AVX2 code in every table). */
 #define KTK_READ_STEP 256
 typedef struct {
   void (*dot_bf16)(const uint16_t* w, int K, const uint16_t* x, int ldx, int M, float* out);
@@ -54,6 +57,7 @@ typedef struct {
   void (*dot_int4)(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
                    const float* xs, const int32_t* xg, int ldg, int M, float* out);
   uint64_t (*read_xor)(const void* p, size_t bytes);
+  void (*silu_mul16)(const float* gate, const float* up, int rows, float* h, int ldh);
 } ktk_ops;
 
 const ktk_ops* ktk_ops_avx2(void);

@@ -319,7 +319,11 @@ void dot_bf16_f32(const uint16_t* w, int K, const float* x, int ldx, int M, floa
 
 uint64_t read_xor(const void* p, size_t bytes) { return ktk_ops_avx512()->read_xor(p, bytes); }
 
-const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4, read_xor};
+void silu_mul16(const float* gate, const float* up, int rows, float* h, int ldh) {
+  ktk_ops_avx2()->silu_mul16(gate, up, rows, h, ldh);
+}
+
+const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4, read_xor, silu_mul16};
 
 }  // namespace
 

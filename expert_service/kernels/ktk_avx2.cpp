@@ -230,7 +230,39 @@ uint64_t read_xor(const void* p, size_t bytes) {
   return r;
 }
 
-const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4, read_xor};
+// e^x: x clamped to [-87, 88] (a NaN passes through), reduced by n ln 2 in two parts (Cody-Waite),
+// e^r for |r| <= ln(2) / 2 by Cephes' degree-6 polynomial (expf's error, within 2 ulp), times 2^n
+// built in the exponent bits (n in [-126, 127]: a normal float).
+inline __m256 exp_ps(__m256 x) {
+  // max/min return their second operand where either is NaN: a NaN x stays NaN
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-87.0f), x));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+void silu_mul16(const float* gate, const float* up, int rows, float* h, int ldh) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int m = 0; m < rows; ++m)
+    for (int half = 0; half < 16; half += 8) {
+      const __m256 v = _mm256_loadu_ps(gate + m * 16 + half);
+      const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), v));
+      const __m256 s = _mm256_div_ps(v, _mm256_add_ps(one, e));
+      _mm256_storeu_ps(h + size_t(m) * ldh + half, _mm256_mul_ps(s, _mm256_loadu_ps(up + m * 16 + half)));
+    }
+}
+
+const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4, read_xor, silu_mul16};
 
 }  // namespace
 

@@ -274,7 +274,11 @@ uint64_t read_xor(const void* p, size_t bytes) {
   return r;
 }
 
-const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4, read_xor};
+void silu_mul16(const float* gate, const float* up, int rows, float* h, int ldh) {
+  ktk_ops_avx2()->silu_mul16(gate, up, rows, h, ldh);
+}
+
+const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4, read_xor, silu_mul16};
 
 }  // namespace
 

@@ -140,8 +140,6 @@ inline void split(int total, int tid, int n, int* begin, int* end) {
   *end = int(int64_t(total) * (tid + 1) / n);
 }
 
-inline float silu(float v) { return v / (1.0f + expf(-v)); }
-
 void gateup_item(Call& c, int item, float* tg, float* tu) {
   const ktk_forward_args* a = c.a;
   int g = item / c.gate_blocks, b = item % c.gate_blocks;
@@ -178,10 +176,7 @@ void gateup_item(Call& c, int item, float* tg, float* tu) {
     c.ops->dot_int4(w, gs, c.Hp, x, c.Hp, xs, xg, ldg, M, tg);
     c.ops->dot_int4(w + block_elems / 2, gs + sblock, c.Hp, x, c.Hp, xs, xg, ldg, M, tu);
   }
-  for (int m = 0; m < M; ++m) {
-    float* hrow = c.h + size_t(off + m) * c.Ip + 16 * b;
-    for (int r = 0; r < 16; ++r) hrow[r] = silu(tg[m * 16 + r]) * tu[m * 16 + r];
-  }
+  c.ops->silu_mul16(tg, tu, M, c.h + size_t(off) * c.Ip + 16 * b, c.Ip);
 }
 
 // tmp[m][r] = (down block b of group g's expert) . h of the group's m-th token.
