@@ -20,6 +20,13 @@ bf16 weights quantized here into its layout; "ours/kt" = our time / its time for
 T, against our int8 for its int8 and our int4 for its int4 and int4g32. Where kt-kernel cannot be
 imported, or lacks a format's class, one line says why and the run goes on without it.
 
+--baseline-tree DIR adds another source tree's build of the kernel (its extensions built in
+place; bench/baseline_kernel.py), loaded in this process beside ours and timed in turn with it on
+the same packed weights, routings and inputs: rows "baseline <fmt>", "ours/them" = our time / its
+time. Its output must agree with ours (same packed layout) or its rows are dropped. Between two
+processes the same code's timings moved 10-15% on the GPU host; within one they alternate call
+batch by call batch.
+
 --x-dtypes bf16,f32 also times fp32 activations (with bf16 weights: the exact fp32 path; int8/int4
 quantize x per token whatever its dtype). --prefill-tokens 0 skips the prefill row.
 
@@ -30,6 +37,7 @@ time per call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -44,6 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
 
+from bench.baseline_kernel import load_kernel_ext
 from bench.common import Column, DramMeter, llc_bytes, print_table, time_calls
 from bench.peers.kt_kernel import FORMATS as PEER_FORMATS
 from bench.peers.kt_kernel import OURS as PEER_OURS
@@ -82,6 +91,9 @@ ROUTINGS = 61
 SEED_EXPERTS = 4  # really quantized experts; the rest of a layer repeats their packed bytes
 SETTLE_S = 0.1  # pause after each measurement: kt-kernel's pool threads spin 50 ms after a call
 PEER_MAX_DIFF = 0.7  # relative difference from our output above which the peer's rows are dropped
+# the baseline tree's kernel reads the same packed weights: its output differs from ours by
+# rounding only (a changed h rounds a few int8 steps otherwise), so a layout change shows
+BASELINE_MAX_DIFF = 1e-2
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,7 @@ class BenchConfig:
     repeats: int
     peer: str
     peer_formats: tuple[str, ...] = tuple(PEER_FORMATS)
+    baseline_tree: str = ""  # another tree's kernel build, timed beside ours in this process
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -288,8 +301,30 @@ def peer_agrees(
     return ok
 
 
+def baseline_agrees(
+    base: MoEKernel, kern: MoEKernel, packed: PackedExperts, x: torch.Tensor,
+    route: tuple[torch.Tensor, torch.Tensor], what: str,
+) -> bool:  # fmt: skip
+    """The baseline tree's output against ours on one call (the same packed weights)."""
+    ids, w = route
+    theirs = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)
+    ours = torch.empty_like(theirs)
+    base.forward(packed, x, ids, w, theirs)
+    kern.forward(packed, x, ids, w, ours)
+    diff = rel_err(theirs, ours)
+    ok = bool(torch.isfinite(theirs).all()) and diff < BASELINE_MAX_DIFF
+    verdict = "" if ok else f": omitted (over {BASELINE_MAX_DIFF}: another packed layout?)"
+    print(f"{what}: output vs ours at T={x.shape[0]}: relative difference {diff:.2e}{verdict}")
+    return ok
+
+
 def bench_format(
-    cfg: BenchConfig, shape: Shape, fmt: str, rng: torch.Generator, peer: KtPeer | None
+    cfg: BenchConfig,
+    shape: Shape,
+    fmt: str,
+    rng: torch.Generator,
+    peer: KtPeer | None,
+    base_ext: object = None,
 ) -> list[Row]:
     E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size  # noqa: E741
     g = torch.randn(SEED_EXPERTS, I, H, generator=rng) * 0.02
@@ -310,7 +345,15 @@ def bench_format(
             routes = [routing(rng, T, shape) for _ in range(ROUTINGS)]
             inputs[xd, T] = (routes, torch.randn(T, H, generator=rng).to(X_DTYPES[xd]))
     peer_xd = "bf16" if "bf16" in cfg.x_dtypes else cfg.x_dtypes[0]
-    with MoEKernel(cfg.threads, pin=cfg.pin) as kern:
+    with contextlib.ExitStack() as stack:
+        kern = stack.enter_context(MoEKernel(cfg.threads, pin=cfg.pin))
+        base = None
+        if base_ext is not None:
+            base = stack.enter_context(MoEKernel(cfg.threads, pin=cfg.pin, ext=base_ext))
+            routes, x = inputs[peer_xd, cfg.tokens[-1]]
+            what = f"baseline {fmt} {shape.name}"
+            if not baseline_agrees(base, kern, packed[0], x, routes[0], what):
+                base = None
         for pf, their in list(theirs.items()):
             assert peer is not None
             routes, x = inputs[peer_xd, cfg.tokens[0]]
@@ -322,6 +365,10 @@ def bench_format(
             for xd in cfg.x_dtypes:
                 routes, x = inputs[xd, T]
                 series.append(ours_series(kern, packed, seed_packed, xd, routes, x, shape))
+                if base is not None:
+                    s = ours_series(base, packed, seed_packed, xd, routes, x, shape)
+                    series.append(Series(f"baseline {s.impl}", s.fmt, s.tokens, s.x_dtype, True,
+                                         s.bytes_per_call, s.flops_per_call, s.call))  # fmt: skip
             for pf, their in theirs.items():
                 assert peer is not None
                 routes, x = inputs[peer_xd, T]
@@ -403,13 +450,13 @@ def print_results(rows: list[Row], dram: float) -> None:
     columns = [Column("shape", 14, "<"), Column("impl", 22, "<"), Column("T", 4),
                Column("us/layer", 10), Column("min-max us", 19), Column("GB/s", 7),
                Column("%DRAM", 6), Column("TFLOPS", 7), Column("vs torch", 8),
-               *([Column("ours/kt", 8)] if with_peer else [])]  # fmt: skip
+               *([Column("ours/them", 9)] if with_peer else [])]  # fmt: skip
     base_us = {r.shape: r.us for r in rows if r.fmt == "torch"}
     ours = {(r.shape, r.fmt, r.tokens, r.x_dtype): r.us for r in rows if not r.peer}
     cells = []
     for r in rows:
         speedup = base_us.get(r.shape, 0) / r.us if r.tokens == 1 and r.shape in base_us else 0
-        mine = ours.get((r.shape, r.fmt, r.tokens, "bf16")) if r.peer else None
+        mine = ours.get((r.shape, r.fmt, r.tokens, r.x_dtype)) if r.peer else None
         cells.append([r.shape, r.impl, str(r.tokens), f"{r.us:.1f}",
                       f"{r.us_min:.1f}-{r.us_max:.1f}", f"{r.gbs:.1f}",
                       f"{100 * r.gbs / dram:.0f}%", f"{r.tflops:.2f}",
@@ -418,8 +465,9 @@ def print_results(rows: list[Row], dram: float) -> None:
     print_table(columns, cells, sep=" ")
     if with_peer:
         print(
-            "ours/kt = our median time / kt-kernel's, same shape and T, against our int8 for its "
-            "int8, our int4 for its int4 and int4g32 (< 1: ours faster)"
+            "ours/them = our median time / the row's, same shape, T and activations: kt-kernel's "
+            "(against our int8 for its int8, our int4 for its int4 and int4g32) or the baseline "
+            "tree's (the same format) (< 1: ours faster)"
         )
 
 
@@ -447,6 +495,11 @@ def main() -> None:
         default=",".join(PEER_FORMATS),
         help="the peer's formats: int8, int4 (per-row scales), int4g32 (per group of 32)",
     )
+    p.add_argument(
+        "--baseline-tree",
+        default="",
+        help="another source tree (extensions built in place): its kernel timed beside ours",
+    )
     a = p.parse_args()
     cfg = BenchConfig(
         threads=a.threads,
@@ -466,6 +519,7 @@ def main() -> None:
         repeats=a.repeats,
         peer=a.peer,
         peer_formats=tuple(f for f in a.peer_formats.split(",") if f),
+        baseline_tree=a.baseline_tree,
     )
     rng = torch.Generator().manual_seed(cfg.seed)
     print(
@@ -476,13 +530,16 @@ def main() -> None:
     dram = DramMeter(cfg.threads, cfg.dram_gb, cfg.pin)
     dram.sample("start")
     peer = load_peer(cfg)
+    base_ext = load_kernel_ext(Path(cfg.baseline_tree)) if cfg.baseline_tree else None
+    if base_ext is not None:
+        print(f"baseline: {base_ext.__file__}, timed in turn with ours", flush=True)
     rows: list[Row] = []
     for key in cfg.shapes:
         shape = SHAPES[key]
         if cfg.torch_baseline:
             rows.append(bench_torch_loop(cfg, shape, rng))
         for fmt in cfg.formats:
-            rows.extend(bench_format(cfg, shape, fmt, rng, peer))
+            rows.extend(bench_format(cfg, shape, fmt, rng, peer, base_ext))
         dram.sample(f"after {shape.name}")
     dram.sample("end")
     print(dram.summary())

@@ -4,12 +4,16 @@
 # ones, then bench_moe_kernel.py at Qwen3-30B-A3B and DeepSeek-V3 shapes; with a baseline tree
 # (BASE: a tar of another commit's sources, e.g. `git archive REV -o .device/base.tar -- setup.py
 # pyproject.toml expert_service bench tests ktshm ktserve proto gpu_service`), that tree is built
-# beside this one and the two benches alternate, ROUNDS times each, so drift hits both alike.
+# beside this one and the two benches alternate, ROUNDS times each, so drift hits both alike;
+# with IN_PROCESS=1 instead, each round is one bench process that loads both kernels and times
+# them in turn on the same weights (bench_moe_kernel.py --baseline-tree: less noise).
 # KT_KERNEL: a tar of kt-kernel's AMX extension and the libraries it links (kt_kernel/ and
 # kt_kernel.libs/ from its wheel, whose whole 101 MB is over a call's carry), unpacked onto the
 # path, and the benches time it beside ours (bench_moe_kernel.py --peer kt-kernel, PEER_FORMATS).
-# SHAPES and TOKENS narrow the bench; TESTS=0 skips the tests. Logs go to $OUT (or ./gpu-host-out).
+# SHAPES and TOKENS narrow the bench, REPEATS sets its --repeats (3); TESTS=0 skips the tests.
+# Logs go to $OUT (or ./gpu-host-out).
 #   usage: BASE=.device/base.tar FORMATS=int4 ROUNDS=2 bash bench/gpu_host_kernel.sh
+#          BASE=.device/base.tar IN_PROCESS=1 REPEATS=7 ROUNDS=1 FORMATS=int4 bash bench/gpu_host_kernel.sh
 #          KT_KERNEL=.peer/kt_kernel_amx.tar.gz SHAPES=dsv3 TOKENS=1 bash bench/gpu_host_kernel.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
@@ -38,15 +42,20 @@ if [ "${TESTS:-1}" != 0 ]; then
   tail -2 "$out/kernel-tests.log"
 fi
 trees=("$PWD")
-[ -n "$base" ] && trees=(/tmp/kernel-base "$PWD")
+baseline=()
+if [ -n "$base" ] && [ "${IN_PROCESS:-0}" != 0 ]; then
+  baseline=(--baseline-tree /tmp/kernel-base)
+elif [ -n "$base" ]; then
+  trees=(/tmp/kernel-base "$PWD")
+fi
 for r in $(seq "$rounds"); do
   for tree in "${trees[@]}"; do
     name=$([ "$tree" = "$PWD" ] && echo this || echo base)
     (cd "$tree" && PYTHONPATH="$tree:/tmp/site" timeout 150 python3 bench/bench_moe_kernel.py \
        --threads 15 --shapes "$shapes" --formats "$formats" --tokens "$tokens" --prefill-tokens 512 \
-       --no-torch --repeats 3 --min-seconds 0.3 "${peer[@]}") > "$out/kernel-$r-$name.log" 2>&1 || rc=1
+       --no-torch --repeats "${REPEATS:-3}" --min-seconds 0.3 "${peer[@]}" "${baseline[@]}") > "$out/kernel-$r-$name.log" 2>&1 || rc=1
     say "$name, round $r"
-    grep -E "^(DeepSeek|Qwen3)|kt-kernel" "$out/kernel-$r-$name.log"
+    grep -E "^(DeepSeek|Qwen3)|kt-kernel|^baseline" "$out/kernel-$r-$name.log"
     grep -E "^DRAM read samples" "$out/kernel-$r-$name.log"
   done
 done

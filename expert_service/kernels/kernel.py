@@ -35,15 +35,19 @@ class MoEKernel:
     are created once. Pool threads spin for KTSERVE_KERNEL_SPIN_US (default 200) microseconds
     after a call, then sleep on a futex. pin=True pins pool thread i to the i-th allowed CPU.
     Leave the feeding threads a core: a spinning pool given every core fights them for it.
-    One forward call at a time per kernel (not thread-safe).
+    One forward call at a time per kernel (not thread-safe). ext: the extension module whose
+    kernel runs (default this package's; a benchmark passes another tree's build of it, which
+    reads the same packed layout: bench/baseline_kernel.py).
     """
 
-    def __init__(self, num_threads: int, isa: str | None = None, *, pin: bool = False) -> None:
+    def __init__(
+        self, num_threads: int, isa: str | None = None, *, pin: bool = False, ext: Any = None
+    ) -> None:
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         self.isa = check_isa(isa) if isa is not None else default_isa()
         self.num_threads = num_threads
-        self._k: _ext.Kernel | None = _ext.Kernel(num_threads, ISA_CODES[self.isa], pin)
+        self._k: _ext.Kernel | None = (ext or _ext).Kernel(num_threads, ISA_CODES[self.isa], pin)
 
     def close(self) -> None:
         if self._k is not None:
