@@ -106,12 +106,24 @@ def worker_stats(stub) -> dict[str, float]:
             **{p: getattr(s, f"{p}_seconds") for p in PHASES}}  # fmt: skip
 
 
+HOST_PARTS = ("between", "sample")  # ktserve_engine_host_seconds{part}
+
+
+def host_seconds(service) -> dict[str, tuple[float, float]]:
+    """The engine thread's own time so far, per part: (seconds, steps)."""
+    return {part: histogram_sum(service.metrics.host_seconds, part=part) for part in HOST_PARTS}
+
+
 def decode(service, stub, batch: int, tokens: int) -> dict[str, float]:
-    before = worker_stats(stub)
+    before, host_before = worker_stats(stub), host_seconds(service)
     got = run_batch(service, batch, tokens)
-    after = worker_stats(stub)
+    after, host_after = worker_stats(stub), host_seconds(service)
     delta = {k: after[k] - before[k] for k in before}
     got["worker"] = delta
+    got["host"] = {}
+    for part in HOST_PARTS:
+        (s0, n0), (s1, n1) = host_before[part], host_after[part]
+        got["host"][part] = (s1 - s0) / (n1 - n0) if n1 > n0 else float("nan")
     return got
 
 
@@ -279,6 +291,28 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
             rows.append([mode, str(b), f"{per_layer:.3f}", f"{gpu:.3f}",
                          *[f"{phase[p]:.3f}" for p in PHASES], f"{rest:.3f}",
                          f"{idle:.3f}", f"{inner:.3f}", f"{100 * share:.0f}%"])  # fmt: skip
+    print_table(cols, rows)
+    print(
+        "\nthe step's end (ms a step): end = the worker's mean gap across a step's end (its gaps "
+        "but those inside steps; nan where fewer than one a step were under the worker's 5 ms "
+        "idle bound); between and sample = the engine "
+        "thread's own time (ktserve_engine_host_seconds: output processing and scheduling "
+        "between two steps; logits to token ids); rest = end - both (the head and the first "
+        "layers on the GPU, the step's preparation and launch)"
+    )
+    cols = [Column("mode", 11, "<"), Column("batch", 5), Column("end", 6), Column("between", 7),
+            Column("sample", 6), Column("rest", 6)]  # fmt: skip
+    rows = []
+    for mode, res in results.items():
+        for b, r in res["decode"].items():
+            w, host = r["worker"], r.get("host", {})
+            ends = w.get("gaps", 0) - w.get("inner_gaps", 0)
+            counted = ends >= r.get("steps", 0) / 2
+            end = (w["idle"] - w.get("inner_idle", 0.0)) / ends * 1e3 if counted else float("nan")
+            between = host.get("between", float("nan")) * 1e3
+            sample = host.get("sample", float("nan")) * 1e3
+            rows.append([mode, str(b), f"{end:.3f}", f"{between:.3f}", f"{sample:.3f}",
+                         f"{end - between - sample:.3f}"])  # fmt: skip
     print_table(cols, rows)
     if args.prefills:
         print("\nprefill (one prompt; time to first token)")

@@ -75,6 +75,9 @@ class Engine:
         self.metrics = metrics or EngineMetrics(max_model_len=scheduler_config.max_model_len)
         # first scheduled to finished, of the last requests that ran to their end (stop, length)
         self._recent_run_s: collections.deque[float] = collections.deque(maxlen=RECENT_RUNS)
+        # perf_counter when the last step's forward and sampling ended (None: the engine has
+        # waited for work since, or that step failed)
+        self._last_step_end: float | None = None
         self.experts_stats = experts_stats
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
@@ -155,6 +158,7 @@ class Engine:
         while not self._stop.is_set():
             self._drain_inbox()
             if not self.scheduler.has_work():
+                self._last_step_end = None  # the time until the next step is no step's work
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
@@ -198,9 +202,13 @@ class Engine:
                 self._finish(first, FinishReason.ERROR, error)
             return
         moe_before = self._moe_seconds()
+        started = time.perf_counter()
+        if self._last_step_end is not None:
+            self.metrics.host_seconds.labels(part="between").observe(started - self._last_step_end)
         try:
             result = self.runner.run(step)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+            self._last_step_end = None
             log.exception("step failed")
             error = step_error(exc)
             if step.block_copies:  # NOTE: a block brought back may hold what a failed copy left
@@ -210,8 +218,11 @@ class Engine:
                 if tracked is not None:
                     self._finish(tracked, FinishReason.ERROR, error)
             return
+        self._last_step_end = time.perf_counter()
         transfer, wait = (b - a for a, b in zip(moe_before, self._moe_seconds()))
         self.metrics.observe_step(result.seconds, transfer, wait, step.num_tokens, result.graphed)
+        if result.sample_seconds:
+            self.metrics.host_seconds.labels(part="sample").observe(result.sample_seconds)
         cost_model = self.scheduler.cost_model
         # NOTE: a streamed step costs its layers' copies whatever its size: not the fit's law
         if cost_model is not None and not result.streamed:

@@ -128,6 +128,15 @@ class EngineMetrics:
             FAST,
             ["phase"],
         )
+        self.host_seconds = histogram(
+            "ktserve_engine_host_seconds",
+            "The engine thread's own work per step, outside the forward: between (from one "
+            "step's results to the next step's start, when it has work waiting: output "
+            "processing, new requests, scheduling), sample (logits to token ids, the device "
+            "sync included)",
+            FAST,
+            ["part"],
+        )
         self.step_tokens = counter("ktserve_step_tokens", "Tokens run through the model")
         self.steps = counter(
             "ktserve_steps",

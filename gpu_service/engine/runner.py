@@ -29,6 +29,7 @@ class StepResult:
     seconds: float
     graphed: bool = False  # the forward ran as CUDA graphs (DecodeGraphs)
     streamed: bool = False  # its prefill rows' experts streamed through the GPU (stream_prefill)
+    sample_seconds: float = 0.0  # logits to token ids (the grammar masks applied, the sync waited)
 
 
 class Runner:
@@ -69,6 +70,7 @@ class Runner:
         if any(m is not None for m in matchers):  # constrained decoding: computed meanwhile
             masks = self.masker.fill(matchers, self.vocab_size, self.model.device.type == "cuda")
         logits = model.forward(batch)[rows]  # [N, V] float32
+        forwarded = time.perf_counter()
         if masks is not None:
             self.masker.apply(logits, masks)  # disallowed tokens -inf
         sampled = self.sample(logits, requests) if rows else []
@@ -76,7 +78,8 @@ class Runner:
         for i, token in zip(rows, sampled):
             tokens[i] = token
         streamed = not graphed and self.model.last_step_streamed
-        return StepResult(tuple(tokens), time.perf_counter() - start, graphed, streamed)
+        end = time.perf_counter()
+        return StepResult(tuple(tokens), end - start, graphed, streamed, end - forwarded)
 
     def sample(self, logits, requests: list[Request]) -> list[SampledToken]:
         """The rows' tokens; penalized requests keep their counts on the device (history)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -111,6 +112,30 @@ def test_greedy_matches_transformers_single(engine, reference, seed):
     events = engine.generate(prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     assert events[-1].finish_reason == FinishReason.LENGTH
     assert tokens_of(events) == hf_greedy(reference, prompt, 32)
+
+
+def _count_and_sum(histogram, **labels) -> tuple[float, float]:
+    samples = {s.name: s.value for m in histogram.labels(**labels).collect() for s in m.samples}
+    return samples[f"{histogram._name}_count"], samples[f"{histogram._name}_sum"]
+
+
+def test_the_engine_times_its_own_work_between_steps_and_its_sampling(checkpoint, seed):
+    eng = make_engine(checkpoint)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    try:
+        start = time.perf_counter()
+        for prompt in prompts(seed)[:2]:  # one after the other: the engine waits in between
+            assert len(tokens_of(eng.generate(prompt, params))) == 12
+        wall = time.perf_counter() - start
+    finally:
+        eng.stop()
+    steps = sum(eng.metrics.steps.labels(mode=m)._value.get() for m in ("graph", "eager"))
+    assert steps == 24  # each prompt's step samples its first token
+    sampled, sample_s = _count_and_sum(eng.metrics.host_seconds, part="sample")
+    between, between_s = _count_and_sum(eng.metrics.host_seconds, part="between")
+    assert sampled == 24
+    assert between == 22  # each request's first step followed a wait for work: no step's time
+    assert sample_s > 0 and between_s > 0 and sample_s + between_s < wall
 
 
 def test_batched_requests_match_transformers_each(engine, reference, seed):
