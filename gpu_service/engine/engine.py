@@ -75,8 +75,9 @@ class Engine:
         self.metrics = metrics or EngineMetrics(max_model_len=scheduler_config.max_model_len)
         # first scheduled to finished, of the last requests that ran to their end (stop, length)
         self._recent_run_s: collections.deque[float] = collections.deque(maxlen=RECENT_RUNS)
-        # perf_counter when the last step's forward and sampling ended (None: the engine has
-        # waited for work since, or that step failed)
+        # perf_counter when the last step's forward and sampling ended (None: that step left
+        # no request running or waiting, so the time until the next one is no step's work; or
+        # it failed)
         self._last_step_end: float | None = None
         self.experts_stats = experts_stats
         self._inbox: queue.Queue = queue.Queue()
@@ -158,7 +159,6 @@ class Engine:
         while not self._stop.is_set():
             self._drain_inbox()
             if not self.scheduler.has_work():
-                self._last_step_end = None  # the time until the next step is no step's work
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
@@ -236,6 +236,8 @@ class Engine:
             if token is None or tracked is None or s.request.state != RequestState.RUNNING:
                 continue
             self._append(tracked, token, now)
+        if not self.scheduler.has_work():  # NOTE: a request in the inbox already does not count
+            self._last_step_end = None
 
     def _update_gauges(self) -> None:
         self.metrics.running.set(self.num_running)

@@ -131,9 +131,9 @@ class EngineMetrics:
         self.host_seconds = histogram(
             "ktserve_engine_host_seconds",
             "The engine thread's own work per step, outside the forward: between (from one "
-            "step's results to the next step's start, when it has work waiting: output "
-            "processing, new requests, scheduling), sample (logits to token ids, the device "
-            "sync included)",
+            "step's results to the next step's start, where that step left requests running "
+            "or waiting: output processing, new requests, scheduling), sample (logits to token "
+            "ids, the device sync included)",
             FAST,
             ["part"],
         )

@@ -124,7 +124,7 @@ def test_the_engine_times_its_own_work_between_steps_and_its_sampling(checkpoint
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     try:
         start = time.perf_counter()
-        for prompt in prompts(seed)[:2]:  # one after the other: the engine waits in between
+        for prompt in prompts(seed)[:2]:  # one after the other: nothing runs in between
             assert len(tokens_of(eng.generate(prompt, params))) == 12
         wall = time.perf_counter() - start
     finally:
@@ -134,7 +134,7 @@ def test_the_engine_times_its_own_work_between_steps_and_its_sampling(checkpoint
     sampled, sample_s = _count_and_sum(eng.metrics.host_seconds, part="sample")
     between, between_s = _count_and_sum(eng.metrics.host_seconds, part="between")
     assert sampled == 24
-    assert between == 22  # each request's first step followed a wait for work: no step's time
+    assert between == 22  # each request's first step followed none that left work: not counted
     assert sample_s > 0 and between_s > 0 and sample_s + between_s < wall
 
 
