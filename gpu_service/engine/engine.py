@@ -250,7 +250,7 @@ class Engine:
 
     def _append(self, tracked: _Tracked, token, now: float) -> None:
         request = tracked.request
-        request.output.append(token)
+        request.add_output(token)
         self.metrics.generation_tokens.inc()
         if request.first_token_time is None:
             request.first_token_time = now
@@ -264,7 +264,7 @@ class Engine:
         if matcher is not None and (not matcher.accept(token.token_id) or matcher.done):
             reason = FinishReason.STOP  # the grammar is complete (or, failing, cannot go on)
         if tracked.detok is not None:
-            text = tracked.detok.add([t.token_id for t in request.output])
+            text = tracked.detok.add(request.output_ids)
             if tracked.detok.stopped:
                 reason = FinishReason.STOP
         p = request.params

@@ -112,7 +112,7 @@ class Scheduler:
             if request.state != RequestState.RUNNING:
                 continue
             self.kv_cache.extend(request.cache, start + n)
-            seqs.append(ScheduledSeq(request, request.all_ids[start : start + n], start))
+            seqs.append(ScheduledSeq(request, request.ids(start, start + n), start))
             budget -= n
         # admit: the prompt (plus output after a preemption), its first chunk in this step
         while (self.waiting and not preempted and budget > 0 and not chunks.spent(seqs)

@@ -73,7 +73,7 @@ class Simulation:
             self.fed[request.request_id].extend(s.token_ids)
             request.cache.num_tokens = s.start_pos + len(s.token_ids)
             if s.samples:
-                request.output.append(SampledToken(self.g.randrange(1, 1000)))
+                request.add_output(SampledToken(self.g.randrange(1, 1000)))
                 if len(request.output) == request.params.max_tokens:
                     self.scheduler.finish(request, FinishReason.LENGTH, None)
         if self.scheduler.cost_model is not None and step.seqs:
@@ -293,3 +293,15 @@ def test_preemption_beside_time_bounded_chunks_completes_every_request(seed):
 def test_bad_values_are_refused(config, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         SchedulerConfig(**config)
+
+
+def test_a_requests_ids_between_two_positions_are_those_of_its_whole_sequence(seed):
+    rng = random.Random(seed)
+    request = Request("r", [rng.randrange(1000) for _ in range(7)], SamplingParams())
+    for n in range(5):
+        request.add_output(SampledToken(rng.randrange(1000)))
+        whole = request.all_ids
+        assert whole == request.prompt_ids + [t.token_id for t in request.output]
+        for start in range(len(whole) + 1):
+            for end in range(start, len(whole) + 1):
+                assert request.ids(start, end) == whole[start:end], (n, start, end)
