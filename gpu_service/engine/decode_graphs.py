@@ -3,14 +3,15 @@
 A decode step (every sequence adds one token) splits at each MoE layer m_j's call to the experts,
 each part one of the methods CausalLM.forward runs too (the layers are split there, not here):
 
-    segment 0    embed_tokens; layers before m_0; m_0.attend, .mlp_input, .mlp.route
+    segment 0    embed_tokens; layers before m_0; m_0.attend_then_norm, .mlp.route
                  -> x, ids, weights
     host         pending = experts.submit(x, ids, weights)   (copies into the expert channels)
     shared 0     m_0.mlp.shared_out(x)                       (a graph of its own: the GPU runs it
                                                               while the CPU computes the experts)
     host         routed <- pending.wait()                   (into a static buffer)
-    segment 1    h += m_0.mlp.combine(routed, shared); the layers up to m_1's route ...
-    segment n    h += combine(...); the layers left; logits -> [B_pad, V] float32
+    segment 1    m_0.mlp.combine(routed, shared), added to h in the next layer's first norm;
+                 the layers up to m_1's route ...
+    segment n    combine(...); the layers left; logits -> [B_pad, V] float32
 
 With expert deferral (MoE.num_deferred, models/moe.py) segment j also splits m_j's routing into
 an immediate and a deferred call; the host submits both, waits for the immediate one after

@@ -131,14 +131,14 @@ class MLAttention(nn.Module):
         self.cfg, self.layer, self.num_heads = cfg, layer, tp.local(heads, "attention heads")
         q_out = heads * cfg.qk_head_dim
         latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        kv_a = [(f"{p}.kv_a_proj_with_mqa", latent, None)]
+        kv_a = f"{p}.kv_a_proj_with_mqa"
         if cfg.q_lora_rank is None:
             self.q_proj = Linear.load(loader, f"{p}.q_proj", hidden, q_out, shard=tp.column())
-            self.kv_a_proj = Linear.load_stacked(loader, kv_a, hidden, bias=bias)
+            self.kv_a_proj = Linear.load(loader, kv_a, hidden, latent, bias=bias)
         else:
             # NOTE: q_a and kv_a read the same x: one GEMM, [T, q_lora_rank + latent]
-            q_a = [(f"{p}.q_a_proj", cfg.q_lora_rank, None)]
-            self.qkv_a_proj = Linear.load_stacked(loader, q_a + kv_a, hidden, bias=bias)
+            parts = [(f"{p}.q_a_proj", cfg.q_lora_rank, None), (kv_a, latent, None)]
+            self.qkv_a_proj = Linear.load_stacked(loader, parts, hidden, bias=bias)
             self.q_a_norm = RMSNorm.load(loader, f"{p}.q_a_layernorm", cfg.q_lora_rank, 1e-6)
             self.q_b_proj = Linear.load(loader, f"{p}.q_b_proj", cfg.q_lora_rank, q_out,
                                         shard=tp.column())  # fmt: skip

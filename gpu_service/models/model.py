@@ -8,7 +8,7 @@
 
 Families (deepseek.py, qwen_moe.py, mixtral.py) build the attention and MLP modules per layer and
 hand them to `CausalLM` with the KV cache they need. The step is written as methods that split it
-at each MoE layer's expert call (embed_tokens, attend, mlp_input, the MoE's route / shared_out /
+at each MoE layer's expert call (embed_tokens, attend_then_norm, the MoE's route / shared_out /
 combine, logits): the engine's decode graphs run the same methods segment by segment. Usage:
 
     cache = model.kv_cache.allocate(len(prompt))
@@ -58,19 +58,12 @@ class DecoderLayer(nn.Module):
             RMSNorm.load(loader, f"{p}.post_attention_layernorm", hidden, eps),
         )
 
-    def attend(self, h: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """The residual [T, H] after the layer's attention."""
-        return h + self.attn(self.input_norm(h), ctx)
-
-    def mlp_input(self, h: torch.Tensor) -> torch.Tensor:
-        """What the layer's MLP (dense or MoE) runs on: the post-attention norm of h [T, H]."""
-        return self.post_norm(h)
-
     def attend_then_norm(
         self, h: torch.Tensor, ctx: StepContext, pending: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(attend(h), its mlp_input) with `pending` (the layer before's MLP output, not added
-        yet) added to h first: each residual add is one step with the norm after it."""
+        """(the residual [T, H] after the layer's attention, the post-attention norm of it: what
+        the MLP runs on) with `pending` (the layer before's MLP output, not added yet) added to
+        h first: each residual add is one step with the norm after it."""
         if pending is None:
             attn_in = self.input_norm(h)
         else:

@@ -86,8 +86,7 @@ class Reference:
             h = model.embed_tokens(torch.tensor(tokens))  # [T, H]
             pending = None  # the previous MoE layer's deferred output [T, H]
             for i, layer in enumerate(model.layers):
-                h = layer.attend(h, ctx)
-                x = layer.mlp_input(h)
+                h, x = layer.attend_then_norm(h, ctx)
                 if i not in self.moe_layers:
                     h = h + layer.mlp(x)
                     continue
@@ -133,7 +132,7 @@ def test_no_deferral_is_the_forward_of_today(checkpoints, seed) -> None:
             ctx = model.context(AttentionMetadata.build(batch, model.device))
             h = model.embed_tokens(torch.tensor(tokens))
             for layer in model.layers:
-                x = layer.mlp_input(layer.attend(h, ctx))
+                _, x = layer.attend_then_norm(h, ctx)
                 if isinstance(layer.mlp, MoE):
                     ids, weights = layer.mlp.route(x)
                     (ids2, weights2), later = layer.mlp.split(ids, weights)
