@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -294,10 +294,17 @@ def peer_agrees(
     except Exception as e:
         print(f"{what}: omitted: {type(e).__name__}: {e}")
         return False
-    diff = rel_err(inp.out, out.float())
-    ok = bool(torch.isfinite(inp.out.float()).all()) and diff < PEER_MAX_DIFF
-    verdict = "" if ok else f": omitted (over {PEER_MAX_DIFF}: its output is wrong)"
-    print(f"{what}: output vs ours at T={x.shape[0]}: relative difference {diff:.4f}{verdict}")
+    return outputs_agree(inp.out.float(), out.float(), PEER_MAX_DIFF, what, "its output is wrong")
+
+
+def outputs_agree(theirs: torch.Tensor, ours: torch.Tensor, limit: float, what: str,
+                  why: str) -> bool:  # fmt: skip
+    """Whether another kernel's output [T, H] is finite and within `limit` (relative) of ours;
+    prints the difference, and `why` its rows are omitted where not."""
+    diff = rel_err(theirs, ours)
+    ok = bool(torch.isfinite(theirs).all()) and diff < limit
+    verdict = "" if ok else f": omitted (over {limit}: {why})"
+    print(f"{what}: output vs ours at T={ours.shape[0]}: relative difference {diff:.2e}{verdict}")
     return ok
 
 
@@ -311,11 +318,7 @@ def baseline_agrees(
     ours = torch.empty_like(theirs)
     base.forward(packed, x, ids, w, theirs)
     kern.forward(packed, x, ids, w, ours)
-    diff = rel_err(theirs, ours)
-    ok = bool(torch.isfinite(theirs).all()) and diff < BASELINE_MAX_DIFF
-    verdict = "" if ok else f": omitted (over {BASELINE_MAX_DIFF}: another packed layout?)"
-    print(f"{what}: output vs ours at T={x.shape[0]}: relative difference {diff:.2e}{verdict}")
-    return ok
+    return outputs_agree(theirs, ours, BASELINE_MAX_DIFF, what, "another packed layout?")
 
 
 def bench_format(
@@ -367,8 +370,7 @@ def bench_format(
                 series.append(ours_series(kern, packed, seed_packed, xd, routes, x, shape))
                 if base is not None:
                     s = ours_series(base, packed, seed_packed, xd, routes, x, shape)
-                    series.append(Series(f"baseline {s.impl}", s.fmt, s.tokens, s.x_dtype, True,
-                                         s.bytes_per_call, s.flops_per_call, s.call))  # fmt: skip
+                    series.append(replace(s, impl=f"baseline {s.impl}", peer=True))
             for pf, their in theirs.items():
                 assert peer is not None
                 routes, x = inputs[peer_xd, T]
