@@ -8,6 +8,8 @@ writes them) and the GPU service in this process, once per mode:
             worker's per-call phases are then per call, two per deferring layer)
   graph-memops   graph with --device-handoff memops (copies and stream memory operations where
             by default Triton kernels read and write the workers' slots)
+  graph-unchained  graph with --no-chain-decode-steps (each decode step decided and launched
+            after the last one's tokens reach the host)
   graph-unfused  graph with --no-fused-kernels (RMSNorm and RoPE as torch's elementwise steps)
   stream-off, stream-on, stream-auto  graph with --stream-prefill off / on / auto: prefill's
             chunks through the CPU workers, streamed to the GPU, or as the start-up cost model
@@ -69,6 +71,8 @@ MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
                           max_deferred_experts_per_token=1),
          "segments-d1": dict(cuda_graphs=True, graph_expert_calls=False,
                              max_deferred_experts_per_token=1),
+         "graph-unchained": dict(cuda_graphs=True, graph_expert_calls=True,
+                                 chain_decode_steps=False),
          "graph-unfused": dict(cuda_graphs=True, graph_expert_calls=True, fused_kernels=False),
          "graph-memops": dict(cuda_graphs=True, graph_expert_calls=True,
                               experts=dict(device_handoff="memops")),

@@ -261,6 +261,16 @@ class GPUServiceConfig:
         "hidden states to the workers and waits for their replies, so a step is one graph; "
         "--gpu-experts and --expert-placement always use segments)",
     )
+    chain_decode_steps: bool = flag(
+        True,
+        name="--no-chain-decode-steps",
+        help="with CUDA graphs, decide and launch each decode step after the last one's tokens "
+        "reach the host (by default a step that continues the last one, where no request waits "
+        "to be admitted and every row samples without host state: no grammar, penalties or "
+        "logprobs, is launched as soon as the last one's graph ends, its tokens taken from the "
+        "last one's samples on the GPU, while the host reads them; a request that ends meanwhile "
+        "costs its row one step of computing)",
+    )
     max_deferred_experts_per_token: int = flag(
         0,
         metavar="N",

@@ -148,7 +148,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
                      config.tensor_parallel_size)  # fmt: skip
         elif device.type == "cuda" and config.cuda_graphs:
             graphs = DecodeGraphConfig(max_batch=max_graph_batch,
-                                       experts_in_graph=config.graph_expert_calls)  # fmt: skip
+                                       experts_in_graph=config.graph_expert_calls,
+                                       chain_steps=config.chain_decode_steps)  # fmt: skip
         metrics = EngineMetrics(max_model_len=max_model_len)
         metrics.observe_memory_plan(plan)
         experts.on_round_trip = metrics.moe_round_trip.observe

@@ -63,12 +63,15 @@ class DecodeGraphConfig:
     the smallest K_pad, doubled as sequences grow. capture: record CUDA graphs (False runs the
     same segments eagerly: for devices without graphs, and for tests). experts_in_graph: the
     device makes the expert calls, one graph per step (where the experts can; else the host
-    calls them between segments)."""
+    calls them between segments). chain_steps: a decode step that continues the last one is
+    launched as soon as the last one's graph ends, its tokens taken on the device from the last
+    step's samples, and the host reads the last step's tokens while it runs (engine.py)."""
 
     max_batch: int = 32
     min_kv_bucket: int = 256
     capture: bool = True
     experts_in_graph: bool = True
+    chain_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.min_kv_bucket < 1:
@@ -180,6 +183,7 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.num_graphs = 0
         self.calls = self._device_calls() if config.experts_in_graph and self.moes else None
+        self._launched = False  # a step with device calls launched and not yet waited for
 
     def _device_calls(self):
         experts = {id(moe.experts): moe.experts for moe in self.moes}
@@ -211,6 +215,14 @@ class DecodeGraphs:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
         """float32 logits [B, V], as CausalLM.forward(batch) gives for a decode batch."""
+        logits = self.launch(batch, self.prepare(batch))
+        self.wait()
+        return logits
+
+    def prepare(self, batch: Batch, capture: bool = True) -> _Bucket | None:
+        """The batch's bucket with its host inputs filled (what may run while another step is
+        on the device); None where its graphs are not captured yet and capture is False (a
+        capture runs a step of its own)."""
         if not self.supports(batch):
             raise ValueError(
                 f"not a decode batch of at most {self.config.max_batch} sequences with one "
@@ -218,19 +230,40 @@ class DecodeGraphs:
             )
         model = self.model
         model.check_batch(batch)
+        bucket = self._bucket(len(batch.seqs), max(s.end_pos for s in batch.seqs), capture)
+        if bucket is not None:
+            bucket.fill(batch, model.kv_cache.scratch_slot)
+        return bucket
+
+    @torch.inference_mode()
+    def launch(self, batch: Batch, bucket: _Bucket,
+               tokens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Start the prepared step (after the last one's wait()): float32 logits [B, V], to be
+        read on the stream, final once wait() returns. tokens: [B] the rows' input ids on the
+        device, in place of the batch's (a chained step's: the last step's samples)."""
+        if self._launched:
+            raise RuntimeError("a decode step is still on the device: wait() for it first")
         b = len(batch.seqs)
-        bucket = self._bucket(b, max(s.end_pos for s in batch.seqs))
-        bucket.fill(batch, model.kv_cache.scratch_slot)
         bucket.upload()
+        if tokens is not None:
+            bucket.tokens[:b].copy_(tokens)
         logits = self._run(bucket, b)
         for s in batch.seqs:
             s.cache.num_tokens = s.end_pos
         return logits[:b]
 
+    def wait(self) -> None:
+        """Host: see the launched step through (DeviceCalls.wait: raises ExpertsUnavailable where
+        the workers failed it). A step whose expert calls the host makes is through at launch."""
+        if not self._launched:
+            return
+        self._launched = False
+        self.calls.wait()
+
     # ------------------------------------------------------------------ execution
     def _run(self, bucket: _Bucket, b: int) -> torch.Tensor:
         """The stages in the order _capture records them: with capture on each replays its graph,
-        with capture off it computes."""
+        with capture off it computes. With device calls the step is only launched (wait())."""
         if self.calls is not None:
             self.calls.begin_step(bucket.batch, b)
             if self.config.capture:
@@ -238,7 +271,7 @@ class DecodeGraphs:
                 logits = bucket.outputs[0]
             else:
                 logits = self._step(bucket)
-            self.calls.wait()
+            self._launched = True
             return logits
         run = bucket.replayer() if self.config.capture else _compute
         out = run(self._segment, bucket, 0, None, None)
@@ -308,11 +341,13 @@ class DecodeGraphs:
         return _SegmentOut(h, ctx, (x, *now), later)
 
     # ------------------------------------------------------------------ capture
-    def _bucket(self, batch: int, kv_len: int) -> _Bucket:
+    def _bucket(self, batch: int, kv_len: int, capture: bool = True) -> _Bucket | None:
         cfg, cache = self.config, self.model.kv_cache
         b_pad = next(size for size in cfg.batch_buckets if size >= batch)
         k_pad = cfg.kv_bucket(kv_len, cache.block_size)
         bucket = self._buckets.get((b_pad, k_pad))
+        if bucket is None and not capture:
+            return None
         if bucket is None:
             hidden = self.model.config.hidden_size
             bucket = _Bucket(b_pad, k_pad, cache.block_size, hidden, self.model.device)

@@ -5,6 +5,12 @@
            result = runner.run(step)           # one forward + sampling
            update(step, result)                # append tokens, stop checks, events, free caches
 
+A graphed decode step whose rows sample on the device is started instead, and the next decode
+step chained to it while it runs (runner.py's diagram): the scheduler decides that step before
+this one's tokens are known (Scheduler.chain), the runner launches it once this one's device
+work is through, and this one's tokens are appended while it runs. A row whose request this
+step ended (EOS, a stop string) is dropped from the chained step's results, like an aborted one.
+
 Callers (HTTP handlers, tests) talk to it from other threads: `add_request` with a callback that
 receives TokenEvents (called on the engine thread: keep it short), `abort`, and `generate` for a
 blocking call. `add_request` validates the request first (validation.py) and raises the typed
@@ -34,9 +40,9 @@ from gpu_service.engine.errors import (
 )
 from gpu_service.engine.metrics import EngineMetrics
 from gpu_service.engine.request import FinishReason, Request, RequestState, TokenEvent
-from gpu_service.engine.runner import Runner
+from gpu_service.engine.runner import Runner, Started, StepResult, samples_on_device
 from gpu_service.engine.sampling import SamplingParams
-from gpu_service.engine.scheduler import Scheduler, SchedulerConfig
+from gpu_service.engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from gpu_service.engine.step_cost import StepShape
 from gpu_service.engine.validation import RequestLimits
 from gpu_service.models.model import CausalLM
@@ -80,6 +86,9 @@ class Engine:
         # it failed)
         self._last_step_end: float | None = None
         self.experts_stats = experts_stats
+        # a started step chained to the last one (launched, not yet collected), and the MoE
+        # times when it was launched
+        self._chained: tuple[ScheduledStep, Started, tuple[float, float]] | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._tracked: dict[str, _Tracked] = {}
@@ -158,11 +167,18 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox()
-            if not self.scheduler.has_work():
+            if self._chained is None and not self.scheduler.has_work():
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
             self.step()
+        if self._chained is not None:  # NOTE: its device work ends before the caches go
+            step, started, _ = self._chained
+            self._chained = None
+            try:
+                self.runner.wait(started)
+            except Exception:  # noqa: BLE001 - its requests end below
+                log.exception("the last chained step failed")
         for tracked in list(self._tracked.values()):
             self._finish(tracked, FinishReason.ABORT, EngineStopped("the engine stopped"))
 
@@ -181,7 +197,14 @@ class Engine:
                 self._finish(self._tracked[item], FinishReason.ABORT, aborted)
 
     def step(self) -> None:
-        """One scheduling decision and its execution (the engine thread's unit of work)."""
+        """One scheduling decision and its execution (the engine thread's unit of work); a
+        chained step launched by the last call is collected instead."""
+        if self._chained is not None:
+            step, started, moe_before = self._chained
+            self._chained = None
+            self._update_gauges()
+            self._finish_started(step, started, moe_before)
+            return
         step = self.scheduler.schedule()
         self._update_gauges()
         self.metrics.preemptions.inc(len(step.preempted))
@@ -205,20 +228,72 @@ class Engine:
         started = time.perf_counter()
         if self._last_step_end is not None:
             self.metrics.host_seconds.labels(part="between").observe(started - self._last_step_end)
+        if self.runner.can_start(step):
+            try:
+                launched = self.runner.start(step)
+            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+                self._fail_step(step, exc)
+                return
+            self._finish_started(step, launched, moe_before)
+            return
         try:
             result = self.runner.run(step)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
-            self._last_step_end = None
-            log.exception("step failed")
-            error = step_error(exc)
-            if step.block_copies:  # NOTE: a block brought back may hold what a failed copy left
-                self.model.kv_cache.reset_prefix_cache()
-            for s in step.seqs:
-                tracked = self._tracked.get(s.request.request_id)
-                if tracked is not None:
-                    self._finish(tracked, FinishReason.ERROR, error)
+            self._fail_step(step, exc)
             return
         self._last_step_end = time.perf_counter()
+        self._complete(step, result, moe_before)
+
+    def _finish_started(self, step: ScheduledStep, started: Started,
+                        moe_before: tuple[float, float]) -> None:  # fmt: skip
+        """See a started step through: chain the next one to it (decided and prepared while it
+        runs, launched once its device work is through), then take its tokens."""
+        chained = prepared = None
+        if self.runner.chains:
+            try:
+                chained = self.scheduler.chain(step, samples_on_device)
+                prepared = self.runner.prepare(chained) if chained is not None else None
+            except Exception:  # noqa: BLE001 - not chained: the next step is scheduled anew
+                log.exception("could not chain a decode step")
+                prepared = None
+        try:
+            self.runner.wait(started)
+        except Exception as exc:  # noqa: BLE001 - its requests (the chained one's too) end
+            self._fail_step(step, exc)
+            return
+        launch_error = None
+        if prepared is not None:
+            try:
+                launched = self.runner.launch(chained, prepared, after=started)
+            except Exception as exc:  # noqa: BLE001 - after this step's tokens: its requests end
+                launch_error = exc
+            else:
+                self._chained = (chained, launched, self._moe_seconds())
+                between = launched.launched_at - started.done_at
+                self.metrics.host_seconds.labels(part="between").observe(between)
+                self.metrics.chained_steps.inc()
+        result = self.runner.collect(started)
+        # NOTE: a chained step's 'between' is counted above: the next step() call collects it
+        self._last_step_end = time.perf_counter() if self._chained is None else None
+        self._complete(step, result, moe_before)
+        if launch_error is not None:
+            self._fail_step(chained, launch_error)
+
+    def _fail_step(self, step: ScheduledStep, exc: Exception) -> None:
+        """A step failed: its requests end with the typed error (the engine keeps serving)."""
+        self._last_step_end = None
+        log.exception("step failed", exc_info=exc)
+        error = step_error(exc)
+        if step.block_copies:  # NOTE: a block brought back may hold what a failed copy left
+            self.model.kv_cache.reset_prefix_cache()
+        for s in step.seqs:
+            tracked = self._tracked.get(s.request.request_id)
+            if tracked is not None:
+                self._finish(tracked, FinishReason.ERROR, error)
+
+    def _complete(self, step: ScheduledStep, result: StepResult,
+                  moe_before: tuple[float, float]) -> None:  # fmt: skip
+        """A step's results: its metrics, then its tokens appended (stop checks, events)."""
         transfer, wait = (b - a for a, b in zip(moe_before, self._moe_seconds()))
         self.metrics.observe_step(result.seconds, transfer, wait, step.num_tokens, result.graphed)
         if result.sample_seconds:

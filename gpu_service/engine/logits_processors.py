@@ -83,8 +83,8 @@ def process_logits(logits: torch.Tensor, rows: LogitsInput) -> torch.Tensor:
     out = logits
     if cells:
         out = logits.clone()
-        index = torch.tensor([c[:2] for c in cells], dtype=torch.int64).to(device)  # [N, 2]
-        values = torch.tensor([c[2] for c in cells], dtype=logits.dtype).to(device)
+        index = to_device(torch.tensor([c[:2] for c in cells], dtype=torch.int64), device)  # [N, 2]
+        values = to_device(torch.tensor([c[2] for c in cells], dtype=logits.dtype), device)
         if held_cells:
             out.index_put_((index[:held_cells, 0], index[:held_cells, 1]), values[:held_cells])
         if len(cells) > held_cells:  # NOTE: after the -inf: a bias never lifts a held token
@@ -118,4 +118,13 @@ def token_counts(ids: Sequence[Sequence[int]], vocab: int, device: torch.device)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)[:, None]
+    return to_device(torch.tensor(values, dtype=torch.float32), device)[:, None]
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to `device` without waiting for the device: on CUDA through pinned
+    memory, since a copy from pageable memory first waits for the stream's earlier work (after
+    a chained decode step's launch, that is the whole step: runner.py)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -133,9 +133,15 @@ class EngineMetrics:
             "The engine thread's own work per step, outside the forward: between (from one "
             "step's results to the next step's start, where that step left requests running "
             "or waiting: output processing, new requests, scheduling), sample (logits to token "
-            "ids, the device sync included)",
+            "ids, the device sync included); for a step chained to the last one, between is "
+            "from the last one's device work ending to this one's launch",
             FAST,
             ["part"],
+        )
+        self.chained_steps = counter(
+            "ktserve_chained_steps",
+            "Decode steps chained to the step before them: launched as soon as its device work "
+            "ended, their tokens its samples on the device (--no-chain-decode-steps: none)",
         )
         self.step_tokens = counter("ktserve_step_tokens", "Tokens run through the model")
         self.steps = counter(

@@ -3,7 +3,17 @@ requests that have one (grammar.py; computed while the forward runs), then sampl
 DecodeGraphConfig it builds DecodeGraphs (capturing batch 1's graphs now, the others on first
 use), and decode steps that fit go through them; everything else runs the model's forward.
 A step's copies between KV-cache tiers (prefix blocks evicted to host RAM or brought back) run
-first, on the same stream, so the forward reads and overwrites those blocks after them."""
+first, on the same stream, so the forward reads and overwrites those blocks after them.
+
+A decode step whose rows all sample on the device (samples_on_device) can be started instead of
+run: launched with its sampling and the samples' copy to the host enqueued behind it, then
+waited for and collected. While it runs, the next step, chained to it (Scheduler.chain), is
+prepared; once the device's step is through, the chained one is launched with its tokens taken
+from the samples on the device, and only then are the first step's samples read:
+
+    host    start(N)  prepare(N+1)  wait(N) | launch(N+1, after=N)  collect(N)  prepare(N+2) ...
+    device  [step N ........] [sample N] [step N+1 .........................] [sample N+1]
+"""
 
 from __future__ import annotations
 
@@ -15,7 +25,7 @@ import torch
 
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.engine.grammar import TokenMasker
-from gpu_service.engine.logits_processors import LogitsInput, TokenHistory
+from gpu_service.engine.logits_processors import LogitsInput, TokenHistory, to_device
 from gpu_service.engine.request import Request
 from gpu_service.engine.sampling import SampledToken, Sampler
 from gpu_service.engine.scheduler import ScheduledStep
@@ -30,6 +40,29 @@ class StepResult:
     graphed: bool = False  # the forward ran as CUDA graphs (DecodeGraphs)
     streamed: bool = False  # its prefill rows' experts streamed through the GPU (stream_prefill)
     sample_seconds: float = 0.0  # logits to token ids (the grammar masks applied, the sync waited)
+
+
+@dataclass
+class Started:
+    """A decode step launched on the device with its sampling behind it (Runner.start / launch):
+    wait() for the device, then collect() its tokens."""
+
+    step: ScheduledStep
+    tokens: torch.Tensor  # [B] int64 on the device: the rows' samples
+    host_tokens: torch.Tensor  # [B] int64: their copy to the host (pinned on CUDA)
+    copied: torch.cuda.Event | None  # recorded after that copy (None off CUDA)
+    launched_at: float
+    done_at: float | None = None
+
+
+def samples_on_device(request: Request) -> bool:
+    """Whether the request's next token is sampled from its params alone: no grammar, no
+    penalties (their counts follow the output), no logprobs (read beside the token), and
+    min_tokens reached (it masks by the output's length, which a chained step's sampling sees
+    one token short)."""
+    p = request.params
+    return (request.matcher is None and not p.penalized and not p.logprobs
+            and len(request.output) >= p.min_tokens)  # fmt: skip
 
 
 class Runner:
@@ -59,7 +92,7 @@ class Runner:
         self.model.kv_cache.copy_blocks(step.block_copies)
         if not step.seqs:
             return StepResult((), time.perf_counter() - start)
-        batch = Batch(tuple(SeqInput(s.token_ids, s.request.cache, s.start_pos) for s in step.seqs))
+        batch = _batch(step)
         graphs = self.decode_graphs
         graphed = graphs is not None and graphs.supports(batch)
         model = graphs if graphed else self.model
@@ -81,6 +114,82 @@ class Runner:
         end = time.perf_counter()
         return StepResult(tuple(tokens), end - start, graphed, streamed, end - forwarded)
 
+    # ------------------------------------------------------------------ started steps
+    @property
+    def chains(self) -> bool:
+        """Whether decode steps are started and chained (DecodeGraphConfig.chain_steps)."""
+        return self.decode_graphs is not None and self.decode_graphs.config.chain_steps
+
+    def can_start(self, step: ScheduledStep) -> bool:
+        """Whether `step` can go through start() (else run()): a graphed decode step whose
+        rows all sample on the device."""
+        return (
+            self.chains
+            and bool(step.seqs)
+            and len(step.seqs) <= self.decode_graphs.config.max_batch
+            and all(
+                len(s.token_ids) == 1 and s.samples and samples_on_device(s.request)
+                for s in step.seqs
+            )
+        )
+
+    def start(self, step: ScheduledStep) -> Started:
+        """Launch a step can_start() took (its graphs captured first where they are not yet)."""
+        self.model.kv_cache.copy_blocks(step.block_copies)
+        batch = _batch(step)
+        return self._launch(step, batch, self.decode_graphs.prepare(batch), None)
+
+    def prepare(self, step: ScheduledStep):
+        """A chained step's host inputs, filled while the step before it runs; None where its
+        bucket has no graphs yet (a capture runs a step: it waits for the next step)."""
+        return self.decode_graphs.prepare(_batch(step), capture=False)
+
+    def launch(self, step: ScheduledStep, prepared, after: Started) -> Started:
+        """Launch the chained `step` (prepared) once `after`, the step it continues, is waited
+        for; each row's token is its request's sample in `after`."""
+        self.model.kv_cache.copy_blocks(step.block_copies)
+        rows = {id(s.request): i for i, s in enumerate(after.step.seqs)}
+        index = [rows[id(s.request)] for s in step.seqs]
+        if index == list(range(len(index))):
+            tokens = after.tokens[: len(index)]
+        else:
+            tokens = after.tokens[to_device(torch.tensor(index), after.tokens.device)]
+        return self._launch(step, _batch(step), prepared, tokens)
+
+    def _launch(self, step: ScheduledStep, batch: Batch, bucket,
+                tokens: torch.Tensor | None) -> Started:  # fmt: skip
+        launched_at = time.perf_counter()
+        logits = self.decode_graphs.launch(batch, bucket, tokens)  # [B, V] float32
+        requests = [s.request for s in step.seqs]
+        rows = LogitsInput([r.params for r in requests], [len(r.output) for r in requests])
+        sampled = self.sampler.sample_ids(logits, rows, [r.generator for r in requests])
+        copied = None
+        if sampled.is_cuda:
+            host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+            host.copy_(sampled, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        else:
+            host = sampled.clone()
+        return Started(step, sampled, host, copied, launched_at)
+
+    def wait(self, started: Started) -> None:
+        """Host: until the started step's device work is through (raises what the step failed
+        with: DeviceCalls.wait)."""
+        self.decode_graphs.wait()
+        started.done_at = time.perf_counter()
+
+    def collect(self, started: Started) -> StepResult:
+        """The started step's tokens (after wait())."""
+        start = time.perf_counter()
+        if started.copied is not None:
+            started.copied.synchronize()
+        tokens = tuple(SampledToken(t) for t in started.host_tokens.tolist())
+        end = time.perf_counter()
+        return StepResult(tokens, started.done_at - started.launched_at, graphed=True,
+                          sample_seconds=end - start)  # fmt: skip
+
+    # ------------------------------------------------------------------ sampling
     def sample(self, logits, requests: list[Request]) -> list[SampledToken]:
         """The rows' tokens; penalized requests keep their counts on the device (history)."""
         params = [r.params for r in requests]
@@ -105,3 +214,7 @@ class Runner:
                                     for r in requests])  # fmt: skip  # [B, V]
         rows = LogitsInput(params, num_output, counts, seen)
         return self.sampler.sample_rows(logits, rows, generators)
+
+
+def _batch(step: ScheduledStep) -> Batch:
+    return Batch(tuple(SeqInput(s.token_ids, s.request.cache, s.start_pos) for s in step.seqs))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gpu_service.engine.logits_processors import LogitsInput, process_logits
+from gpu_service.engine.logits_processors import LogitsInput, process_logits, to_device
 
 if TYPE_CHECKING:
     from gpu_service.engine.grammar import Grammar
@@ -146,6 +146,18 @@ class Sampler:
     ) -> list[SampledToken]:
         """As __call__, with the rows' history already on the device (LogitsInput)."""
         raw = logits.float()
+        tokens = self.sample_ids(raw, rows, generators).tolist()
+        return _with_logprobs(raw, tokens, rows.params)
+
+    def sample_ids(
+        self,
+        logits: torch.Tensor,
+        rows: LogitsInput,
+        generators: Sequence[torch.Generator | None],
+    ) -> torch.Tensor:
+        """The rows' token ids (int64 [B], on logits' device), nothing waited for on the host
+        (on CUDA every host value goes through pinned memory)."""
+        raw = logits.float()
         if not rows.eos_token_ids and self.eos_token_ids:
             rows = replace(rows, eos_token_ids=self.eos_token_ids)
         processed = process_logits(raw, rows)
@@ -154,8 +166,7 @@ class Sampler:
             # grammar allows) samples from its logits as they came instead.
             dead = torch.isinf(processed).all(dim=-1, keepdim=True)  # [B, 1]
             processed = torch.where(dead, raw, processed)
-        tokens = sample(processed, rows.params, generators).tolist()
-        return _with_logprobs(raw, tokens, rows.params)
+        return sample(processed, rows.params, generators)
 
 
 def sample(
@@ -184,7 +195,7 @@ def sample(
     u = column([float(torch.rand(1, generator=g)) for g in generators], torch.float64)
     drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)  # [B]
     drawn = drawn.clamp_(max=logits.shape[1] - 1)
-    return torch.where(torch.tensor(greedy, device=device), argmax, drawn)
+    return torch.where(to_device(torch.tensor(greedy), device), argmax, drawn)
 
 
 def _top_k_top_p(scores: torch.Tensor, params: Sequence[SamplingParams], column) -> torch.Tensor:
@@ -203,7 +214,7 @@ def _top_k_top_p(scores: torch.Tensor, params: Sequence[SamplingParams], column)
 
 def _columns(device: torch.device):
     def column(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)[:, None]  # [B, 1]
+        return to_device(torch.tensor(values, dtype=dtype), device)[:, None]  # [B, 1]
 
     return column
 

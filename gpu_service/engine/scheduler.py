@@ -27,6 +27,7 @@ step filled to the prefix cache, and so does a request's end or preemption befor
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpu_service.config import SchedulerConfig
@@ -43,11 +44,13 @@ class ScheduledSeq:
     request: Request
     token_ids: list[int]
     start_pos: int
+    # its token is the last step's sample, on the device still (token_ids holds a stand-in)
+    chained: bool = False
 
     @property
     def samples(self) -> bool:
         """Whether this step feeds the request's last token (a chunk before it samples nothing)."""
-        return self.start_pos + len(self.token_ids) == self.request.num_tokens
+        return self.chained or self.start_pos + len(self.token_ids) == self.request.num_tokens
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,41 @@ class Scheduler:
             budget -= n
         copies = self.kv_cache.take_copies()
         return ScheduledStep(tuple(seqs), tuple(preempted), copies, chunks.bound_s)
+
+    def chain(self, step: ScheduledStep,
+              chainable: Callable[[Request], bool]) -> ScheduledStep | None:  # fmt: skip
+        """The decode step after `step`, decided before step's tokens are known (its rows'
+        tokens come from step's samples on the device): each of step's requests one token
+        further, but those that finished since and those whose step token is their last
+        (max_tokens, max_model_len). None where the next step must wait for step's results:
+        a request waits to be admitted, a row of step is not a sampling decode or not
+        `chainable`, or a cache cannot grow without preempting.
+        NOTE: step's tokens are not in the requests' output yet: each row is one token ahead of
+        its request (the runner feeds it the sample; the engine appends it before this step's)."""
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return None
+        seqs: list[ScheduledSeq] = []
+        for s in step.seqs:
+            request = s.request
+            if len(s.token_ids) != 1 or not s.samples:
+                return None
+            if request.state != RequestState.RUNNING:
+                continue
+            if not chainable(request):
+                return None
+            self._cache_computed(request)
+            end_pos = s.start_pos + 2  # this step feeds step's sample, at start_pos + 1
+            # step's token makes len(output) + 1 (a LENGTH end, if either bound is reached)
+            if (len(request.output) + 1 >= request.params.max_tokens
+                    or end_pos >= self.config.max_model_len):  # fmt: skip
+                continue
+            if not self.kv_cache.can_extend(request.cache, end_pos):
+                return None
+            self.kv_cache.extend(request.cache, end_pos)
+            seqs.append(ScheduledSeq(request, [0], s.start_pos + 1, chained=True))
+        if not seqs:
+            return None
+        return ScheduledStep(tuple(seqs), (), self.kv_cache.take_copies())
 
     def _block_hashes(self, request: Request, ids: list[int] | None = None) -> list[bytes]:
         """The chained hashes of the request's full blocks (kept on it, extended as it grows)."""
