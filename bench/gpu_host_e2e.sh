@@ -7,14 +7,17 @@
 #             llama.cpp runs in a bench process of its own (--resume), as on 2026-12-01 (run
 #             by the process that had run ktserve's modes, on 2026-12-02, it was half as fast);
 #             ~10 minutes in all: within one 600 s call with two MODES (stream-off,stream-auto)
+#   q16       the same 16 layers, ktserve's MODES alone (no llama.cpp; BATCH, PREFILL: 1,4,16
+#             and none), after the CUDA tests of the chained decode steps: ~4 minutes
 #   qwen48    all 48 layers (FP8 experts; bf16 would not fit the disk): ktserve int4 (MODES)
 #   deepseek  DeepSeek-V3 shapes, 1 dense + 2 MoE layers (FP8 experts): batch 1 and 4
 # Needs the wheels in .whl/ (posix_ipc, grpcio, ...: the host has no network) and, for llama16,
 # the llama.cpp tarball and run_peer.sh/convert_wrapper.py in .peer/ (carry .whl and .peer).
-#   usage: bash bench/gpu_host_e2e.sh llama16|qwen48|deepseek   (MODES, SPIN_US in the environment)
+#   usage: bash bench/gpu_host_e2e.sh llama16|q16|qwen48|deepseek   (MODES, SPIN_US in the
+#          environment)
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
-part="${1:?usage: gpu_host_e2e.sh llama16|qwen48|deepseek}"
+part="${1:?usage: gpu_host_e2e.sh llama16|q16|qwen48|deepseek}"
 # stream-off@2: the first mode again, last: drift, or what a mode leaves behind, shows
 MODES="${MODES:-stream-off,stream-auto,stream-off@2}"
 SPIN="${SPIN_US:+--spin-us $SPIN_US}"
@@ -43,6 +46,14 @@ llama16)
   e2e 150 "$work/q16" --format int4 --threads 15 --batch 1,4,16,64 --prefill 512,2048,8192 \
     --tokens 64 --resume "$out/q16.json" --llama-build "$work/llama/build" \
     --gguf "$work/q16-Q4_0.gguf" --peer-script .peer/run_peer.sh --llama-reps 1 ;;
+q16)
+  build & b=$!
+  timeout 200 python3 bench/real_checkpoint.py "$work/q16" --shape qwen3 --layers 16 | tail -1
+  wait $b || exit 1; say built
+  cuda_tests "$out/tests-chained-cuda.log" 240 tests/gpu_service/test_chained_steps.py
+  e2e 400 "$work/q16" --format int4 --threads 15 $SPIN --batch "${BATCH:-1,4,16}" \
+    --prefill "${PREFILL:-}" --prefill-reps 1 --tokens 64 --modes "$MODES" \
+    --json "$out/q16.json" ;;
 qwen48)
   build & b=$!
   timeout 150 python3 bench/real_checkpoint.py "$work/q48" --shape qwen3 --layers 48 \

@@ -201,8 +201,8 @@ def test_an_abort_mid_chain_ends_the_request_and_frees_its_cache(checkpoint, dev
             running.set()
 
     try:
-        rid = engine.add_request(prompts(seed)[0], SamplingParams(max_tokens=100,
-                                                                  ignore_eos=True), on_event)  # fmt: skip
+        params = SamplingParams(max_tokens=100, ignore_eos=True)
+        rid = engine.add_request(prompts(seed)[0], params, on_event)
         assert running.wait(120)
         engine.abort(rid)
         after = engine.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=0))
