@@ -357,6 +357,13 @@ class DeviceCalls:
                 f"expert worker {worker.address} gave no answer in {self.timeout_s:.0f} s"
             )
 
+    def wake(self) -> None:
+        """Host, right after a launch, where it has other work before wait(): until every
+        worker has the step's first call, waking one that slept across the step's end (the
+        device cannot; wait() does it for the later calls). A failure is left for wait()."""
+        if not self.stream.runs_on_host:
+            ktshm.wait_device_step(self.channels, self.timeout_s, until_called=True)
+
     def _abandon_step(self) -> None:
         """Answer every call the device still makes this step with an error, then reset."""
         for ch in self.channels:

@@ -119,6 +119,8 @@ cdef extern from "ktshm.h" nogil:
         int32_t fail_status
         uint32_t found_channel
         uint32_t found_slot
+        int until_called
+        int called
 
     ctypedef struct kt_heartbeat:
         pass

@@ -1054,16 +1054,20 @@ cdef class Channel:
         raise exc
 
 
-def wait_device_step(channels, timeout, fail_status=0):
+def wait_device_step(channels, timeout, fail_status=0, until_called=False):
     """Host side of one device step over device channels (producer ends): wait until the
     device sets channels[0]'s done word, waking consumers that sleep on a posted bell and
     checking their heartbeats (see kt_wait_step in ktshm.h). Returns None when every call was
     answered, else (status, channel index, slot): KT status codes EREMOTE (that slot's reply is
     an error: device_reply() raises it), EPEER_DIED, EPEER_RESTARTED or ETIMEOUT. A non-zero
     fail_status answers every posted bell with that error instead (the consumers are gone and
-    the device must get through the step)."""
+    the device must get through the step). until_called: return None already once every
+    channel has a call of the step, its consumer woken (the host has other work before it
+    waits for the rest of the step)."""
     cdef Channel ch
     cdef uint32_t n = len(channels)
+    if until_called and fail_status:
+        raise ValueError("until_called wakes consumers; fail_status answers for them: not both")
     if n == 0:
         raise ValueError("no channels")
     if n > 64:
@@ -1090,6 +1094,8 @@ def wait_device_step(channels, timeout, fail_status=0):
     a.fail_status = fail_status
     a.found_channel = 0
     a.found_slot = 0
+    a.until_called = 1 if until_called else 0
+    a.called = 0
     cdef int st
     with nogil:
         st = kt_wait_step(&a)

@@ -342,7 +342,10 @@ static inline int kt_wait(kt_wait_args *a) {
  * semaphore) and watching their heartbeats. With fail set, answer every posted bell with an
  * error reply instead (the consumer is gone for good: the device must still get through the
  * step). Returns KT_OK, KT_EREMOTE (a slot's reply carries an error; found_* say which),
- * KT_EPEER_DIED / KT_EPEER_RESTARTED (found_channel), or KT_ETIMEOUT. */
+ * KT_EPEER_DIED / KT_EPEER_RESTARTED (found_channel), or KT_ETIMEOUT. With until_called set it
+ * returns KT_OK (called = 1) as soon as every channel has a call of the step (posted, its
+ * consumer woken, or taken), spinning meanwhile: the host has other work before the rest of
+ * the step's wait, and a consumer that slept across the step's end must not wait for it. */
 typedef struct {
     const kt_map **maps;
     sem_t **sems; /* each channel's request semaphore */
@@ -354,6 +357,8 @@ typedef struct {
     int32_t fail_status;
     uint32_t found_channel;
     uint32_t found_slot;
+    int until_called;
+    int called;
 } kt_step_args;
 
 #define KT_STEP_SPIN_NS 20000ULL /* then poll every KT_STEP_POLL_NS, leaving the core */
@@ -377,11 +382,19 @@ static inline int kt_wait_step(kt_step_args *a) {
             }
             return KT_OK;
         }
+        uint32_t calling = 0; /* channels with a call of this step */
         for (uint32_t c = 0; c < a->n; c++) {
             kt_header *h = (kt_header *)a->maps[c]->base;
             for (uint32_t i = 0; i < a->maps[c]->num_slots; i++) {
                 kt_slot_header *s = kt_slot(a->maps[c], i);
-                if (atomic_load_explicit(&s->request_bell, memory_order_acquire) != KT_BELL_POSTED)
+                uint32_t bell = atomic_load_explicit(&s->request_bell, memory_order_acquire);
+                if (a->until_called && (bell != KT_BELL_IDLE ||
+                                        atomic_load_explicit(&s->reply_bell, memory_order_acquire))) {
+                    calling++;
+                    if (bell == KT_BELL_POSTED) kt_notify(&h->consumer_sleeping, a->sems[c]);
+                    break;
+                }
+                if (bell != KT_BELL_POSTED)
                     continue;
                 if (!a->fail) {
                     kt_notify(&h->consumer_sleeping, a->sems[c]);
@@ -395,6 +408,10 @@ static inline int kt_wait_step(kt_step_args *a) {
                 s->reply.message_len = 0;
                 atomic_store_explicit(&s->reply_bell, 1, memory_order_release);
             }
+        }
+        if (a->until_called && calling == a->n) {
+            a->called = 1;
+            return KT_OK;
         }
         if ((++n % KT_SPIN_CLOCK_EVERY) != 0) {
             KT_CPU_RELAX();
@@ -420,7 +437,7 @@ static inline int kt_wait_step(kt_step_args *a) {
         /* NOTE: a step lasts milliseconds and the consumers spin between its calls: the host
          * only has to see the end, and the rare sleeping consumer, within a poll period; the
          * core goes to the consumers' kernel threads meanwhile. */
-        if (now >= spin_until) {
+        if (now >= spin_until && !a->until_called) {
             struct timespec ts = {0, KT_STEP_POLL_NS};
             nanosleep(&ts, NULL);
         }

@@ -252,6 +252,12 @@ class DecodeGraphs:
             s.cache.num_tokens = s.end_pos
         return logits[:b]
 
+    def wake(self) -> None:
+        """Host, after a launch it does other work behind: until the step's first expert calls
+        reach the workers (DeviceCalls.wake)."""
+        if self._launched:
+            self.calls.wake()
+
     def wait(self) -> None:
         """Host: see the launched step through (DeviceCalls.wait: raises ExpertsUnavailable where
         the workers failed it). A step whose expert calls the host makes is through at launch."""

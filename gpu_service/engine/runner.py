@@ -171,6 +171,9 @@ class Runner:
             copied.record()
         else:
             host = sampled.clone()
+        # NOTE: after the sampling is queued: the host's next work (the last step's tokens, the
+        # next step's decision) overlaps this step's layers, with the workers woken for them
+        self.decode_graphs.wake()
         return Started(step, sampled, host, copied, launched_at)
 
     def wait(self, started: Started) -> None:

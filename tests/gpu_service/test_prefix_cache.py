@@ -280,21 +280,30 @@ def test_stress_shared_prefixes_aborts_and_preemption_never_free_a_used_block(
                       max_num_seqs=5, max_num_batched_tokens=9, mixed_step_time_factor=0,
                       graphs=graphs)  # fmt: skip
     cache, violations, preempted = eng.model.kv_cache, [], []
-    run = eng.runner.run
 
-    def checked_run(step):
-        preempted.extend(step.preempted)
-        live = list(cache._live.values())
-        held = Counter(b for s in live for b in s.block_ids)
-        for block in range(cache.config.num_blocks):
-            if cache.pool.ref_count(block) != held[block]:
-                violations.append(f"block {block}: ref {cache.pool.ref_count(block)}, "
-                                  f"held by {held[block]}")  # fmt: skip
-            if held[block] and (block in cache.pool._free or cache.pool.is_evictable(block)):
-                violations.append(f"block {block} is free while a sequence holds it")
-        return run(step)
+    def checked(decide):
+        """The scheduler's decision (a step, or a decode step chained to the last one), then
+        the blocks' books as the step will run on them."""
 
-    eng.runner.run = checked_run
+        def decided(*args):
+            step = decide(*args)
+            if step is None:
+                return step
+            preempted.extend(step.preempted)
+            live = list(cache._live.values())
+            held = Counter(b for s in live for b in s.block_ids)
+            for block in range(cache.config.num_blocks):
+                if cache.pool.ref_count(block) != held[block]:
+                    violations.append(f"block {block}: ref {cache.pool.ref_count(block)}, "
+                                      f"held by {held[block]}")  # fmt: skip
+                if held[block] and (block in cache.pool._free or cache.pool.is_evictable(block)):
+                    violations.append(f"block {block} is free while a sequence holds it")
+            return step
+
+        return decided
+
+    eng.scheduler.schedule = checked(eng.scheduler.schedule)
+    eng.scheduler.chain = checked(eng.scheduler.chain)
     results: list[list] = [[] for _ in requests]
     done = threading.Semaphore(0)
     try:

@@ -42,16 +42,23 @@ def fill(channel: ktshm.Channel, slot: int, offsets: list[int], arrays: list[np.
 
 class DeviceThread(threading.Thread):
     """Plays the device's step: for each slot in order, post, wait for the reply (spinning on
-    the bell like cuStreamWaitValue32), copy the checksum out, reset; then set the done word."""
+    the bell like cuStreamWaitValue32), copy the checksum out, reset; then set the done word.
+    first_call_after_s: the step's GPU work before its first call; go_on: set, the calls after
+    the first go on."""
 
-    def __init__(self, channel: ktshm.Channel, slots: list[int]) -> None:
+    def __init__(self, channel: ktshm.Channel, slots: list[int], first_call_after_s: float = 0.0,
+                 go_on: threading.Event | None = None) -> None:  # fmt: skip
         super().__init__(daemon=True)
         self.channel, self.slots = channel, slots
+        self.first_call_after_s, self.go_on = first_call_after_s, go_on
         self.replies: list[int] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
+        time.sleep(self.first_call_after_s)
         for slot in self.slots:
+            if self.replies and self.go_on is not None:
+                self.go_on.wait()
             req_bell, rep_bell, _, _ = self.channel.device_slot(slot)
             u32(req_bell).value = POSTED
             while u32(rep_bell).value != 1:
@@ -142,6 +149,40 @@ def test_step_wait_wakes_a_sleeping_consumer_and_sees_every_reply(device, spawn_
             dev.join(5)
         assert dev.replies == [expected] * len(slots)
         assert all(device.bells(s) == (IDLE, 0) for s in slots)
+
+
+def test_wait_until_called_returns_at_the_first_call_with_the_consumer_awake(device,
+                                                                            spawn_consumer,
+                                                                            rng):  # fmt: skip
+    """until_called: back once the step's first call is posted (not before it, nor at the step's
+    end: the device holds its second call until then), the consumer asleep since the last step
+    woken for it; the rest of the step is waited for as ever."""
+    spawn_consumer(device.name)  # spins 200 us, then sleeps on the semaphore between calls
+    arrays = [rng.standard_normal((4, 16)).astype(np.float32)]
+    for slot in (0, 1):
+        offsets = device.device_layout(slot, KIND_ECHO, slot, [((4, 16), "float32")])
+        fill(device, slot, offsets, arrays)
+    with pytest.raises(ValueError, match="not both"):
+        ktshm.wait_device_step([device], 1, fail_status=errors.EPEER_DIED, until_called=True)
+    for step in range(5):
+        device.begin_step()
+        # NOTE: the consumer falls asleep before the first post (its spin is 200 us)
+        go_on = threading.Event()
+        dev = DeviceThread(device, [0, 1], first_call_after_s=0.01, go_on=go_on)
+        dev.start()
+        try:
+            assert ktshm.wait_device_step([device], timeout=10, until_called=True) is None
+            first_bell = device.bells(0)
+            assert first_bell != (IDLE, 0) or dev.replies, f"step {step}: back before the call"
+            assert u32(device.done_address).value == 0
+            go_on.set()
+            assert ktshm.wait_device_step([device], timeout=10) is None
+            dev.join(10)
+        finally:
+            go_on.set()
+            dev.stop.set()
+            dev.join(5)
+        assert dev.replies == [int(checksum(arrays)[0])] * 2
 
 
 def test_step_wait_reports_an_error_reply(device):
