@@ -252,7 +252,7 @@ class Engine:
         if self.runner.chains:
             try:
                 chained = self.scheduler.chain(step, samples_on_device)
-                prepared = self.runner.prepare(chained) if chained is not None else None
+                prepared = self.runner.prepare(chained, started) if chained is not None else None
             except Exception:  # noqa: BLE001 - not chained: the next step is scheduled anew
                 log.exception("could not chain a decode step")
                 prepared = None
@@ -264,7 +264,7 @@ class Engine:
         launch_error = None
         if prepared is not None:
             try:
-                launched = self.runner.launch(chained, prepared, after=started)
+                launched = self.runner.launch(prepared)
             except Exception as exc:  # noqa: BLE001 - after this step's tokens: its requests end
                 launch_error = exc
             else:

@@ -11,7 +11,7 @@ waited for and collected. While it runs, the next step, chained to it (Scheduler
 prepared; once the device's step is through, the chained one is launched with its tokens taken
 from the samples on the device, and only then are the first step's samples read:
 
-    host    start(N)  prepare(N+1)  wait(N) | launch(N+1, after=N)  collect(N)  prepare(N+2) ...
+    host    start(N)  prepare(N+1)  wait(N) | launch(N+1)  wake  collect(N)  prepare(N+2) ...
     device  [step N ........] [sample N] [step N+1 .........................] [sample N+1]
 """
 
@@ -53,6 +53,16 @@ class Started:
     copied: torch.cuda.Event | None  # recorded after that copy (None off CUDA)
     launched_at: float
     done_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A chained step's inputs, made while the step it continues runs (Runner.prepare)."""
+
+    step: ScheduledStep
+    batch: Batch
+    bucket: object  # its DecodeGraphs bucket, the host inputs filled
+    tokens: torch.Tensor  # [B] the rows' input ids on the device: the last step's samples
 
 
 def samples_on_device(request: Request) -> bool:
@@ -139,22 +149,26 @@ class Runner:
         batch = _batch(step)
         return self._launch(step, batch, self.decode_graphs.prepare(batch), None)
 
-    def prepare(self, step: ScheduledStep):
-        """A chained step's host inputs, filled while the step before it runs; None where its
-        bucket has no graphs yet (a capture runs a step: it waits for the next step)."""
-        return self.decode_graphs.prepare(_batch(step), capture=False)
-
-    def launch(self, step: ScheduledStep, prepared, after: Started) -> Started:
-        """Launch the chained `step` (prepared) once `after`, the step it continues, is waited
-        for; each row's token is its request's sample in `after`."""
-        self.model.kv_cache.copy_blocks(step.block_copies)
+    def prepare(self, step: ScheduledStep, after: Started) -> Prepared | None:
+        """The inputs of `step`, chained to `after`, made while `after` runs: its host inputs
+        filled and its tokens (each row's request's sample in `after`) picked on the stream;
+        None where its bucket has no graphs yet (a capture runs a step: it waits)."""
+        batch = _batch(step)
+        bucket = self.decode_graphs.prepare(batch, capture=False)
+        if bucket is None:
+            return None
         rows = {id(s.request): i for i, s in enumerate(after.step.seqs)}
         index = [rows[id(s.request)] for s in step.seqs]
         if index == list(range(len(index))):
             tokens = after.tokens[: len(index)]
         else:
             tokens = after.tokens[to_device(torch.tensor(index), after.tokens.device)]
-        return self._launch(step, _batch(step), prepared, tokens)
+        return Prepared(step, batch, bucket, tokens)
+
+    def launch(self, prepared: Prepared) -> Started:
+        """Launch a prepared step once the step it continues is waited for."""
+        self.model.kv_cache.copy_blocks(prepared.step.block_copies)
+        return self._launch(prepared.step, prepared.batch, prepared.bucket, prepared.tokens)
 
     def _launch(self, step: ScheduledStep, batch: Batch, bucket,
                 tokens: torch.Tensor | None) -> Started:  # fmt: skip
