@@ -265,8 +265,26 @@ def test_chained_steps_with_a_worker_making_the_device_calls(checkpoint, referen
         experts.close()
         worker.close()
     for prompt, events in zip(ps, results):
-        assert tokens_of(events) == hf_greedy(reference, prompt, 12)
+        # NOTE: the worker's experts are bf16 (the reference's float32): on the GPU host, seed
+        # 1495200650 decoded 88 where the reference's top two were 8 (0.33017) and 88 (0.32857)
+        assert_near_greedy(reference, prompt, tokens_of(events), WORKER_LOGIT_TOLERANCE)
     assert chained(engine) > 0  # how many: as the requests' arrivals fell between steps
+
+
+WORKER_LOGIT_TOLERANCE = 5e-3
+
+
+def assert_near_greedy(model, prompt: list[int], tokens: list[int], tolerance: float) -> None:
+    """Each token is, given the tokens before it, transformers' argmax or within `tolerance` of
+    its logit (a token fed from the wrong sample would be the argmax of another prefix)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()  # [L, V]
+    for i, token in enumerate(tokens):
+        row = logits[len(prompt) - 1 + i]
+        assert row[token] >= row.max() - tolerance, (
+            f"token {i}: {token} ({row[token]:.5f}), reference argmax {row.argmax()} "
+            f"({row.max():.5f})"
+        )
 
 
 def test_min_tokens_holds_back_a_stop_token_exactly_as_long_when_chained(checkpoint, reference,
