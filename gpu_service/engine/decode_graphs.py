@@ -123,23 +123,38 @@ class _Bucket:
         self.routed = torch.zeros((batch, hidden), dtype=torch.float32, device=device)
         self.deferred = torch.zeros((batch, hidden), dtype=torch.float32, device=device)
         self.copied: torch.cuda.Event | None = None
+        # per row, what its block table row holds since the last fill: (its sequence's block
+        # list, how many of its blocks); None: a padding row
+        self._table_rows: list[tuple | None] = [None] * batch
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.outputs: list = []  # what each graph's stage returned when it was recorded
 
     def fill(self, batch: Batch | None, scratch_slot: int) -> None:
         """Host values of this step's sequences; every other row (all of them for None) is
-        padding: token 0 at position 0, written to the scratch slot."""
+        padding: token 0 at position 0, written to the scratch slot, reading block 0.
+        A row's block table holds its sequence's blocks up to kv_len; what lies past them is
+        never read (attention masks it; the entries are block ids all the same). A row that
+        held the same sequence at the last fill gets only the blocks added since: a block list
+        only grows while its sequence lives (a freed one gets a new list)."""
         if self.copied is not None:
             self.copied.synchronize()  # NOTE: the last step's copy may still read the host buffer
         host = self.host.numpy()
         tokens, positions, slots, kv_len, table = np.split(host, np.cumsum(self.sizes)[:-1])
         table = table.reshape(self.batch, -1)
-        tokens[:], positions[:], slots[:], kv_len[:], table[:] = 0, 0, scratch_slot, 1, 0
-        for i, s in enumerate(batch.seqs if batch is not None else ()):
+        tokens[:], positions[:], slots[:], kv_len[:] = 0, 0, scratch_slot, 1
+        seqs = batch.seqs if batch is not None else ()
+        for i, s in enumerate(seqs):
             blocks, bs = s.cache.block_ids, s.cache.block_size
             tokens[i], positions[i], kv_len[i] = s.token_ids[0], s.start_pos, s.end_pos
             slots[i] = blocks[s.start_pos // bs] * bs + s.start_pos % bs
-            table[i, : len(blocks)] = blocks
+            n = -(-s.end_pos // bs)  # the blocks this row reads
+            held = self._table_rows[i]
+            start = min(held[1], n) if held is not None and held[0] is blocks else 0
+            table[i, start:n] = blocks[start:n]
+            self._table_rows[i] = (blocks, n)
+        for i in range(len(seqs), self.batch):
+            table[i, 0] = 0
+            self._table_rows[i] = None
 
     def metadata(self) -> AttentionMetadata:
         """The step's metadata over the static inputs: one decode group of B_pad rows."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -247,3 +248,57 @@ def test_buckets() -> None:
     assert DecodeGraphConfig(min_kv_bucket=10).kv_bucket(11, 16) == 32
     with pytest.raises(ValueError, match="must be >= 1"):
         DecodeGraphConfig(max_batch=0)
+
+
+def test_a_bucket_row_keeps_what_its_sequence_wrote_and_a_new_sequence_rewrites_it(seed):
+    """fill over steps whose rows grow, swap, leave and come back: each real row's block table
+    holds its sequence's blocks up to kv_len and each padding row reads block 0; a row that holds
+    the same sequence as at the last fill gets only its new blocks (the one written before is
+    left as it was), a row whose sequence changed (another one, or the same one freed and
+    allocated again: a new block list) is written anew."""
+    from gpu_service.engine.decode_graphs import _Bucket
+    from gpu_service.models.kv_cache import SeqCache
+
+    g = torch.Generator().manual_seed(seed)
+    bucket = _Bucket(4, 64, BLOCK, 8, torch.device("cpu"))
+
+    def cache(seq_id: int, num_tokens: int) -> SeqCache:
+        blocks = torch.randperm(200, generator=g)[: -(-(num_tokens + 1) // BLOCK)].tolist()
+        return SeqCache(seq_id, BLOCK, blocks, num_tokens)
+
+    def step(*caches: SeqCache, check: bool = True) -> None:
+        """Each cache one token further: its block list grows where that needs a block."""
+        seqs = []
+        for c in caches:
+            if c.num_tokens + 1 > len(c.block_ids) * BLOCK:
+                c.block_ids.append(int(torch.randint(200, 400, (1,), generator=g)))
+            seqs.append(SeqInput([7], c, c.num_tokens))
+        bucket.fill(Batch(tuple(seqs)), scratch_slot=999)
+        host = bucket.host.numpy()
+        tokens, positions, slots, kv_len, table = np.split(host, np.cumsum(bucket.sizes)[:-1])
+        table = table.reshape(bucket.batch, -1)
+        for i, c in enumerate(caches):
+            n = -(-(c.num_tokens + 1) // BLOCK)
+            assert table[i, :n].tolist() == c.block_ids[:n] or not check, f"row {i}"
+            assert kv_len[i] == c.num_tokens + 1 and positions[i] == c.num_tokens
+            assert slots[i] == c.block_ids[c.num_tokens // BLOCK] * BLOCK + c.num_tokens % BLOCK
+            c.num_tokens += 1
+        for i in range(len(caches), bucket.batch):
+            assert (table[i, 0], kv_len[i], slots[i], tokens[i]) == (0, 1, 999, 0), f"pad {i}"
+
+    a, b = cache(0, 14), cache(1, 30)  # a crosses into its second block at the next step
+    step(a, b)
+    step(a, b)
+    # NOTE: a stand-in where a's first block sits: a row of the same sequence is not rewritten
+    first = bucket.host.numpy()[sum(bucket.sizes[:4])]
+    bucket.host.numpy()[sum(bucket.sizes[:4])] = -7
+    step(a, b, check=False)
+    assert bucket.host.numpy()[sum(bucket.sizes[:4])] == -7
+    bucket.host.numpy()[sum(bucket.sizes[:4])] = first
+    step(b, a)  # swapped: both rows written anew
+    step(b, a, cache(2, 40))
+    a.block_ids = list(a.block_ids)  # freed and allocated again: the same ids, a new list
+    a.block_ids[0] = 399
+    step(b, a)
+    step(b)
+    step(cache(3, 3), b)
