@@ -234,10 +234,12 @@ class DecodeGraphs:
         self.wait()
         return logits
 
+    @torch.inference_mode()
     def prepare(self, batch: Batch, capture: bool = True) -> _Bucket | None:
-        """The batch's bucket with its host inputs filled (what may run while another step is
-        on the device); None where its graphs are not captured yet and capture is False (a
-        capture runs a step of its own)."""
+        """The batch's bucket with its inputs filled and their copy to the device queued (what
+        may run while another step is on the device: the copy follows it on the stream); None
+        where its graphs are not captured yet and capture is False (a capture runs a step of
+        its own)."""
         if not self.supports(batch):
             raise ValueError(
                 f"not a decode batch of at most {self.config.max_batch} sequences with one "
@@ -248,6 +250,7 @@ class DecodeGraphs:
         bucket = self._bucket(len(batch.seqs), max(s.end_pos for s in batch.seqs), capture)
         if bucket is not None:
             bucket.fill(batch, model.kv_cache.scratch_slot)
+            bucket.upload()
         return bucket
 
     @torch.inference_mode()
@@ -259,7 +262,6 @@ class DecodeGraphs:
         if self._launched:
             raise RuntimeError("a decode step is still on the device: wait() for it first")
         b = len(batch.seqs)
-        bucket.upload()
         if tokens is not None:
             bucket.tokens[:b].copy_(tokens)
         logits = self._run(bucket, b)
