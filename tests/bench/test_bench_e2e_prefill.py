@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bench_e2e import prefill, prefix_cache_hits
+from bench.bench_e2e import prefill
 from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
 from tests.support.worker_services import worker_service
+
+
+def prefix_cache_hits(service) -> float:
+    """Prompt tokens the service's prefix cache has served so far, both tiers (its counter)."""
+    return sum(sample.value for metric in service.metrics.prefix_cache_hits.collect()
+               for sample in metric.samples if sample.name.endswith("_total"))  # fmt: skip
 
 
 def test_prefill_prompts_miss_the_prefix_cache_and_a_hit_stops_the_run(tmp_path, seed):
