@@ -53,6 +53,7 @@ from bench.bench_decode import histogram_sum, run_batch  # noqa: E402
 from bench.common import (  # noqa: E402
     Column,
     DramMeter,
+    GcPauses,
     busy_while_idle,
     default_device,
     print_table,
@@ -121,10 +122,12 @@ def host_seconds(service) -> dict[str, tuple[float, float]]:
 
 def decode(service, stub, batch: int, tokens: int) -> dict[str, float]:
     before, host_before = worker_stats(stub), host_seconds(service)
-    got = run_batch(service, batch, tokens)
+    with GcPauses() as pauses:
+        got = run_batch(service, batch, tokens)
     after, host_after = worker_stats(stub), host_seconds(service)
     delta = {k: after[k] - before[k] for k in before}
     got["worker"] = delta
+    got["gc"] = (pauses.count, pauses.seconds)
     got["host"] = {}
     for part in HOST_PARTS:
         (s0, n0), (s1, n1) = host_before[part], host_after[part]
@@ -319,10 +322,13 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
         "idle bound); between and sample = the engine "
         "thread's own time (ktserve_engine_host_seconds: output processing and scheduling "
         "between two steps; logits to token ids); rest = end - both (the head and the first "
-        "layers on the GPU, the step's preparation and launch)"
+        "layers on the GPU, the step's preparation and launch); gc = the cyclic garbage "
+        "collector's runs during the batch and their pause per step (any thread's run holds "
+        "the GIL)"
     )
     cols = [Column("mode", 11, "<"), Column("batch", 5), Column("end", 6), Column("between", 7),
-            Column("sample", 6), Column("rest", 6)]  # fmt: skip
+            Column("sample", 6), Column("rest", 6), Column("gc runs", 7),
+            Column("gc ms", 6)]  # fmt: skip
     rows = []
     for mode, res in results.items():
         for b, r in res["decode"].items():
@@ -332,8 +338,11 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
             end = (w["idle"] - w.get("inner_idle", 0.0)) / ends * 1e3 if counted else float("nan")
             between = host.get("between", float("nan")) * 1e3
             sample = host.get("sample", float("nan")) * 1e3
+            gc_runs, gc_seconds = r.get("gc", (0, 0.0))
+            gc_ms = gc_seconds / r["steps"] * 1e3 if r.get("steps") else float("nan")
             rows.append([mode, str(b), f"{end:.3f}", f"{between:.3f}", f"{sample:.3f}",
-                         f"{end - between - sample:.3f}"])  # fmt: skip
+                         f"{end - between - sample:.3f}", str(gc_runs),
+                         f"{gc_ms:.3f}"])  # fmt: skip
     print_table(cols, rows)
     if args.prefills:
         print("\nprefill (one prompt; time to first token)")

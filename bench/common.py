@@ -7,6 +7,7 @@ processes import this module (through their parent's) and need neither.
 
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import time
@@ -179,6 +180,31 @@ class DramMeter:
             + f" GB/s (median {streamed:.1f}). %DRAM is against the higher median, "
             + f"{self.gbs:.1f} GB/s"
         )
+
+
+class GcPauses:
+    """The cyclic garbage collector's pauses in this process while installed (gc.callbacks):
+    count and seconds, all generations together. Any thread's collection holds the GIL, so it
+    stalls the engine thread as well."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+        self._began = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._began
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 # ----------------------------------------------------------------------------- tables

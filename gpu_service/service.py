@@ -4,6 +4,7 @@ engine."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, replace
 
@@ -65,6 +66,7 @@ class GPUService:
         if self.streaming is not None:
             self.streaming.close()
         self.experts.close()
+        gc.unfreeze()  # NOTE: its objects in cycles can be collected again (see below)
         if self.engine.model.device.type == "cuda":
             torch.cuda.empty_cache()  # NOTE: another service in this process plans from free memory
 
@@ -158,6 +160,10 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         engine = Engine(model, scheduler, eos_token_ids=eos_token_ids, decode=decode,
                         metrics=metrics, experts_stats=experts.stats,
                         graph_config=graphs).start()  # fmt: skip
+        # NOTE: the start-up's objects (the model, its modules, the graphs' state) live as long
+        # as the service; frozen, a full collection no longer walks them while steps run
+        gc.collect()
+        gc.freeze()
         refresher = None
         refresh = config.gpu_experts_refresh_s > 0 and not config.expert_placement
         if hybrid is not None and refresh:
