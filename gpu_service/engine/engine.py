@@ -248,6 +248,7 @@ class Engine:
                         moe_before: tuple[float, float]) -> None:  # fmt: skip
         """See a started step through: chain the next one to it (decided and prepared while it
         runs, launched once its device work is through), then take its tokens."""
+        self.metrics.host_seconds.labels(part="launch").observe(started.launch_seconds)
         chained = prepared = None
         if self.runner.chains:
             try:

@@ -133,8 +133,9 @@ class EngineMetrics:
             "The engine thread's own work per step, outside the forward: between (from one "
             "step's results to the next step's start, where that step left requests running "
             "or waiting: output processing, new requests, scheduling), sample (logits to token "
-            "ids, the device sync included); for a step chained to the last one, between is "
-            "from the last one's device work ending to this one's launch",
+            "ids, the device sync included), launch (a started decode step's graph launched: the "
+            "host's call); for a step chained to the last one, between is from the last one's "
+            "device work ending to this one's launch",
             FAST,
             ["part"],
         )

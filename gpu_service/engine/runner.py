@@ -52,6 +52,7 @@ class Started:
     host_tokens: torch.Tensor  # [B] int64: their copy to the host (pinned on CUDA)
     copied: torch.cuda.Event | None  # recorded after that copy (None off CUDA)
     launched_at: float
+    launch_seconds: float  # the host's call that launched its graph (DecodeGraphs.launch)
     done_at: float | None = None
 
 
@@ -174,6 +175,7 @@ class Runner:
                 tokens: torch.Tensor | None) -> Started:  # fmt: skip
         launched_at = time.perf_counter()
         logits = self.decode_graphs.launch(batch, bucket, tokens)  # [B, V] float32
+        launch_seconds = time.perf_counter() - launched_at
         requests = [s.request for s in step.seqs]
         rows = LogitsInput([r.params for r in requests], [len(r.output) for r in requests])
         sampled = self.sampler.sample_ids(logits, rows, [r.generator for r in requests])
@@ -188,7 +190,7 @@ class Runner:
         # NOTE: after the sampling is queued: the host's next work (the last step's tokens, the
         # next step's decision) overlaps this step's layers, with the workers woken for them
         self.decode_graphs.wake()
-        return Started(step, sampled, host, copied, launched_at)
+        return Started(step, sampled, host, copied, launched_at, launch_seconds)
 
     def wait(self, started: Started) -> None:
         """Host: until the started step's device work is through (raises what the step failed

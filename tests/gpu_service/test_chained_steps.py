@@ -137,9 +137,10 @@ def test_chained_steps_give_the_tokens_of_unchained_ones(checkpoint, reference, 
 
 
 def test_a_lone_request_chains_every_step_it_can(checkpoint, reference, device, seed):
-    """24 tokens: a prefill and 23 decode steps; the first decode step is decided anew, and so
-    is each that needs the graphs of a longer context (a capture runs a step of its own), and
-    the last token's step chains nothing: every other step is chained."""
+    """24 tokens: a prefill and 23 decode steps, each started (its launch timed); the first
+    decode step is decided anew, and so is each that needs the graphs of a longer context (a
+    capture runs a step of its own), and the last token's step chains nothing: every other step
+    is chained."""
     prompt = prompts(seed + 4, lengths=(5,))[0]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     engine = make_engine(checkpoint, device, chain=True)
@@ -151,6 +152,10 @@ def test_a_lone_request_chains_every_step_it_can(checkpoint, reference, device, 
     config = engine.runner.decode_graphs.config
     buckets = {config.kv_bucket(len(prompt) + d, 4) for d in range(1, 24)}  # decode step d
     assert chained(engine) == 23 - len(buckets)
+    launches = engine.metrics.host_seconds.labels(part="launch")
+    samples = {s.name: s.value for m in launches.collect() for s in m.samples}
+    assert samples["ktserve_engine_host_seconds_count"] == 23  # every decode step was started
+    assert samples["ktserve_engine_host_seconds_sum"] > 0
 
 
 def test_a_request_that_arrives_mid_chain_is_admitted(checkpoint, reference, device, seed):
