@@ -251,6 +251,7 @@ def sweep(case: Case, timer: Timer, copy_bw: float) -> None:
     args = (q, case.k_cache, case.v_cache, case.block_table, case.kv_len, case.block_size)
     # (heads, keys, warps, stages, value columns per program: 0 all)
     mla_shapes = [(64, 16, 8, 2, 0), (64, 16, 8, 3, 0), (64, 16, 8, 4, 0), (64, 32, 8, 2, 0),
+                  (64, 32, 8, 1, 0), (64, 32, 8, 3, 0), (64, 32, 8, 4, 0), (64, 64, 8, 1, 0),
                   (32, 32, 8, 2, 0), (16, 32, 4, 2, 0), (64, 32, 16, 2, 0), (64, 64, 16, 2, 0),
                   (64, 32, 8, 3, 256), (64, 64, 8, 2, 256), (64, 64, 8, 3, 128),
                   (64, 64, 4, 3, 128)]  # fmt: skip
