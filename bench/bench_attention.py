@@ -243,8 +243,20 @@ def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: flo
     )  # fmt: skip
 
 
-def sweep(case: Case, timer: Timer, copy_bw: float) -> None:
-    """Decode at a few launch shapes, to pick decode_tiles' defaults on this GPU."""
+def parse_tiles(text: str) -> list[tuple[int, ...]]:
+    """'h,n,w,s[,dv];...' -> [(heads, keys, warps, stages, value columns)] (--tiles)."""
+    shapes = []
+    for item in filter(None, text.split(";")):
+        values = [int(v) for v in item.split(",")]
+        if len(values) not in (4, 5):
+            raise SystemExit(f"--tiles: {item!r} is not h,n,w,s[,dv]")
+        shapes.append((*values, 0)[:5])
+    return shapes
+
+
+def sweep(case: Case, timer: Timer, copy_bw: float, only: list[tuple[int, ...]] | None) -> None:
+    """Decode at a few launch shapes (or `only` those), to pick decode_tiles' defaults on this
+    GPU."""
     from gpu_service.models import attention_triton as at
 
     q = case.queries(1)
@@ -257,7 +269,7 @@ def sweep(case: Case, timer: Timer, copy_bw: float) -> None:
                   (64, 64, 4, 3, 128)]  # fmt: skip
     gqa_shapes = [(16, 64, 4, 2, 0), (16, 64, 4, 3, 0), (16, 32, 4, 3, 0), (16, 128, 4, 2, 0),
                   (16, 64, 8, 2, 0)]  # fmt: skip
-    shapes = mla_shapes if case.shape.head_dim > 256 else gqa_shapes
+    shapes = only or (mla_shapes if case.shape.head_dim > 256 else gqa_shapes)
     hbm = case.batch * case.context * case.shape.cache_bytes_per_token / copy_bw
     rows = []
     for block_h, block_n, warps, stages, block_dv in shapes:
@@ -305,6 +317,17 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30, help="timed calls per cell (at most)")
     parser.add_argument("--no-prefill", action="store_true", help="time decode steps only")
     parser.add_argument("--sweep", action="store_true", help="also decode launch shapes at 32k")
+    parser.add_argument(
+        "--tiles",
+        default="",
+        help="the sweep's launch shapes instead of its "
+        "own: 'heads,keys,warps,stages[,value columns];...'",
+    )
+    parser.add_argument(
+        "--shapes",
+        default="",
+        help="model shapes to time, by name prefix (comma-separated; default all)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_attention needs a CUDA GPU (the kernels are Triton's CUDA kernels)")
@@ -319,7 +342,10 @@ def main() -> None:
     )
     steps = ["decode"] + ([] if args.no_prefill else ["prefill"])
     rows = []
+    wanted = [w for w in args.shapes.split(",") if w]
     for shape in SHAPES:
+        if wanted and not any(shape.name.startswith(w) for w in wanted):
+            continue
         for batch in (int(b) for b in args.batches.split(",")):
             for context in (int(c) for c in args.contexts.split(",")):
                 cache_bytes = batch * context * shape.cache_bytes_per_token
@@ -332,7 +358,7 @@ def main() -> None:
                     rows.append(measure(case, step, timer, copy_bw, flops_rate, reference))
                     print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
                 if args.sweep and context == 32768:
-                    sweep(case, timer, copy_bw)
+                    sweep(case, timer, copy_bw, parse_tiles(args.tiles) or None)
                 del case
                 torch.cuda.empty_cache()
     print("\ntimes in us: per decode step (triton: CUDA-graph replay; eager: launched from "
