@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's p
 import torch  # noqa: E402
 
 from bench.common import Column, print_table  # noqa: E402
-from gpu_service.engine.decode_graphs import DecodeGraphConfig, _Bucket  # noqa: E402
+from gpu_service.engine.decode_graphs import Bucket, DecodeGraphConfig  # noqa: E402
 from gpu_service.models.batch import Batch, SeqInput  # noqa: E402
 from gpu_service.models.kv_cache import SeqCache  # noqa: E402
 
@@ -30,7 +30,7 @@ def fill_seconds(batch: int, context: int, steps: int, anew: bool) -> float:
     """Median seconds of one fill over `steps` decode steps from `context` tokens on."""
     blocks = -(-(context + steps) // BLOCK)
     kv_pad = DecodeGraphConfig().kv_bucket(context + steps, BLOCK)
-    bucket = _Bucket(batch, kv_pad, BLOCK, 8, torch.device("cpu"))
+    bucket = Bucket(batch, kv_pad, BLOCK, 8, torch.device("cpu"))
     caches = [SeqCache(i, BLOCK, list(range(i * blocks, (i + 1) * blocks)), context)
               for i in range(batch)]  # fmt: skip
     times = []

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,7 +102,7 @@ class _SegmentOut:
     later: tuple[torch.Tensor, torch.Tensor] | None = None  # m_j's deferred ids/weights
 
 
-class _Bucket:
+class Bucket:
     """Static inputs, the experts' reply buffer, and (once captured) the graphs and their
     outputs, of one (B_pad, K_pad)."""
 
@@ -194,7 +194,7 @@ class DecodeGraphs:
         layers = model.layers
         self.moe_layers = tuple(i for i, layer in enumerate(layers) if isinstance(layer.mlp, MoE))
         self.moes: tuple[MoE, ...] = tuple(layers[i].mlp for i in self.moe_layers)
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self._buckets: dict[tuple[int, int], Bucket] = {}
         self._pool = torch.cuda.graph_pool_handle() if config.capture else None
         self.num_graphs = 0
         self.calls = self._device_calls() if config.experts_in_graph and self.moes else None
@@ -222,10 +222,10 @@ class DecodeGraphs:
         for size in batch_sizes:
             self._bucket(size, 1)
 
-    def supports(self, batch: Batch) -> bool:
-        return len(batch.seqs) <= self.config.max_batch and all(
-            len(s.token_ids) == 1 for s in batch.seqs
-        )
+    def supports(self, seqs: Sequence) -> bool:
+        """Whether a step of these sequences (a Batch's, or a scheduled step's: anything with
+        token_ids) runs here: a decode step of at most max_batch sequences."""
+        return len(seqs) <= self.config.max_batch and all(len(s.token_ids) == 1 for s in seqs)
 
     @torch.inference_mode()
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -235,12 +235,12 @@ class DecodeGraphs:
         return logits
 
     @torch.inference_mode()
-    def prepare(self, batch: Batch, capture: bool = True) -> _Bucket | None:
+    def prepare(self, batch: Batch, capture: bool = True) -> Bucket | None:
         """The batch's bucket with its inputs filled and their copy to the device queued (what
         may run while another step is on the device: the copy follows it on the stream); None
         where its graphs are not captured yet and capture is False (a capture runs a step of
         its own)."""
-        if not self.supports(batch):
+        if not self.supports(batch.seqs):
             raise ValueError(
                 f"not a decode batch of at most {self.config.max_batch} sequences with one "
                 "token each"
@@ -254,7 +254,7 @@ class DecodeGraphs:
         return bucket
 
     @torch.inference_mode()
-    def launch(self, batch: Batch, bucket: _Bucket,
+    def launch(self, batch: Batch, bucket: Bucket,
                tokens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Start the prepared step (after the last one's wait()): float32 logits [B, V], to be
         read on the stream, final once wait() returns. tokens: [B] the rows' input ids on the
@@ -284,7 +284,7 @@ class DecodeGraphs:
         self.calls.wait()
 
     # ------------------------------------------------------------------ execution
-    def _run(self, bucket: _Bucket, b: int) -> torch.Tensor:
+    def _run(self, bucket: Bucket, b: int) -> torch.Tensor:
         """The stages in the order _capture records them: with capture on each replays its graph,
         with capture off it computes. With device calls the step is only launched (wait())."""
         if self.calls is not None:
@@ -320,7 +320,7 @@ class DecodeGraphs:
             raise
         return out
 
-    def _step(self, bucket: _Bucket) -> torch.Tensor:
+    def _step(self, bucket: Bucket) -> torch.Tensor:
         """The whole step with the device's expert calls: logits [B_pad, V] float32."""
         calls = self.calls
         out = self._segment(bucket, 0, None, None)
@@ -337,7 +337,7 @@ class DecodeGraphs:
         calls.end_step()
         return out
 
-    def _segment(self, bucket: _Bucket, j: int, prev: _SegmentOut | None,
+    def _segment(self, bucket: Bucket, j: int, prev: _SegmentOut | None,
                  shared: torch.Tensor | None):  # fmt: skip
         """Segment j (its MoE reply in bucket.routed): a _SegmentOut, or for the last one the
         logits [B_pad, V] float32."""
@@ -364,7 +364,7 @@ class DecodeGraphs:
         return _SegmentOut(h, ctx, (x, *now), later)
 
     # ------------------------------------------------------------------ capture
-    def _bucket(self, batch: int, kv_len: int, capture: bool = True) -> _Bucket | None:
+    def _bucket(self, batch: int, kv_len: int, capture: bool = True) -> Bucket | None:
         cfg, cache = self.config, self.model.kv_cache
         b_pad = next(size for size in cfg.batch_buckets if size >= batch)
         k_pad = cfg.kv_bucket(kv_len, cache.block_size)
@@ -373,7 +373,7 @@ class DecodeGraphs:
             return None
         if bucket is None:
             hidden = self.model.config.hidden_size
-            bucket = _Bucket(b_pad, k_pad, cache.block_size, hidden, self.model.device)
+            bucket = Bucket(b_pad, k_pad, cache.block_size, hidden, self.model.device)
             if self.calls is not None:
                 self.calls.layout(b_pad)
             if cfg.capture and self.calls is not None:
@@ -383,7 +383,7 @@ class DecodeGraphs:
             self._buckets[(b_pad, k_pad)] = bucket
         return bucket
 
-    def _capture(self, bucket: _Bucket) -> None:
+    def _capture(self, bucket: Bucket) -> None:
         """Graphs in replay order: segment 0, then per MoE layer [shared], next segment.
         Inputs are all padding meanwhile, so warm-up and capture write only the scratch slot."""
         start = time.perf_counter()
@@ -402,7 +402,7 @@ class DecodeGraphs:
             len(bucket.graphs), bucket.batch, bucket.kv_pad, time.perf_counter() - start,
         )  # fmt: skip
 
-    def _capture_step(self, bucket: _Bucket) -> None:
+    def _capture_step(self, bucket: Bucket) -> None:
         """The whole step as one graph: warm up (a real step, the workers answer it), capture,
         replay once; each run's expert calls seen through by the host."""
         start = time.perf_counter()
@@ -437,7 +437,7 @@ class DecodeGraphs:
         if self.calls is not None:
             self.calls.close()
 
-    def _record(self, bucket: _Bucket, stage: Callable, *args):
+    def _record(self, bucket: Bucket, stage: Callable, *args):
         """Warm up on a side stream, capture, replay once (so the outputs hold real values)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
+from gpu_service.engine.decode_graphs import Bucket, DecodeGraphConfig, DecodeGraphs
 from gpu_service.engine.grammar import TokenMasker
 from gpu_service.engine.logits_processors import LogitsInput, TokenHistory, to_device
 from gpu_service.engine.request import Request
@@ -62,7 +62,7 @@ class Prepared:
 
     step: ScheduledStep
     batch: Batch
-    bucket: object  # its DecodeGraphs bucket, the host inputs filled
+    bucket: Bucket  # its DecodeGraphs bucket, the host inputs filled
     tokens: torch.Tensor  # [B] the rows' input ids on the device: the last step's samples
 
 
@@ -105,7 +105,7 @@ class Runner:
             return StepResult((), time.perf_counter() - start)
         batch = _batch(step)
         graphs = self.decode_graphs
-        graphed = graphs is not None and graphs.supports(batch)
+        graphed = graphs is not None and graphs.supports(batch.seqs)
         model = graphs if graphed else self.model
         rows = [i for i, s in enumerate(step.seqs) if s.samples]
         requests = [step.seqs[i].request for i in rows]
@@ -137,11 +137,8 @@ class Runner:
         return (
             self.chains
             and bool(step.seqs)
-            and len(step.seqs) <= self.decode_graphs.config.max_batch
-            and all(
-                len(s.token_ids) == 1 and s.samples and samples_on_device(s.request)
-                for s in step.seqs
-            )
+            and self.decode_graphs.supports(step.seqs)
+            and all(s.samples and samples_on_device(s.request) for s in step.seqs)
         )
 
     def start(self, step: ScheduledStep) -> Started:

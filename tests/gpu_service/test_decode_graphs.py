@@ -78,7 +78,7 @@ class Pair:
                 seqs.append(SeqInput([self.next_token[key]], cache, self.pos[key]))
             batches.append(Batch(tuple(seqs)))
         reference = self.eager.forward(batches[0])
-        assert self.graphs.supports(batches[1])
+        assert self.graphs.supports(batches[1].seqs)
         got = self.graphs.forward(batches[1])
         assert got.shape == reference.shape and got.dtype == torch.float32
         for i, key in enumerate(keys):
@@ -228,7 +228,7 @@ def test_graphs_refuse_what_they_cannot_run(checkpoints) -> None:
     prefill = Batch((SeqInput([1, 2], caches[0], 0),))
     too_many = Batch(tuple(SeqInput([1], c, 0) for c in caches))
     for batch in (prefill, too_many):
-        assert not graphs.supports(batch)
+        assert not graphs.supports(batch.seqs)
         with pytest.raises(ValueError, match="not a decode batch"):
             graphs.forward(batch)
     beyond = Batch((SeqInput([1], caches[0], 0),))
@@ -256,11 +256,11 @@ def test_a_bucket_row_keeps_what_its_sequence_wrote_and_a_new_sequence_rewrites_
     the same sequence as at the last fill gets only its new blocks (the one written before is
     left as it was), a row whose sequence changed (another one, or the same one freed and
     allocated again: a new block list) is written anew."""
-    from gpu_service.engine.decode_graphs import _Bucket
+    from gpu_service.engine.decode_graphs import Bucket
     from gpu_service.models.kv_cache import SeqCache
 
     g = torch.Generator().manual_seed(seed)
-    bucket = _Bucket(4, 64, BLOCK, 8, torch.device("cpu"))
+    bucket = Bucket(4, 64, BLOCK, 8, torch.device("cpu"))
 
     def cache(seq_id: int, num_tokens: int) -> SeqCache:
         blocks = torch.randperm(200, generator=g)[: -(-(num_tokens + 1) // BLOCK)].tolist()
