@@ -186,8 +186,26 @@ inline __m512 group_scales(const uint16_t* gs) {
 // tiles are flushed to fp32 (acc += C * scale on AVX-512: the group scales differ per output row)
 // kInt4FlushLag steps later, after the next steps' tile work is issued, and consecutive steps use
 // C tiles 0, 1 and 2, 3, so the tile unit computes while the vector unit flushes earlier steps.
+// A step's B tiles are unpacked one step ahead, into the other half of bq: a tile load of bytes
+// the vector unit has just stored waits for those stores to reach L1, so each step loads what
+// was stored a step earlier:
+//
+//     step s:  unpack B(s + 1) -> bq[(s + 1) & 1]; tiles of s from bq[s & 1];
+//              flush C(s - kInt4FlushLag)
+//
 // Tiles: C 0-3, B 4-5, A 6-7 (configure(8, 32)). kInt4FlushLag: how many steps behind.
 constexpr int kInt4FlushLag = 2;
+
+// One step's B tiles (group g, and g + 1 where NC == 1) unpacked into bq.
+template <int NC>
+inline void int4_step_unpack(const uint8_t* w, int g, int8_t* bq) {
+  // Nibbles: the same byte distance ahead as the other passes.
+  const char* wpf = reinterpret_cast<const char*>(w + g * 256) + kPrefetchBytes;
+  for (int i = 0; i < 256 * (3 - NC); i += 64) _mm_prefetch(wpf + i, _MM_HINT_T0);
+  unpack_group16(w + g * 256, bq);
+  if (NC == 1) unpack_group16(w + (g + 1) * 256, bq + 512);
+}
+
 // GCC pastes tile numbers into the instruction text, so they must be literals: one body per pair
 // of C tiles (CA, CB), for int4_step_tiles below.
 #define KTK_INT4_STEP_PRODUCTS(CA, CB)                  \
@@ -207,16 +225,11 @@ constexpr int kInt4FlushLag = 2;
   _tile_stored(CA, c[0], 64);                           \
   _tile_stored(CB, c[1], 64);
 
-// One step's tile work into C tiles 2 * SET and 2 * SET + 1, stored to c[0], c[1] (bq: its B
-// tiles).
+// One step's tile work (its B tiles unpacked in bq) into C tiles 2 * SET and 2 * SET + 1, stored
+// to c[0], c[1].
 template <int NC, int SET>
-inline void int4_step_tiles(const uint8_t* w, int g, const int8_t* x, int ldx, int8_t* bq,
+inline void int4_step_tiles(int g, const int8_t* x, int ldx, const int8_t* bq,
                             int32_t (*c)[256]) {
-  // Nibbles: the same byte distance ahead as the other passes.
-  const char* wpf = reinterpret_cast<const char*>(w + g * 256) + kPrefetchBytes;
-  for (int i = 0; i < 256 * (3 - NC); i += 64) _mm_prefetch(wpf + i, _MM_HINT_T0);
-  unpack_group16(w + g * 256, bq);
-  if (NC == 1) unpack_group16(w + (g + 1) * 256, bq + 512);
   // The tile-load intrinsic does not tell the compiler it reads bq: this empty asm does.
   __asm__ volatile("" ::"m"(*reinterpret_cast<const int8_t(*)[1024]>(bq)));
   // Nor that the tile stores overwrite c: reads of c before this stay before them.
@@ -226,8 +239,8 @@ inline void int4_step_tiles(const uint8_t* w, int g, const int8_t* x, int ldx, i
   } else {
     KTK_INT4_STEP_PRODUCTS(2, 3)
   }
-  // ... and keeps the next unpack into bq behind the tile loads.
-  __asm__ volatile("" : "+m"(*reinterpret_cast<int8_t(*)[1024]>(bq)));
+  // ... and keeps the next unpack into bq (two steps on) behind the tile loads.
+  __asm__ volatile("" : "+m"(*reinterpret_cast<int8_t(*)[1024]>(const_cast<int8_t*>(bq))));
 }
 #undef KTK_INT4_STEP_PRODUCTS
 
@@ -266,12 +279,14 @@ void int4_pass(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int
   for (int i = 0; i < NC * 16; ++i) acc[i] = _mm512_setzero_ps();
   const int per_step = 3 - NC;  // groups
   const int steps = K / 32 / per_step;
+  int4_step_unpack<NC>(w, 0, bq[0]);
   for (int s = 0, ring = 0; s < steps + kInt4FlushLag; ++s, ring = ring == kInt4FlushLag ? 0 : ring + 1) {
     if (s < steps) {
+      if (s + 1 < steps) int4_step_unpack<NC>(w, (s + 1) * per_step, bq[(s + 1) & 1]);
       if (s & 1)
-        int4_step_tiles<NC, 1>(w, s * per_step, x, ldx, bq[1], c[ring]);
+        int4_step_tiles<NC, 1>(s * per_step, x, ldx, bq[1], c[ring]);
       else
-        int4_step_tiles<NC, 0>(w, s * per_step, x, ldx, bq[0], c[ring]);
+        int4_step_tiles<NC, 0>(s * per_step, x, ldx, bq[0], c[ring]);
     }
     if (s >= kInt4FlushLag) {
       const int back = ring >= kInt4FlushLag ? ring - kInt4FlushLag : ring + 1;  // (s - lag) % (lag + 1)
