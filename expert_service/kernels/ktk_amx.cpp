@@ -182,32 +182,14 @@ inline __m512 group_scales(const uint16_t* gs) {
 }
 
 // A pass over up to 16 * NC tokens goes in steps of two tile products, each a group of 32 weights
-// by 16 tokens: NC == 1: groups g, g + 1; NC == 2: group g by tokens 0-15 and 16-31. Consecutive
-// steps use C tiles 0, 1 and 2, 3. A step's B tiles are unpacked a step ahead, into the other half
-// of bq, and its C tiles are stored a step behind, after the next step's products are issued: a
-// tile load of bytes the vector unit has just stored waits for them to reach L1, and a tile store
-// waits for its product. The stored C tiles are flushed to fp32 (acc += C * scale on AVX-512: the
-// group scales differ per output row) two steps after their store, so the vector unit reads what
-// the tile unit stored steps earlier while the tile unit computes:
-//
-//     step s:  unpack B(s + 1) -> bq[(s + 1) & 1]; products of s from bq[s & 1];
-//              store C(s - 1); flush C(s - kInt4FlushLag)
-//
+// by 16 tokens: NC == 1: groups g, g + 1; NC == 2: group g by tokens 0-15 and 16-31. A step's C
+// tiles are flushed to fp32 (acc += C * scale on AVX-512: the group scales differ per output row)
+// kInt4FlushLag steps later, after the next steps' tile work is issued, and consecutive steps use
+// C tiles 0, 1 and 2, 3, so the tile unit computes while the vector unit flushes earlier steps.
 // Tiles: C 0-3, B 4-5, A 6-7 (configure(8, 32)). kInt4FlushLag: how many steps behind.
-constexpr int kInt4FlushLag = 3;
-
-// One step's B tiles (group g, and g + 1 where NC == 1) unpacked into bq.
-template <int NC>
-inline void int4_step_unpack(const uint8_t* w, int g, int8_t* bq) {
-  // Nibbles: the same byte distance ahead as the other passes.
-  const char* wpf = reinterpret_cast<const char*>(w + g * 256) + kPrefetchBytes;
-  for (int i = 0; i < 256 * (3 - NC); i += 64) _mm_prefetch(wpf + i, _MM_HINT_T0);
-  unpack_group16(w + g * 256, bq);
-  if (NC == 1) unpack_group16(w + (g + 1) * 256, bq + 512);
-}
-
+constexpr int kInt4FlushLag = 2;
 // GCC pastes tile numbers into the instruction text, so they must be literals: one body per pair
-// of C tiles (CA, CB), for int4_step_products and int4_step_store below.
+// of C tiles (CA, CB), for int4_step_tiles below.
 #define KTK_INT4_STEP_PRODUCTS(CA, CB)                  \
   _tile_zero(CA);                                       \
   _tile_zero(CB);                                       \
@@ -221,36 +203,33 @@ inline void int4_step_unpack(const uint8_t* w, int g, int8_t* bq) {
   } else {                                              \
     _tile_loadd(7, x + size_t(16) * ldx + g * 32, ldx); \
     _tile_dpbssd(CB, 7, 4);                             \
-  }
+  }                                                     \
+  _tile_stored(CA, c[0], 64);                           \
+  _tile_stored(CB, c[1], 64);
 
-// One step's products (its B tiles unpacked in bq) into C tiles 2 * SET and 2 * SET + 1.
+// One step's tile work into C tiles 2 * SET and 2 * SET + 1, stored to c[0], c[1] (bq: its B
+// tiles).
 template <int NC, int SET>
-inline void int4_step_products(int g, const int8_t* x, int ldx, const int8_t* bq) {
+inline void int4_step_tiles(const uint8_t* w, int g, const int8_t* x, int ldx, int8_t* bq,
+                            int32_t (*c)[256]) {
+  // Nibbles: the same byte distance ahead as the other passes.
+  const char* wpf = reinterpret_cast<const char*>(w + g * 256) + kPrefetchBytes;
+  for (int i = 0; i < 256 * (3 - NC); i += 64) _mm_prefetch(wpf + i, _MM_HINT_T0);
+  unpack_group16(w + g * 256, bq);
+  if (NC == 1) unpack_group16(w + (g + 1) * 256, bq + 512);
   // The tile-load intrinsic does not tell the compiler it reads bq: this empty asm does.
   __asm__ volatile("" ::"m"(*reinterpret_cast<const int8_t(*)[1024]>(bq)));
+  // Nor that the tile stores overwrite c: reads of c before this stay before them.
+  __asm__ volatile("" : "+m"(c[0]), "+m"(c[1]));
   if constexpr (SET == 0) {
     KTK_INT4_STEP_PRODUCTS(0, 1)
   } else {
     KTK_INT4_STEP_PRODUCTS(2, 3)
   }
-  // ... and keeps the next unpack into bq (two steps on) behind the tile loads.
-  __asm__ volatile("" : "+m"(*reinterpret_cast<int8_t(*)[1024]>(const_cast<int8_t*>(bq))));
+  // ... and keeps the next unpack into bq behind the tile loads.
+  __asm__ volatile("" : "+m"(*reinterpret_cast<int8_t(*)[1024]>(bq)));
 }
 #undef KTK_INT4_STEP_PRODUCTS
-
-// C tiles 2 * SET and 2 * SET + 1 stored to c[0], c[1].
-template <int SET>
-inline void int4_step_store(int32_t (*c)[256]) {
-  // The tile stores do not tell the compiler they overwrite c: reads of c before this stay before.
-  __asm__ volatile("" : "+m"(c[0]), "+m"(c[1]));
-  if constexpr (SET == 0) {
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
-  } else {
-    _tile_stored(2, c[0], 64);
-    _tile_stored(3, c[1], 64);
-  }
-}
 
 // acc += the step's C tiles (stored to c[0], c[1]) times their group scales; scales (1/8 of the
 // weight bytes, one 64-byte line per two groups) are fetched the nibbles' distance ahead in groups.
@@ -280,31 +259,24 @@ inline void int4_step_flush(const uint16_t* gs, int g, int32_t (*c)[256], __m512
 template <int NC>
 void int4_pass(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
                const float* xs, int rows, float* out) {
-  constexpr int kRing = kInt4FlushLag + 1;    // a step's C is stored at s + 1, flushed at s + lag
-  alignas(64) int8_t bq[2][1024];             // [step parity][B tiles]
-  alignas(64) int32_t c[kRing][2][256];       // [step % kRing][C tile][16 x 16]
+  alignas(64) int8_t bq[2][1024];                    // [step parity][B tiles]
+  alignas(64) int32_t c[kInt4FlushLag + 1][2][256];  // [step % (lag + 1)][C tile][16 x 16]
   __m512 acc[NC * 16];
 #pragma GCC unroll 32
   for (int i = 0; i < NC * 16; ++i) acc[i] = _mm512_setzero_ps();
   const int per_step = 3 - NC;  // groups
   const int steps = K / 32 / per_step;
-  int4_step_unpack<NC>(w, 0, bq[0]);
-  for (int s = 0; s < steps + kInt4FlushLag; ++s) {
+  for (int s = 0, ring = 0; s < steps + kInt4FlushLag; ++s, ring = ring == kInt4FlushLag ? 0 : ring + 1) {
     if (s < steps) {
-      if (s + 1 < steps) int4_step_unpack<NC>(w, (s + 1) * per_step, bq[(s + 1) & 1]);
       if (s & 1)
-        int4_step_products<NC, 1>(s * per_step, x, ldx, bq[1]);
+        int4_step_tiles<NC, 1>(w, s * per_step, x, ldx, bq[1], c[ring]);
       else
-        int4_step_products<NC, 0>(s * per_step, x, ldx, bq[0]);
+        int4_step_tiles<NC, 0>(w, s * per_step, x, ldx, bq[0], c[ring]);
     }
-    if (s >= 1 && s <= steps) {  // step s - 1's C tiles, the set before this step's
-      if (s & 1)
-        int4_step_store<0>(c[(s - 1) % kRing]);
-      else
-        int4_step_store<1>(c[(s - 1) % kRing]);
+    if (s >= kInt4FlushLag) {
+      const int back = ring >= kInt4FlushLag ? ring - kInt4FlushLag : ring + 1;  // (s - lag) % (lag + 1)
+      int4_step_flush<NC>(gs, (s - kInt4FlushLag) * per_step, c[back], acc);
     }
-    if (s >= kInt4FlushLag)
-      int4_step_flush<NC>(gs, (s - kInt4FlushLag) * per_step, c[(s - kInt4FlushLag) % kRing], acc);
   }
   // Constant indices (the loop unrolled) keep acc in registers.
 #pragma GCC unroll 32
