@@ -41,6 +41,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -92,16 +93,37 @@ def base_mode(mode: str) -> str:
     return mode.split("@", 1)[0]
 
 
-def expert_tensor_bytes(checkpoint: Path) -> int:
-    """Bytes of the routed experts' tensors (scales included), from the safetensors headers."""
+LAYER_NAME = re.compile(r"\.layers\.(\d+)\.")
+
+
+def expert_tensor_bytes(checkpoint: Path, layers: int | None = None) -> int:
+    """Bytes of the routed experts' tensors (scales included) of the first `layers` layers (None:
+    all), from the safetensors headers."""
     total = 0
     for file in checkpoint.glob("*.safetensors"):
         with open(file, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
         for name, meta in header.items():
-            if ".mlp.experts." in name:
+            layer = LAYER_NAME.search(name)
+            if ".mlp.experts." in name and (layers is None or int(layer.group(1)) < layers):
                 total += meta["data_offsets"][1] - meta["data_offsets"][0]
     return total
+
+
+def layer_view(checkpoint: Path, layers: int, into: Path) -> Path:
+    """A checkpoint directory in `into` that serves the first `layers` layers of `checkpoint`:
+    every file of it linked, config.json's num_hidden_layers set to `layers` (the loaders read
+    the tensors of the configured layers only)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    if not 0 < layers <= config["num_hidden_layers"]:
+        raise SystemExit(f"--layers {layers}: the checkpoint has {config['num_hidden_layers']}")
+    view = into / f"{checkpoint.name}-{layers}-layers"
+    view.mkdir()
+    for file in checkpoint.iterdir():
+        if file.name != "config.json":
+            (view / file.name).symlink_to(file.resolve())
+    (view / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+    return view
 
 
 def worker_stats(stub) -> dict[str, float]:
@@ -370,7 +392,7 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
 
 
 def run_ktserve(args, modes: list[str], dram: DramMeter) -> tuple[dict, dict]:
-    expert_bytes = expert_tensor_bytes(args.checkpoint)
+    expert_bytes = expert_tensor_bytes(args.checkpoint, args.layers)
     start = time.perf_counter()
     results = {}
     with expert_worker(args.checkpoint, args.format, args.threads, args.spin_us) as address:
@@ -417,6 +439,12 @@ def main() -> None:
         type=Path,
         default=Path(__file__).resolve().parent.parent / ".peer" / "run_peer.sh",
     )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        help="serve only the checkpoint's first N layers "
+        "(a directory of links to its files, its config's layer count set to N)",
+    )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument(
         "--resume",
@@ -434,6 +462,15 @@ def main() -> None:
         raise SystemExit(f"a mode is named twice in {modes}: name a repeat MODE@2")
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
+    if args.layers and args.gguf:
+        raise SystemExit("--layers serves part of the checkpoint; llama.cpp's GGUF is all of it")
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-") as scratch:
+        if args.layers:
+            args.checkpoint = layer_view(args.checkpoint, args.layers, Path(scratch))
+        run(args, modes)
+
+
+def run(args, modes: list[str]) -> None:
     spec = ModelSpec.from_config_dir(args.checkpoint)
     dram = DramMeter(args.threads, args.dram_gb)
     if args.resume:

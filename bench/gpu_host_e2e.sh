@@ -9,7 +9,9 @@
 #             ~10 minutes in all: within one 600 s call with two MODES (stream-off,stream-auto)
 #   q16       the same 16 layers, ktserve's MODES alone (no llama.cpp; BATCH, PREFILL: 1,4,16
 #             and none), after the CUDA tests of the chained decode steps: ~4 minutes
-#   qwen48    all 48 layers (FP8 experts; bf16 would not fit the disk): ktserve int4 (MODES)
+#   qwen48    all 48 layers (FP8 experts; bf16 would not fit the disk): ktserve int4 (MODES);
+#             with LAYERS=16,48 decode only (BATCH, default 1,16), once per count, each time the
+#             checkpoint's first N layers (bench_e2e --layers): what the layer count does
 #   deepseek  DeepSeek-V3 shapes, 1 dense + 2 MoE layers (FP8 experts): batch 1 and 4
 # Needs the wheels in .whl/ (posix_ipc, grpcio, ...: the host has no network) and, for llama16,
 # the llama.cpp tarball and run_peer.sh/convert_wrapper.py in .peer/ (carry .whl and .peer).
@@ -59,9 +61,17 @@ qwen48)
   timeout 150 python3 bench/real_checkpoint.py "$work/q48" --shape qwen3 --layers 48 \
     --experts fp8 | tail -1
   wait $b || exit 1; say built
-  e2e 430 "$work/q48" --format int4 --threads 15 $SPIN --batch 1,4,16 \
-    --prefill 512,2048,8192 --prefill-reps 1 --tokens 64 --modes "$MODES" \
-    --max-num-batched-tokens 8192 --json "$out/q48.json" ;;
+  if [ -n "${LAYERS:-}" ]; then  # the first N layers of the same checkpoint, for each N
+    for n in ${LAYERS//,/ }; do
+      e2e $((420 / $(echo "$LAYERS" | tr ',' '\n' | wc -l))) "$work/q48" --layers "$n" \
+        --format int4 --threads 15 $SPIN --batch "${BATCH:-1,16}" --prefill "" --tokens 64 \
+        --modes "$MODES" --json "$out/q48-$n.json"
+    done
+  else
+    e2e 430 "$work/q48" --format int4 --threads 15 $SPIN --batch 1,4,16 \
+      --prefill 512,2048,8192 --prefill-reps 1 --tokens 64 --modes "$MODES" \
+      --max-num-batched-tokens 8192 --json "$out/q48.json"
+  fi ;;
 deepseek)
   build & b=$!
   timeout 100 python3 bench/real_checkpoint.py "$work/ds" --shape deepseek --layers 3 \
