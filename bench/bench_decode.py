@@ -47,8 +47,9 @@ def run_batch(service, batch: int, tokens: int) -> dict[str, float]:
         service.engine.add_request(
             prompt, params, lambda e: done.release() if e.finish_reason is not None else None
         )
-    for _ in range(batch):
-        done.acquire(timeout=600)
+    for finished in range(batch):
+        if not done.acquire(timeout=600):
+            raise SystemExit(f"decode batch {batch}: {finished} requests finished in 600 s")
     seconds = time.perf_counter() - start
     after = {p: histogram_sum(metrics.step_seconds, phase=p) for p in before}
     steps = after["gpu"][1] - before["gpu"][1]
