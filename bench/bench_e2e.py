@@ -11,6 +11,9 @@ writes them) and the GPU service in this process, once per mode:
   graph-unchained  graph with --no-chain-decode-steps (each decode step decided and launched
             after the last one's tokens reach the host)
   graph-unfused  graph with --no-fused-kernels (RMSNorm and RoPE as torch's elementwise steps)
+  graph-fp8  graph with --gpu-weight-format fp8 (the GPU part's linear layers in FP8: what
+            `auto` picks for an FP8 checkpoint on an FP8-capable GPU); every other mode runs the
+            GPU part in bf16, whatever the checkpoint
   stream-off, stream-on, stream-auto  graph with --stream-prefill off / on / auto: prefill's
             chunks through the CPU workers, streamed to the GPU, or as the start-up cost model
             chooses (printed per mode)
@@ -77,6 +80,7 @@ MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
          "graph-unchained": dict(cuda_graphs=True, graph_expert_calls=True,
                                  chain_decode_steps=False),
          "graph-unfused": dict(cuda_graphs=True, graph_expert_calls=True, fused_kernels=False),
+         "graph-fp8": dict(cuda_graphs=True, graph_expert_calls=True, gpu_weight_format="fp8"),
          "graph-memops": dict(cuda_graphs=True, graph_expert_calls=True,
                               experts=dict(device_handoff="memops")),
          # prefill through the GPU (--stream-prefill), side by side: --modes stream-off,stream-on
@@ -85,6 +89,19 @@ MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
          "stream-auto": dict(cuda_graphs=True, graph_expert_calls=True,
                              stream_prefill="auto")}  # fmt: skip
 PHASES = ("dispatch", "kernel", "publish", "bookkeeping")
+
+
+def linear_format(mode: str) -> str:
+    """The GPU part's linear layers' format in a mode (service_config's bf16 unless it says)."""
+    return MODES[base_mode(mode)].get("gpu_weight_format", "bf16")
+
+
+def linear_formats(modes) -> str:
+    """'bf16', or per mode where the modes differ ('graph bf16, graph-fp8 fp8')."""
+    formats = {mode: linear_format(mode) for mode in modes}
+    if len(set(formats.values())) == 1:
+        return next(iter(formats.values()))
+    return ", ".join(f"{mode} {fmt}" for mode, fmt in formats.items())
 
 
 def base_mode(mode: str) -> str:
@@ -194,11 +211,12 @@ def prefill(service, n: int, seed: int) -> float:
 def service_config(mode: str, checkpoint: Path, device: str, address: str, max_batch: int,
                    max_model_len: int, max_num_batched_tokens: int | None = None,
                    ) -> GPUServiceConfig:  # fmt: skip
-    """The GPU service of one of MODES, bf16, on the worker at `address`."""
+    """The GPU service of one of MODES, bf16 (the GPU part's linear layers too, unless the mode
+    names another format), on the worker at `address`."""
     batched = {} if max_num_batched_tokens is None else {
         "max_num_batched_tokens": max_num_batched_tokens}  # fmt: skip
     scheduler = SchedulerConfig(max_num_seqs=max_batch, max_model_len=max_model_len, **batched)
-    service_fields = dict(MODES[base_mode(mode)])
+    service_fields = {**MODES[base_mode(mode)], "gpu_weight_format": linear_format(mode)}
     client = service_fields.pop("experts", {})  # ExpertClientConfig's fields
     return GPUServiceConfig(
         model_dir=str(checkpoint), device=device, dtype="bfloat16",
@@ -291,8 +309,8 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
     spin = "default" if args.spin_us is None else f"{args.spin_us:g} us"
     print(f"\n{args.checkpoint.name}: {spec.family}, {layers} MoE layers of "
           f"{spec.num_experts} experts (top {spec.num_experts_per_tok}), experts {args.format} "
-          f"on 1 worker x {args.threads} threads (spin {spin}), GPU part bf16; {args.tokens} new "
-          f"tokens per request")  # fmt: skip
+          f"on 1 worker x {args.threads} threads (spin {spin}), GPU part bf16 with its linear "
+          f"layers in {linear_formats(results)}; {args.tokens} new tokens per request")  # fmt: skip
     print(f"worker load + convert: {load['seconds']:.1f} s for {load['bytes'] / 1e9:.1f} GB of "
           f"expert tensors = {load['bytes'] / load['seconds'] / 1e9:.2f} GB/s")  # fmt: skip
     print(dram.summary())
