@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -387,7 +388,7 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
             between = host.get("between", float("nan")) * 1e3
             sample = host.get("sample", float("nan")) * 1e3
             launch = host.get("launch", float("nan")) * 1e3
-            within = between + (launch if launch == launch else 0.0)
+            within = between + (0.0 if math.isnan(launch) else launch)
             within += 0.0 if r.get("chained") else sample
             gc_runs, gc_seconds = r.get("gc", (0, 0.0))
             gc_ms = gc_seconds / r["steps"] * 1e3 if r.get("steps") else float("nan")

@@ -62,8 +62,9 @@ qwen48)
     --experts fp8 | tail -1
   wait $b || exit 1; say built
   if [ -n "${LAYERS:-}" ]; then  # the first N layers of the same checkpoint, for each N
-    for n in ${LAYERS//,/ }; do
-      e2e $((420 / $(echo "$LAYERS" | tr ',' '\n' | wc -l))) "$work/q48" --layers "$n" \
+    counts=(${LAYERS//,/ })
+    for n in "${counts[@]}"; do
+      e2e $((420 / ${#counts[@]})) "$work/q48" --layers "$n" \
         --format int4 --threads 15 $SPIN --batch "${BATCH:-1,16}" --prefill "" --tokens 64 \
         --modes "$MODES" --json "$out/q48-$n.json"
     done
