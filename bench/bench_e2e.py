@@ -12,8 +12,8 @@ writes them) and the GPU service in this process, once per mode:
             after the last one's tokens reach the host)
   graph-unfused  graph with --no-fused-kernels (RMSNorm and RoPE as torch's elementwise steps)
   graph-fp8  graph with --gpu-weight-format fp8 (the GPU part's linear layers in FP8: what
-            `auto` picks for an FP8 checkpoint on an FP8-capable GPU); every other mode runs the
-            GPU part in bf16, whatever the checkpoint
+            `auto` picks where bf16 would take over half the GPU's memory budget); every other
+            mode runs the GPU part in bf16, whatever the checkpoint
   stream-off, stream-on, stream-auto  graph with --stream-prefill off / on / auto: prefill's
             chunks through the CPU workers, streamed to the GPU, or as the start-up cost model
             chooses (printed per mode)
@@ -67,7 +67,8 @@ from bench.worker_process import expert_worker  # noqa: E402
 from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig  # noqa: E402
 from gpu_service.engine import SamplingParams  # noqa: E402
 from gpu_service.service import build_gpu_service  # noqa: E402
-from ktserve.checkpoint import ModelSpec  # noqa: E402
+from ktserve.checkpoint import ModelSpec, tensor_headers  # noqa: E402
+from ktserve.checkpoint.headers import is_routed_expert  # noqa: E402
 from ktserve.protocol import expert_pb2 as pb  # noqa: E402
 from ktserve.protocol import expert_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -118,13 +119,10 @@ def expert_tensor_bytes(checkpoint: Path, layers: int | None = None) -> int:
     """Bytes of the routed experts' tensors (scales included) of the first `layers` layers (None:
     all), from the safetensors headers."""
     total = 0
-    for file in checkpoint.glob("*.safetensors"):
-        with open(file, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for name, meta in header.items():
-            layer = LAYER_NAME.search(name)
-            if ".mlp.experts." in name and (layers is None or int(layer.group(1)) < layers):
-                total += meta["data_offsets"][1] - meta["data_offsets"][0]
+    for name, meta in tensor_headers(checkpoint).items():
+        layer = LAYER_NAME.search(name)
+        if is_routed_expert(name) and (layers is None or int(layer.group(1)) < layers):
+            total += meta["data_offsets"][1] - meta["data_offsets"][0]
     return total
 
 

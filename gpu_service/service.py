@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from gpu_service.auto_weight_format import AutoFormat, choose_auto_format
 from gpu_service.config import KV_CACHE_DTYPES, GPUServiceConfig
 from gpu_service.engine import DecodeGraphConfig, Engine, EngineMetrics
 from gpu_service.gpu_experts import (
@@ -29,7 +30,7 @@ from gpu_service.moe_client import ShmExperts
 from gpu_service.stream_prefill.backend import StreamingExperts
 from gpu_service.stream_prefill.build import build_streaming
 from gpu_service.tensor_parallel.leader import LeaderConfig, TensorParallelLeader, check_devices
-from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec
+from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec, non_expert_params
 from ktserve.names import float_dtype
 
 log = logging.getLogger("ktserve.gpu")
@@ -90,7 +91,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         if config.tensor_parallel_size > 1:
             leader = TensorParallelLeader(LeaderConfig(
                 config.tensor_parallel_size, config.model_dir, device, dtype,
-                resolve_linear_quant(config, spec, device), config.fused_kernels,
+                resolve_linear_quant(config, device), config.fused_kernels,
                 config.tensor_parallel_timeout_s,
             ))  # fmt: skip
             tp = leader.start()  # NOTE: the followers load their shares while rank 0 does
@@ -103,9 +104,12 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         hybrid = backend if isinstance(backend, HybridExperts) else None
         backend = streaming or backend
         deferred = config.max_deferred_experts_per_token
-        linear_quant = resolve_linear_quant(config, spec, device)
-        log.info("GPU weight format: %s%s", linear_quant.format,
-                 " (lm_head too)" if linear_quant.quantize_lm_head else "")  # fmt: skip
+        linear_quant = resolve_linear_quant(config, device)
+        chosen_by = ""
+        if config.gpu_weight_format == "auto":
+            chosen_by = f" (auto: {auto_format(config, device).reason})"
+        log.info("GPU weight format: %s%s%s", linear_quant.format,
+                 " (lm_head too)" if linear_quant.quantize_lm_head else "", chosen_by)  # fmt: skip
         model = load_model(config.model_dir, device, dtype, experts=backend,
                            max_num_tokens_in_cache=16, hf=hf,
                            max_deferred_experts_per_token=deferred,
@@ -180,20 +184,28 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
                       leader)  # fmt: skip
 
 
-def resolve_linear_quant(config: GPUServiceConfig, spec: ModelSpec,
-                         device: torch.device) -> LinearQuantConfig:  # fmt: skip
-    """--gpu-weight-format auto: fp8 for an FP8 checkpoint on a GPU with FP8 matrix units, the
-    model dtype otherwise."""
+def resolve_linear_quant(config: GPUServiceConfig, device: torch.device) -> LinearQuantConfig:
+    """--gpu-weight-format, auto resolved (auto_weight_format.py: bf16 where the unquantized GPU
+    part takes at most half the memory budget, else fp8 on GPUs with FP8 units)."""
     fmt = config.gpu_weight_format
     if fmt == "auto":
-        fp8_checkpoint = spec.weight_block_size is not None
-        fmt = "fp8" if fp8_checkpoint and fp8_matmul_supported(device) else "bf16"
+        fmt = auto_format(config, device).format
         if fmt == "bf16" and config.quantize_lm_head:
             raise ValueError(
                 "--quantize-lm-head needs a quantized GPU weight format, and auto chose bf16 "
                 "here: name one with --gpu-weight-format fp8|int8|int4"
             )
     return LinearQuantConfig(fmt, config.quantize_lm_head)
+
+
+def auto_format(config: GPUServiceConfig, device: torch.device) -> AutoFormat:
+    """What --gpu-weight-format auto picks for this checkpoint on this device, and why."""
+    if device.type != "cuda":
+        return choose_auto_format(0, None, False)
+    per_gpu = non_expert_params(config.model_dir) * 2 // config.tensor_parallel_size
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = int(total * config.gpu_memory_utilization)
+    return choose_auto_format(per_gpu, budget, fp8_matmul_supported(device))
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -238,7 +250,7 @@ def check_model_fits(config: GPUServiceConfig, spec: ModelSpec,
             f"--max-deferred-experts-per-token must be below the model's "
             f"{spec.num_experts_per_tok} routed experts per token, got {deferred}"
         )
-    resolve_linear_quant(config, spec, torch.device(config.device or default_device()))
+    resolve_linear_quant(config, torch.device(config.device or default_device()))
 
 
 def _hybrid(config: GPUServiceConfig, spec: ModelSpec, experts: ShmExperts,

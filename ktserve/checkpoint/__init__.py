@@ -19,6 +19,7 @@ from ktserve.checkpoint.errors import (
     UnsupportedTensorDtype,
 )
 from ktserve.checkpoint.fp8 import dequantize_fp8_blocks, fp8_scale_shape
+from ktserve.checkpoint.headers import non_expert_params, tensor_headers
 from ktserve.checkpoint.reader import CheckpointReader, ProgressCallback, index_tensors
 from ktserve.checkpoint.sharding import (
     available_memory_bytes,
@@ -64,7 +65,9 @@ __all__ = [
     "estimate_shard_bytes",
     "fp8_scale_shape",
     "index_tensors",
+    "non_expert_params",
     "parse_expert_range",
     "read_config_json",
+    "tensor_headers",
     "validate_shard",
 ]

@@ -1,6 +1,6 @@
 """bench_e2e's modes name the GPU part's linear format: bf16 in every mode but graph-fp8, never
-`auto`, which picks FP8 for an FP8 checkpoint on an FP8-capable GPU (it did: the 48-layer runs,
-on an FP8 checkpoint, measured FP8 linear layers where the header said bf16)."""
+`auto`, whose choice depends on the GPU (until 2026-12-03 it picked FP8 for an FP8 checkpoint on
+an FP8-capable GPU: the 48-layer runs measured FP8 linear layers where the header said bf16)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,55 @@
+"""What a checkpoint holds, from its safetensors headers alone (no tensor data is read): each
+tensor's dtype tag and shape, and from them the size of the part that is not routed experts (the
+GPU part: attention, dense layers, shared experts, embeddings, head)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ktserve.checkpoint.errors import InvalidConfig, SafetensorsNotFound
+
+ROUTED_EXPERT_MARK = ".experts."  # ...mlp.experts.E... / ...block_sparse_moe.experts.E...
+FP8_SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3's block scales of an FP8 weight
+_HEADER_LIMIT = 100 * 2**20  # safetensors caps its JSON header at 100 MB
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """name -> {"dtype", "shape", "data_offsets"} of one safetensors file ("__metadata__" left
+    out)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if not 0 < size <= _HEADER_LIMIT:
+            raise InvalidConfig(path, f"not a safetensors file (header length {size})")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError as exc:
+            raise InvalidConfig(path, f"unreadable safetensors header ({exc})") from exc
+    header.pop("__metadata__", None)
+    return header
+
+
+def tensor_headers(model_dir: str | Path) -> dict[str, dict]:
+    """Every tensor's header entry, over all the checkpoint's safetensors files."""
+    paths = sorted(Path(model_dir).glob("*.safetensors"))
+    if not paths:
+        raise SafetensorsNotFound(Path(model_dir))
+    tensors: dict[str, dict] = {}
+    for path in paths:
+        tensors.update(read_header(path))
+    return tensors
+
+
+def is_routed_expert(name: str) -> bool:
+    return ROUTED_EXPERT_MARK in name
+
+
+def non_expert_params(model_dir: str | Path) -> int:
+    """Elements of the tensors that are not routed experts, FP8 block scales left out: what the
+    GPU part holds unquantized (times 2 bytes in bf16)."""
+    return sum(
+        math.prod(meta["shape"])
+        for name, meta in tensor_headers(model_dir).items()
+        if not is_routed_expert(name) and not name.endswith(FP8_SCALE_SUFFIX)
+    )
