@@ -150,7 +150,7 @@ def worker_stats(stub) -> dict[str, float]:
             **{p: getattr(s, f"{p}_seconds") for p in PHASES}}  # fmt: skip
 
 
-HOST_PARTS = ("between", "sample", "launch")  # ktserve_engine_host_seconds{part}
+HOST_PARTS = ("between", "sample", "launch", "replay")  # ktserve_engine_host_seconds{part}
 
 
 def host_seconds(service) -> dict[str, tuple[float, float]]:
@@ -367,14 +367,16 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
         "idle bound); between and sample = the engine "
         "thread's own time (ktserve_engine_host_seconds: output processing and scheduling "
         "between two steps; logits to token ids, after the next step's launch where steps "
-        "chain; the host's call that launches a step's graph); rest = end - those within it "
+        "chain; the host's call that launches a step's graph, and of it the graph's replay() "
+        "call alone); rest = end - those within it "
         "(the head and the first layers on the GPU, the step's preparation); gc = the cyclic "
         "garbage "
         "collector's runs during the batch and their pause per step (any thread's run holds "
         "the GIL)"
     )
     cols = [Column("mode", 11, "<"), Column("batch", 5), Column("end", 6), Column("between", 7),
-            Column("sample", 6), Column("launch", 6), Column("rest", 6), Column("gc runs", 7),
+            Column("sample", 6), Column("launch", 6), Column("replay", 6), Column("rest", 6),
+            Column("gc runs", 7),
             Column("gc ms", 6)]  # fmt: skip
     rows = []
     for mode, res in results.items():
@@ -386,12 +388,13 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
             between = host.get("between", float("nan")) * 1e3
             sample = host.get("sample", float("nan")) * 1e3
             launch = host.get("launch", float("nan")) * 1e3
+            replay = host.get("replay", float("nan")) * 1e3
             within = between + (0.0 if math.isnan(launch) else launch)
             within += 0.0 if r.get("chained") else sample
             gc_runs, gc_seconds = r.get("gc", (0, 0.0))
             gc_ms = gc_seconds / r["steps"] * 1e3 if r.get("steps") else float("nan")
             rows.append([mode, str(b), f"{end:.3f}", f"{between:.3f}", f"{sample:.3f}",
-                         f"{launch:.3f}", f"{end - within:.3f}", str(gc_runs),
+                         f"{launch:.3f}", f"{replay:.3f}", f"{end - within:.3f}", str(gc_runs),
                          f"{gc_ms:.3f}"])  # fmt: skip
     print_table(cols, rows)
     if args.prefills:

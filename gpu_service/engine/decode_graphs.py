@@ -199,6 +199,7 @@ class DecodeGraphs:
         self.num_graphs = 0
         self.calls = self._device_calls() if config.experts_in_graph and self.moes else None
         self._launched = False  # a step with device calls launched and not yet waited for
+        self.last_replay_seconds = 0.0  # launch(): the host's replay() call of its graph (0: none)
 
     def _device_calls(self):
         experts = {id(moe.experts): moe.experts for moe in self.moes}
@@ -262,6 +263,7 @@ class DecodeGraphs:
         if self._launched:
             raise RuntimeError("a decode step is still on the device: wait() for it first")
         b = len(batch.seqs)
+        self.last_replay_seconds = 0.0
         if tokens is not None:
             bucket.tokens[:b].copy_(tokens)
         logits = self._run(bucket, b)
@@ -290,7 +292,9 @@ class DecodeGraphs:
         if self.calls is not None:
             self.calls.begin_step(bucket.batch, b)
             if self.config.capture:
+                replay_at = time.perf_counter()
                 bucket.graphs[0].replay()
+                self.last_replay_seconds = time.perf_counter() - replay_at
                 logits = bucket.outputs[0]
             else:
                 logits = self._step(bucket)

@@ -249,6 +249,8 @@ class Engine:
         """See a started step through: chain the next one to it (decided and prepared while it
         runs, launched once its device work is through), then take its tokens."""
         self.metrics.host_seconds.labels(part="launch").observe(started.launch_seconds)
+        if started.replay_seconds:
+            self.metrics.host_seconds.labels(part="replay").observe(started.replay_seconds)
         chained = prepared = None
         if self.runner.chains:
             try:

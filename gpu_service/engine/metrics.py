@@ -134,8 +134,9 @@ class EngineMetrics:
             "step's results to the next step's start, where that step left requests running "
             "or waiting: output processing, new requests, scheduling), sample (logits to token "
             "ids, the device sync included), launch (a started decode step's graph launched: the "
-            "host's call); for a step chained to the last one, between is from the last one's "
-            "device work ending to this one's launch",
+            "host's call), replay (of launch, the CUDA graph's replay() call alone); for a "
+            "step chained to the last one, between is from the last one's device work ending "
+            "to this one's launch",
             FAST,
             ["part"],
         )

@@ -53,6 +53,7 @@ class Started:
     copied: torch.cuda.Event | None  # recorded after that copy (None off CUDA)
     launched_at: float
     launch_seconds: float  # the host's call that launched its graph (DecodeGraphs.launch)
+    replay_seconds: float = 0.0  # of which the graph's replay() call (0: not a graph replay)
     done_at: float | None = None
 
 
@@ -187,7 +188,8 @@ class Runner:
         # NOTE: after the sampling is queued: the host's next work (the last step's tokens, the
         # next step's decision) overlaps this step's layers, with the workers woken for them
         self.decode_graphs.wake()
-        return Started(step, sampled, host, copied, launched_at, launch_seconds)
+        return Started(step, sampled, host, copied, launched_at, launch_seconds,
+                       self.decode_graphs.last_replay_seconds)  # fmt: skip
 
     def wait(self, started: Started) -> None:
         """Host: until the started step's device work is through (raises what the step failed

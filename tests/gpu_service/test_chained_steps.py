@@ -161,6 +161,12 @@ def test_a_lone_request_chains_every_step_it_can(checkpoint, reference, device, 
     launches, launch_s = _count_and_sum(engine.metrics.host_seconds, part="launch")
     assert launches == 23  # every decode step was started
     assert launch_s > 0
+    replays, replay_s = _count_and_sum(engine.metrics.host_seconds, part="replay")
+    if config.capture:  # each launch replayed its bucket's graph, within the launch's time
+        assert replays == 23
+        assert 0 < replay_s < launch_s
+    else:  # computed eagerly: no graph to replay
+        assert replays == 0
 
 
 def test_a_request_that_arrives_mid_chain_is_admitted(checkpoint, reference, device, seed):
