@@ -249,7 +249,7 @@ def test_rejects_mismatched_inputs():
 def test_wide_heads_of_float32_queries_get_smaller_tiles():
     """MLA's 576-wide heads in float32 at 64 heads x 32 keys need 258 KB of shared memory on the
     H200 (227 KB there): its decode tiles shrink for 4-byte queries only."""
-    assert at.decode_tiles(576, 128) == at.Tiles(block_h=64, block_n=32, num_warps=8, num_stages=2)
+    assert at.decode_tiles(576, 128) == at.Tiles(block_h=64, block_n=64, num_warps=8, num_stages=2)
     wide = at.decode_tiles(576, 40, elem_bytes=4)
     assert wide.block_h <= 32 and wide.block_n == 16
     assert at.decode_tiles(128, 8, elem_bytes=4) == at.decode_tiles(128, 8)
