@@ -81,6 +81,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
     dtype = resolve_dtype(config.dtype, device)
     scheduler = config.scheduler
     check_model_fits(config, spec, hf)
+    linear_quant, chosen_by = resolve_linear_quant(config, device)
     experts = ShmExperts(
         config.experts, hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok,
         max_tokens=max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs), device=device,
@@ -91,7 +92,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         if config.tensor_parallel_size > 1:
             leader = TensorParallelLeader(LeaderConfig(
                 config.tensor_parallel_size, config.model_dir, device, dtype,
-                resolve_linear_quant(config, device), config.fused_kernels,
+                linear_quant, config.fused_kernels,
                 config.tensor_parallel_timeout_s,
             ))  # fmt: skip
             tp = leader.start()  # NOTE: the followers load their shares while rank 0 does
@@ -104,12 +105,9 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         hybrid = backend if isinstance(backend, HybridExperts) else None
         backend = streaming or backend
         deferred = config.max_deferred_experts_per_token
-        linear_quant = resolve_linear_quant(config, device)
-        chosen_by = ""
-        if config.gpu_weight_format == "auto":
-            chosen_by = f" (auto: {auto_format(config, device).reason})"
         log.info("GPU weight format: %s%s%s", linear_quant.format,
-                 " (lm_head too)" if linear_quant.quantize_lm_head else "", chosen_by)  # fmt: skip
+                 " (lm_head too)" if linear_quant.quantize_lm_head else "",
+                 f" (auto: {chosen_by})" if chosen_by else "")  # fmt: skip
         model = load_model(config.model_dir, device, dtype, experts=backend,
                            max_num_tokens_in_cache=16, hf=hf,
                            max_deferred_experts_per_token=deferred,
@@ -184,18 +182,21 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
                       leader)  # fmt: skip
 
 
-def resolve_linear_quant(config: GPUServiceConfig, device: torch.device) -> LinearQuantConfig:
+def resolve_linear_quant(config: GPUServiceConfig,
+                         device: torch.device) -> tuple[LinearQuantConfig, str]:  # fmt: skip
     """--gpu-weight-format, auto resolved (auto_weight_format.py: bf16 where the unquantized GPU
-    part takes at most half the memory budget, else fp8 on GPUs with FP8 units)."""
-    fmt = config.gpu_weight_format
+    part takes at most half the memory budget, else fp8 on GPUs with FP8 units), and why auto
+    chose it ("" for a named format)."""
+    fmt, why = config.gpu_weight_format, ""
     if fmt == "auto":
-        fmt = auto_format(config, device).format
+        choice = auto_format(config, device)
+        fmt, why = choice.format, choice.reason
         if fmt == "bf16" and config.quantize_lm_head:
             raise ValueError(
                 "--quantize-lm-head needs a quantized GPU weight format, and auto chose bf16 "
                 "here: name one with --gpu-weight-format fp8|int8|int4"
             )
-    return LinearQuantConfig(fmt, config.quantize_lm_head)
+    return LinearQuantConfig(fmt, config.quantize_lm_head), why
 
 
 def auto_format(config: GPUServiceConfig, device: torch.device) -> AutoFormat:

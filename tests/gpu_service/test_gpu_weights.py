@@ -281,11 +281,15 @@ def test_fp8_checkpoint_kept_in_fp8(tmp_path) -> None:
             tensors[name], tensors[f"{name}_scale_inv"] = quantize_fp8_blocks(tensors[name])
         save_file(tensors, file, metadata={"format": "pt"})
     config = GPUServiceConfig(str(path))
-    assert resolve_linear_quant(config, torch.device("cpu")).format == "bf16"
+    assert resolve_linear_quant(config, torch.device("cpu"))[0].format == "bf16"
+    assert resolve_linear_quant(config, torch.device("cpu"))[1] == "not a CUDA device"
     if HAS_CUDA:
-        assert resolve_linear_quant(config, torch.device("cuda")).format == "bf16"
+        assert resolve_linear_quant(config, torch.device("cuda"))[0].format == "bf16"
     explicit = GPUServiceConfig(str(path), gpu_weight_format="int4", quantize_lm_head=True)
-    assert resolve_linear_quant(explicit, torch.device("cpu")) == LinearQuantConfig("int4", True)
+    assert resolve_linear_quant(explicit, torch.device("cpu")) == (
+        LinearQuantConfig("int4", True),
+        "",
+    )
     dense, fp8 = _load(path, "bf16"), _load(path, "fp8")
     modules = dict(dense.named_modules())
     weight_errors = {
