@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from ktserve.checkpoint.errors import InvalidConfig, SafetensorsNotFound
+from ktserve.checkpoint.reader import INDEX_FILE, index_tensors
 
 ROUTED_EXPERT_MARK = ".experts."  # ...mlp.experts.E... / ...block_sparse_moe.experts.E...
 FP8_SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3's block scales of an FP8 weight
@@ -31,10 +32,15 @@ def read_header(path: Path) -> dict[str, dict]:
 
 
 def tensor_headers(model_dir: str | Path) -> dict[str, dict]:
-    """Every tensor's header entry, over all the checkpoint's safetensors files."""
-    paths = sorted(Path(model_dir).glob("*.safetensors"))
+    """Every tensor's header entry, over the checkpoint's safetensors files: those its index
+    names where it has one (as the loaders read it: reader.index_tensors), else all of them."""
+    model_dir = Path(model_dir)
+    if (model_dir / INDEX_FILE).is_file():
+        paths = sorted(set(index_tensors(model_dir).values()))
+    else:
+        paths = sorted(model_dir.glob("*.safetensors"))
     if not paths:
-        raise SafetensorsNotFound(Path(model_dir))
+        raise SafetensorsNotFound(model_dir)
     tensors: dict[str, dict] = {}
     for path in paths:
         tensors.update(read_header(path))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -84,3 +85,18 @@ def test_auto_keeps_bf16_where_it_fits(part_gib, budget_gib, fp8_units, want) ->
 
 def test_auto_off_cuda_is_bf16() -> None:
     assert choose_auto_format(100 * GIB, None, True).format == "bf16"
+
+
+@pytest.mark.skipif("qwen3_moe" not in available_families(), reason="no Qwen3MoeConfig")
+def test_a_sharded_checkpoint_is_read_through_its_index(tmp_path) -> None:
+    """Shards listed in model.safetensors.index.json count; a stray file beside them does not
+    (the loaders read the index's files only)."""
+    print(f"seed {SEED}")
+    whole = make_tiny_checkpoint("qwen3_moe", tmp_path / "whole", seed=SEED)
+    sharded = make_tiny_checkpoint("qwen3_moe", tmp_path / "sharded", seed=SEED,
+                                   max_shard_size="20KB")  # fmt: skip
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert non_expert_params(sharded) == non_expert_params(whole)
+    save_file({"stray.weight": torch.zeros(1000)}, sharded / "stray.safetensors")
+    assert non_expert_params(sharded) == non_expert_params(whole)
