@@ -12,7 +12,12 @@ the kernels inside CUDA graphs), and the GPU timeline of the step is split per M
     gaps      the GPU idle between one operation's end and the next one's start
 The first and last steps are dropped (their edges are the host's).
 
+--middle also lists, kernel by kernel, the GPU's work between two MoE layers of one step (from a
+collect's end to the next layer's post: the non-expert time of a layer in the model's middle, with
+no head, embedding or dense layer in it), the median such gap of the run.
+
     python bench/profile_decode_step.py CHECKPOINT [--modes graph,graph-memops] [--batch 1]
+                                        [--middle]
 """
 
 from __future__ import annotations
@@ -77,6 +82,37 @@ def split(timeline: list[dict], calls: int) -> dict[str, float]:
     return out
 
 
+def middle_gaps(timeline: list[dict], moe_layers: int) -> list[list[dict]]:
+    """The events between a collect and the next post, for each pair of MoE layers of one step
+    (a step's last collect is followed by the head and the next step's first layers: skipped)."""
+    gaps, current, collects = [], None, 0
+    for e in timeline:
+        kind = classify(e)
+        if kind == "collect":
+            collects += 1
+            middle = collects % moe_layers != 0
+            current = [e] if middle else None
+        elif kind == "post":
+            if current is not None:
+                gaps.append(current + [e])  # the collect, what follows it, the post
+            current = None
+        elif current is not None:
+            current.append(e)
+    return gaps
+
+
+def describe_gap(events: list[dict]) -> tuple[float, list[list[str]]]:
+    """(us from the collect's end to the post's start, rows: kernel, us, idle before it)."""
+    end = events[0]["ts"] + events[0]["dur"]
+    span = events[-1]["ts"] - end
+    rows = []
+    for e in events[1:-1]:
+        rows.append([e["name"][:60], f"{e['dur']:.1f}", f"{max(0.0, e['ts'] - end):.1f}"])
+        end = max(end, e["ts"] + e["dur"])
+    rows.append(["(post starts)", "-", f"{max(0.0, events[-1]['ts'] - end):.1f}"])
+    return span, rows
+
+
 def profile_mode(mode: str, args, address: str, moe_layers: int) -> dict[str, float]:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -100,6 +136,9 @@ def profile_mode(mode: str, args, address: str, moe_layers: int) -> dict[str, fl
     out["step_ms"] = 1e3 * args.batch * args.tokens / got["tok/s"] / steps
     out["gpu_span_ms"] = (timeline[-1]["ts"] + timeline[-1]["dur"] - timeline[0]["ts"]) / 1e3
     out["steps"] = steps
+    gaps = sorted(middle_gaps(timeline, moe_layers), key=lambda g: describe_gap(g)[0])
+    out["middle"] = describe_gap(gaps[len(gaps) // 2]) if gaps else None
+    out["middle_count"] = len(gaps)
     return out
 
 
@@ -113,16 +152,19 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--modes", default="graph,graph-memops")
     parser.add_argument("--device", default=default_device())
+    parser.add_argument("--middle", action="store_true",
+                        help="list the kernels between two MoE layers of a step")
     args = parser.parse_args()
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
     moe_layers = len(ModelSpec.from_config_dir(args.checkpoint).moe_layers)
-    rows, tops = [], {}
+    rows, tops, middles = [], {}, {}
     with expert_worker(args.checkpoint, args.format, args.threads, args.spin_us) as address:
         for mode in modes:
             r = profile_mode(mode, args, address, moe_layers)
             tops[mode] = r["top"]
+            middles[mode] = (r["middle"], r["middle_count"])
             rows.append([mode, str(args.batch), f"{r['step_ms']:.2f}",
                          *(f"{r[k]:.1f}" for k in ("compute", "post", "collect", "copy", "gaps")),
                          f"{r['kernels/call']:.1f}"])  # fmt: skip
@@ -135,6 +177,15 @@ def main() -> None:
         print(f"{mode}: the compute kernels that take longest, us per MoE layer")
         print_table([Column("kernel", 60, "<"), Column("us", 6)],
                     [[name, f"{us:.1f}"] for name, us in top])  # fmt: skip
+    for mode, (middle, count) in middles.items() if args.middle else ():
+        if middle is None:
+            print(f"{mode}: no two MoE layers of one step to look between")
+            continue
+        span, kernel_rows = middle
+        print(f"{mode}: between two MoE layers of a step, the median of {count} gaps: "
+              f"{span:.1f} us from a collect's end to the next post")
+        print_table([Column("kernel", 60, "<"), Column("us", 6), Column("idle before", 11)],
+                    kernel_rows)
 
 
 if __name__ == "__main__":

@@ -290,8 +290,12 @@ def _decode_split_kernel(
     start = lo + split * per_split
     end = tl.minimum(start + per_split, n)
 
+    # NOTE: a split past the context (most of them at a short one: the split count follows the
+    # block table's width) stores only its log-sum-exp, -inf, which the merge reads first: its
+    # partial output is neither written nor read (MLA's is 128 KB a program)
+    live = head_ok & (tl.full([BLOCK_H], 0, dtype=tl.int32) + start < end)  # [H]
     q_rows = q + b * stride_qb + heads[:, None] * stride_qh
-    q_a, q_b = _load_queries(q_rows, head_ok, stride_qd, D, DA, DB, DOT_DTYPE)
+    q_a, q_b = _load_queries(q_rows, live, stride_qd, D, DA, DB, DOT_DTYPE)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -312,7 +316,7 @@ def _decode_split_kernel(
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     offs_v = v0 + tl.arange(0, BLOCK_DV)
     part = part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
-    tl.store(part + offs_v[None, :], out, mask=head_ok[:, None] & (offs_v[None, :] < DV))
+    tl.store(part + offs_v[None, :], out, mask=live[:, None] & (offs_v[None, :] < DV))
     if v0 == 0:
         tl.store(part_lse + b * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
 

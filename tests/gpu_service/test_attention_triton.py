@@ -141,6 +141,39 @@ def test_decode_merges_many_splits_in_value_blocks(seed):
     check(at.decode_with(qd, kd, vd, td, ld, 16, 0.3, num_splits=64), want, torch.float32)
 
 
+def test_decode_empty_splits_neither_write_nor_read_their_partials(monkeypatch, seed):
+    """The partial buffers start as NaN: a split past its sequence's keys leaves its rows so (no
+    write: at MLA's width that is 128 KB a program), the merge reads none of them (no NaN in the
+    output), and the splits with keys write theirs."""
+    gen = torch.Generator().manual_seed(seed + 8)
+    kv_lens = [3, 70, 129]
+    k_cache, v_cache, table, kv_len = make_case(gen, kv_lens, 16, 2, 32, 32, torch.float32)
+    q = torch.randn(3, 4, 32, generator=gen)
+    cu = torch.arange(4, dtype=torch.int32)
+    want = reference(q, k_cache, v_cache, table, cu, kv_len, 16, 0.3, None)
+    qd, kd, vd, td, ld = to_device(q, k_cache, v_cache, table, kv_len)
+    partials, empty = [], torch.empty
+
+    def nan_partials(*shape, **kwargs):
+        out = empty(*shape, **kwargs)
+        if out.dim() == 4:  # [B, Hq, splits, Dv]: decode_with's partial outputs
+            out.fill_(float("nan"))
+            partials.append(out)
+        return out
+
+    monkeypatch.setattr(torch, "empty", nan_partials)
+    num_splits, tiles = 8, at.Tiles(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    got = at.decode_with(qd, kd, vd, td, ld, 16, 0.3, tiles=tiles, num_splits=num_splits)
+    monkeypatch.undo()
+    check(got, want, torch.float32)
+    (part,) = partials
+    for b, n in enumerate(kv_lens):
+        per_split = -(-(-(-n // num_splits)) // 16) * 16  # keys a split takes, in 16-key steps
+        used = -(-n // per_split)
+        assert not part[b, :, :used].isnan().any(), f"sequence {b}: a split with keys wrote no output"
+        assert part[b, :, used:].isnan().all(), f"sequence {b}: a split without keys wrote"
+
+
 def test_decode_reads_strided_queries_and_fp16(seed):
     gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, table, kv_len = make_case(gen, [50, 9], 16, 2, 64, 64, torch.float16)
