@@ -3,11 +3,14 @@ factory the families build them through (`Linear.load`).
 
 Kernels, per format and device:
     bf16  F.linear in the model dtype.
-    fp8   CUDA with compute capability >= 8.9: torch._scaled_mm, activations quantized per row
-          (token) on the fly, weights per output channel, bfloat16 out. Elsewhere: the weight is
-          upcast to the activation dtype per call (exact, slow: the reference path).
+    fp8   CUDA with compute capability >= 8.9: up to FP8_WEIGHT_ONLY_MAX_ROWS rows of
+          bfloat16/float16 activations (decode), the weight-only Triton kernel
+          (weight_only_triton.py: the weights upcast in registers, the activations as they are);
+          more rows, torch._scaled_mm, activations quantized per row (token) on the fly, weights
+          per output channel, bfloat16 out. Elsewhere: the weight is upcast to the activation
+          dtype per call (exact, slow: the reference path).
     int8  CPU: torch._weight_int8pack_mm. CUDA (torch has no weight-only int8 kernel there):
-          a small Triton kernel (int8_triton.py) for bfloat16/float16 activations of up to
+          the weight-only Triton kernel for bfloat16/float16 activations of up to
           TRITON_INT8_MAX_ROWS rows (decode, small chunks); larger ones, float32, and hosts
           without Triton dequantize the weight per call.
     int4  torch's tinygemm kernels: CUDA torch._weight_int4pack_mm (bfloat16 activations; N a
@@ -29,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_service.models.int8_triton import int8_mm, int8_mm_available
 from gpu_service.models.weight_formats import (
     FP8_MAX,
     MIN_SCALE,
@@ -41,9 +43,12 @@ from gpu_service.models.weight_formats import (
     quantize_int4,
     quantize_int8,
 )
+from gpu_service.models.weight_only_triton import weight_only_mm, weight_only_mm_available
 
 log = logging.getLogger("ktserve.gpu")
 TRITON_INT8_MAX_ROWS = 128  # above, dequantizing once and one cuBLAS matmul is the cheaper
+# above, _scaled_mm's FP8 tensor cores beat reading the weights once (prompt chunks)
+FP8_WEIGHT_ONLY_MAX_ROWS = 16
 
 if TYPE_CHECKING:
     from gpu_service.models.loader import WeightLoader
@@ -205,9 +210,17 @@ class FP8Linear(nn.Module):
         self.register_buffer("bias", bias)
         dims_ok = self.out_features % 16 == 0 and self.in_features % 16 == 0
         self.scaled_mm = fp8_matmul_supported(q.device) and dims_ok
-        self.kernel_name = "scaled_mm" if self.scaled_mm else "upcast"
+        self.weight_only = self.scaled_mm and weight_only_mm_available(q.device, q.dtype)
+        self.kernel_name = (
+            "weight_only+scaled_mm" if self.weight_only else "scaled_mm" if self.scaled_mm
+            else "upcast"
+        )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self.weight_only and rows <= FP8_WEIGHT_ONLY_MAX_ROWS and x.dtype != torch.float32:
+            y = weight_only_mm(_flat(x), self.weight, self.weight_scale)
+            return _add_bias(y.view(*x.shape[:-1], self.out_features), self.bias)
         if not self.scaled_mm:
             y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)
             return _add_bias(y, self.bias)
@@ -225,7 +238,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)
         self.int8pack_mm = q.device.type == "cpu"
         half = scale.dtype in (torch.bfloat16, torch.float16)
-        self.triton = half and int8_mm_available(q.device)
+        self.triton = half and weight_only_mm_available(q.device, q.dtype)
         self.kernel_name = (
             "int8pack_mm" if self.int8pack_mm else "triton" if self.triton else "dequantize"
         )
@@ -236,7 +249,7 @@ class Int8Linear(nn.Module):
             y = torch._weight_int8pack_mm(_flat(x), self.weight, self.weight_scale.to(x.dtype))
             y = y.view(*x.shape[:-1], self.out_features)
         elif self.triton and rows <= TRITON_INT8_MAX_ROWS and x.dtype == self.weight_scale.dtype:
-            y = int8_mm(_flat(x), self.weight, self.weight_scale)
+            y = weight_only_mm(_flat(x), self.weight, self.weight_scale)
             y = y.view(*x.shape[:-1], self.out_features)
         else:
             y = F.linear(x, self.weight.to(x.dtype)) * self.weight_scale.to(x.dtype)

@@ -358,14 +358,14 @@ def test_the_unspecialized_arguments_are_the_kernels_own():
     kernel would recompile per integer class again), so each name must be one of its arguments;
     and the per-step integers are among them."""
     from gpu_service import device_kernels
-    from gpu_service.models import int8_triton
+    from gpu_service.models import weight_only_triton
 
     kernels = {at._prefill_kernel: {"num_seqs", "stride_bt"},
                at._decode_split_kernel: {"num_splits", "stride_bt", "stride_lh"},
                at._decode_merge_kernel: {"num_splits", "stride_lh"},
                device_kernels._post_kernel: {"num_x", "num_routes"},
                device_kernels._collect_kernel: {"num_out"},
-               int8_triton._int8_mm_kernel: {"M"}}  # fmt: skip
+               weight_only_triton._weight_only_mm_kernel: {"M"}}  # fmt: skip
     for kernel, per_step in kernels.items():
         names = getattr(kernel, "do_not_specialize", None)
         if names is None:  # under the interpreter (no CUDA): the decorator's arguments

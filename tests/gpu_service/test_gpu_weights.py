@@ -81,7 +81,8 @@ def _expected_kernel(fmt: str, device: str) -> str:
         return {"fp8": "upcast", "int8": "int8pack_mm", "int4": "_weight_int4pack_mm_for_cpu"}[fmt]
     fp8_units = torch.cuda.get_device_capability() >= (8, 9)
     triton = importlib.util.find_spec("triton") is not None
-    kernels = {"fp8": "scaled_mm" if fp8_units else "upcast",
+    fp8 = "weight_only+scaled_mm" if triton else "scaled_mm"
+    kernels = {"fp8": fp8 if fp8_units else "upcast",
                "int8": "triton" if triton else "dequantize",
                "int4": "_weight_int4pack_mm"}  # fmt: skip
     return kernels[fmt]

@@ -1,0 +1,134 @@
+"""Weight-only int8 and fp8 matmuls on CUDA, one small Triton kernel:
+    y [M, N] = (x [M, K] @ q^T [K, N]) * scale [N],
+q int8 or float8_e4m3fn [N, K], read once and converted to x's dtype in registers, float32
+accumulation, output in x's dtype. torch has no CUDA kernel for int8 weights; for fp8 weights,
+`torch._scaled_mm` quantizes the activations first (five kernels before the GEMM), which at a
+decode step's few rows costs more than the GEMM. Few rows read weights and nothing else, so the
+tiles are narrow (BLOCK_N 16 or 32) to spread them over every SM.
+`weight_only_mm_available(device, dtype)` runs the kernel once on a small case against torch and
+answers False (the caller then takes its other path) where Triton is missing or the kernel fails
+or disagrees.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("ktserve.gpu")
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch comes without Triton
+    triton = None
+
+WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=("M",))  # NOTE: the step's tokens: see attention_triton
+    def _weight_only_mm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
+                               stride_xm, stride_wn, stride_ym,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr):  # fmt: skip
+        # NOTE: N tiles vary fastest: the programs of one row block share its x (L2)
+        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :],
+                        mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
+            w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None],
+                        mask=(rn[None, :] < N) & (k[:, None] < K), other=0.0)  # fmt: skip
+            acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE))  # [BLOCK_M, BLOCK_N]
+        scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        acc = acc * scale[None, :]
+        out_mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=out_mask)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MMTiles:
+    """Launch shape of the weight-only kernel."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter (TRITON_INTERPRET=1) on CPU tensors
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_tiles(m: int, n: int, k: int, num_sms: int) -> MMTiles:
+    """Row blocks of 16 to 64; the widest of 64 / 32 / 16 outputs that still gives every SM
+    two programs (few rows: the weights' stream is the work, and it needs every SM)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    row_blocks = -(-m // block_m)
+    block_n = next((b for b in (64, 32) if row_blocks * -(-n // b) >= 2 * num_sms), 16)
+    block_k = 128 if k >= 128 else max(16, triton.next_power_of_2(k))
+    return MMTiles(block_m, block_n, block_k)
+
+
+def _dot_dtype(x: torch.Tensor):
+    """x's dtype on CUDA; float32 under the interpreter (CPU tensors), whose numpy dot cannot
+    take bf16 (the products are exact there: x's values, the weights' upcast)."""
+    if x.device.type == "cuda":
+        return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}.get(x.dtype, tl.float32)
+    return tl.float32
+
+
+def weight_only_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                   tiles: MMTiles | None = None) -> torch.Tensor:  # fmt: skip
+    """x [M, K] (contiguous, float16/bfloat16/float32), q int8 or float8_e4m3fn [N, K]
+    contiguous, scale [N] (any float dtype) -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = q.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    t = tiles or default_tiles(m, n, k, _num_sms(x.device))
+    grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))
+    _weight_only_mm_kernel[grid](x, q, scale, y, m, n, k, x.stride(0), q.stride(0), y.stride(0),
+                                 BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                                 DOT_DTYPE=_dot_dtype(x), num_warps=t.num_warps,
+                                 num_stages=t.num_stages)  # fmt: skip
+    return y
+
+
+@functools.cache
+def weight_only_mm_available(device: torch.device, weight_dtype: torch.dtype) -> bool:
+    if triton is None or device.type != "cuda":
+        return False
+    try:
+        gen = torch.Generator(device).manual_seed(0)
+        x = torch.randn(5, 200, generator=gen, device=device, dtype=torch.bfloat16)
+        if weight_dtype == torch.int8:
+            q = torch.randint(-127, 128, (72, 200), generator=gen, device=device).to(torch.int8)
+        else:
+            q = torch.randn(72, 200, generator=gen, device=device).mul(64).to(weight_dtype)
+        scale = torch.rand(72, generator=gen, device=device) / 100
+        want = (x.float() @ q.float().T) * scale
+        got = weight_only_mm(x, q, scale.to(x.dtype)).float()
+        err = float((got - want).norm() / want.norm())
+        if err > 1e-2:
+            log.warning("the %s weight-only Triton kernel disagrees with torch (%.2e)",
+                        weight_dtype, err)  # fmt: skip
+            return False
+        return True
+    except Exception as exc:  # noqa: BLE001 - any failure means the caller's other path
+        log.warning("the %s weight-only Triton kernel is unavailable (%s)", weight_dtype, exc)
+        return False

@@ -1,0 +1,61 @@
+"""The weight-only Triton matmul (int8 and fp8 weights, a scale per output) against float64 torch
+of the dequantized weight, at row counts from a decode step's to a chunk's, output counts that no
+tile divides, and every launch shape it picks. On CUDA compiled; without it, under Triton's
+interpreter (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from gpu_service.models import weight_only_triton as wo  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TILES = [None, wo.MMTiles(16, 16, 32, num_warps=2, num_stages=2), wo.MMTiles(32, 64, 128)]
+
+
+def quantized(gen: torch.Generator, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.int8:
+        return torch.randint(-127, 128, (n, k), generator=gen).to(dtype)
+    return (torch.randn(n, k, generator=gen) * 64).to(dtype)  # e4m3: |q| <= 448
+
+
+@pytest.mark.parametrize("weight_dtype", wo.WEIGHT_DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("shape", [(101, 200), (64, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("tiles", TILES, ids=["default", "narrow", "wide"])
+def test_matches_the_dequantized_weight(weight_dtype, m, shape, tiles, seed):
+    n, k = shape
+    gen = torch.Generator().manual_seed(seed + m + n)
+    q = quantized(gen, n, k, weight_dtype)
+    scale = (torch.rand(n, generator=gen) / 100).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    want = (x.double() @ q.double().T) * scale.double()
+    got = wo.weight_only_mm(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), tiles)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    err = float((got.cpu().double() - want).norm() / want.norm())
+    print(f"[{weight_dtype} m={m} {n}x{k} {tiles}] seed={seed} relative error {err:.2e}")
+    assert err < 4e-3  # the output's bf16 rounding (2^-9) and the summation order
+
+
+def test_no_rows_give_an_empty_output():
+    q = torch.zeros(32, 64, dtype=torch.int8, device=DEVICE)
+    out = wo.weight_only_mm(torch.zeros(0, 64, dtype=torch.bfloat16, device=DEVICE), q,
+                            torch.ones(32, device=DEVICE))  # fmt: skip
+    assert out.shape == (0, 32)
+
+
+def test_few_rows_take_narrow_tiles_to_reach_every_sm():
+    """A decode step's rows read the weights once: the tiles narrow until each of the 132 SMs
+    has two programs; a chunk's rows keep the widest tiles."""
+    assert wo.default_tiles(1, 7168, 16384, 132).block_n == 16  # 448 programs of 16 outputs
+    assert wo.default_tiles(1, 24576, 1536, 132).block_n == 64  # 384 programs of 64
+    assert wo.default_tiles(4, 12288, 7168, 132).block_n == 32  # 384 programs of 32
+    wide = wo.default_tiles(128, 7168, 16384, 132)
+    assert (wide.block_m, wide.block_n) == (64, 32)  # 2 row blocks x 224
+    assert wo.default_tiles(3, 64, 40, 132).block_k == 64  # K below 128: the next power of two
