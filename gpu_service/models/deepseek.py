@@ -32,6 +32,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from gpu_service.models import fused_ops
 from gpu_service.models.batch import StepContext, num_rows
 from gpu_service.models.config import BaseConfig
 from gpu_service.models.experts import RoutedExperts
@@ -162,16 +163,21 @@ class MLAttention(nn.Module):
             q_a, kv_a = self.qkv_a_proj(x).split([cfg.q_lora_rank, rank + rope], dim=-1)
             q = self.q_b_proj(self.q_a_norm(q_a))
         q_nope, q_rot = q.view(t, heads, nope + rope).split([nope, rope], dim=-1)  # [T, h, *]
-        c, k_rot = kv_a.split([rank, rope], dim=-1)  # [T, r], [T, rope]
-        c = self.kv_a_norm(c)
-        interleaved = cfg.rope.interleaved
-        rotate = partial(apply_rotary, cos=ctx.cos, sin=ctx.sin, interleaved=interleaved,
-                         fused=self.fused_kernels)  # fmt: skip
-        q_rot = rotate(q_rot)
-        k_rot = rotate(k_rot[:, None, :])[:, 0]  # [T, rope]
         (cache,) = ctx.kv_cache.layers[self.layer]  # [S, r + rope]
-        meta = ctx.meta
-        write_cache(cache, meta.slot_mapping, torch.cat((c, k_rot), dim=-1))
+        meta, norm = ctx.meta, self.kv_a_norm
+        fused = self.fused_kernels and fused_ops.mla_rope_cache_fits(q_rot, kv_a, norm.weight,
+                                                                    cache, ctx.cos, ctx.sin)
+        if fused:
+            q_rot = fused_ops.mla_rope_cache(q_rot, kv_a, norm.weight, norm.eps, ctx.cos,
+                                             ctx.sin, cache, meta.slot_mapping,
+                                             cfg.rope.interleaved)  # fmt: skip
+        else:
+            c, k_rot = kv_a.split([rank, rope], dim=-1)  # [T, r], [T, rope]
+            rotate = partial(apply_rotary, cos=ctx.cos, sin=ctx.sin,
+                             interleaved=cfg.rope.interleaved, fused=self.fused_kernels)
+            q_rot = rotate(q_rot)
+            k_rot = rotate(k_rot[:, None, :])[:, 0]  # [T, rope]
+            write_cache(cache, meta.slot_mapping, torch.cat((norm(c), k_rot), dim=-1))
         prefill, kernel = meta.prefill, expanded_kernel(x.device)
         per_seq = 0 if prefill is None else num_rows(prefill.rows) // len(prefill.kv_len)
         w_uk, w_uv, scale = self.w_uk, self.w_uv, self.scale

@@ -13,7 +13,9 @@ group scores, the best topk_group groups, top-k, renorm, scaling). Ties go to th
 add_rms_norm: a residual add and the norm after it (the sum rounded as the torch code rounds it).
 And GQA's steps between its projections and the paged attention, one kernel for all heads of a
 step (qk_rope_cache: Qwen3's per-head q/k RMSNorm, RoPE, k and v written into the cache at
-their slots), where torch runs 6-8 launches. `supports(...)` says when a tensor can take
+their slots), where torch runs 6-8 launches; and MLA's (mla_rope_cache: the latent's RMSNorm,
+RoPE of the query's and the key's rotary parts, the latent row written into the cache), where
+torch runs five. `supports(...)` says when a tensor can take
 them (CUDA, Triton importable, unit last stride); otherwise callers keep the torch code, as they
 do when their model's `fused_kernels` is off (CausalLM.use_fused_kernels: --no-fused-kernels).
 """
@@ -149,6 +151,55 @@ if triton is not None:
             v = tl.load(v_ptr + t * v_ts + kh * v_hs + j, mask=vmask)
             vdst = v_cache + slot * vc_ss + kh * vc_hs
             tl.store(vdst + j, v.to(v_cache.dtype.element_ty), mask=vmask)
+
+    @triton.jit
+    def _rope_halves(src, cos_ptr, sin_ptr, t, half, kind: tl.constexpr,
+                     INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """The rotated halves of one head's rotary part at src (even/odd elements when
+        INTERLEAVED), by token t's cos/sin, each rounded to kind."""
+        i = tl.arange(0, BLOCK)
+        mask = i < half
+        if INTERLEAVED:
+            x1 = tl.load(src + 2 * i, mask=mask).to(tl.float32)
+            x2 = tl.load(src + 2 * i + 1, mask=mask).to(tl.float32)
+        else:
+            x1 = tl.load(src + i, mask=mask).to(tl.float32)
+            x2 = tl.load(src + half + i, mask=mask).to(tl.float32)
+        c = tl.load(cos_ptr + t * half + i, mask=mask)
+        s = tl.load(sin_ptr + t * half + i, mask=mask)
+        return _rotated(x1, x2, c, s, kind)
+
+    @triton.jit
+    def _mla_rope_cache_kernel(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, q_out, cache,
+                               q_ts, q_hs, kv_ts, cache_ss, heads, rank, half, eps,
+                               INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr,
+                               BLOCK_R: tl.constexpr):  # fmt: skip
+        # one program per (token, head) of q's rotary part, then one per token for its cache row
+        pid = tl.program_id(0)
+        t, h = pid // (heads + 1), pid % (heads + 1)
+        kind = q_out.dtype.element_ty
+        i = tl.arange(0, BLOCK)
+        mask = i < half
+        if h < heads:
+            r1, r2 = _rope_halves(q_ptr + t * q_ts + h * q_hs, cos_ptr, sin_ptr, t, half, kind,
+                                  INTERLEAVED, BLOCK)  # fmt: skip
+            dst = q_out + (t * heads + h) * 2 * half
+            tl.store(dst + i, r1, mask=mask)
+            tl.store(dst + half + i, r2, mask=mask)
+        else:
+            slot = tl.load(slots_ptr + t).to(tl.int64)
+            row = kv_ptr + t * kv_ts
+            j = tl.arange(0, BLOCK_R)
+            rmask = j < rank
+            x = tl.load(row + j, mask=rmask, other=0.0).to(tl.float32)
+            latent = _rms_norm_row(x, w_ptr, j, rmask, rank, eps, kind)
+            cache_kind = cache.dtype.element_ty
+            dst = cache + slot * cache_ss
+            tl.store(dst + j, latent.to(cache_kind), mask=rmask)
+            r1, r2 = _rope_halves(row + rank, cos_ptr, sin_ptr, t, half, kind, INTERLEAVED,
+                                  BLOCK)  # fmt: skip
+            tl.store(dst + rank + i, r1.to(cache_kind), mask=mask)
+            tl.store(dst + rank + half + i, r2.to(cache_kind), mask=mask)
 
     @triton.jit
     def _softmax_topk_kernel(logits_ptr, ids_ptr, weights_ptr, row_stride, num_experts, scaling,
@@ -322,5 +373,35 @@ def qk_rope_cache(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, 
         sin.contiguous(), slots, out, k_cache, v_cache, *q.stride()[:2], *k.stride()[:2],
         *v.stride()[:2], *k_cache.stride()[:2], *v_cache.stride()[:2], heads_q, heads_kv,
         dim // 2, float(eps), NORM=norm, BLOCK=triton.next_power_of_2(dim // 2),
+    )  # fmt: skip
+    return out
+
+
+def mla_rope_cache_fits(q_rot, kv_a, weight, cache, cos, sin) -> bool:
+    """Whether mla_rope_cache takes these: supports(...) for all, the cache [S, rank + rope] not
+    FP8 (which the torch code writes as saturated bytes), the norm weight of kv_a's dtype."""
+    rope = q_rot.shape[-1]
+    return (supports(q_rot, kv_a, weight, cache, cos, sin) and cache.dim() == 2
+            and cache.dtype != torch.float8_e4m3fn and weight.dtype == kv_a.dtype
+            and kv_a.shape[-1] == cache.shape[-1] == weight.shape[0] + rope)  # fmt: skip
+
+
+def mla_rope_cache(q_rot, kv_a, weight, eps, cos, sin, cache, slots, interleaved: bool):
+    """MLA's per-token steps before the absorbed attention, in one kernel: q_rot [T, H, rope]
+    (any token/head strides) rotated by cos/sin [T, rope/2] float32, and each token's kv_a
+    [T, rank + rope] row (rows of unit stride) written into cache [S, rank + rope] at slots [T]
+    as [RMSNorm(latent) by weight [rank] | its rotary part rotated]. Returns the rotated q_rot
+    [T, H, rope] (q_rot's dtype). The torch code it replaces (the oracle): RMSNorm,
+    apply_rotary twice, torch.cat and kv_cache.write_cache."""
+    tokens, heads, rope = q_rot.shape
+    rank = weight.shape[0]
+    out = torch.empty((tokens, heads, rope), dtype=q_rot.dtype, device=q_rot.device)
+    if tokens == 0:
+        return out
+    _mla_rope_cache_kernel[(tokens * (heads + 1),)](
+        q_rot, kv_a, weight, cos.contiguous(), sin.contiguous(), slots, out, cache,
+        *q_rot.stride()[:2], kv_a.stride(0), cache.stride(0), heads, rank, rope // 2, float(eps),
+        INTERLEAVED=interleaved, BLOCK=triton.next_power_of_2(rope // 2),
+        BLOCK_R=triton.next_power_of_2(rank),
     )  # fmt: skip
     return out

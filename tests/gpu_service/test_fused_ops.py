@@ -230,3 +230,48 @@ def test_qk_rope_cache_matches_the_torch_code(seed, monkeypatch, norm, dtype, to
         assert got.dtype == want.dtype and got.shape == want.shape
         assert ((got.float() - want.float()).abs() <= want.abs().float() * 2 * ulp + 1e-5).all()
     torch.testing.assert_close(caches[1], want_caches[1], rtol=0, atol=0)  # v: a plain copy
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens, heads, rank, rope", [(1, 16, 512, 64), (4, 3, 24, 8)])
+def test_mla_rope_cache_matches_the_torch_code(seed, monkeypatch, interleaved, dtype, tokens,
+                                               heads, rank, rope):  # fmt: skip
+    """One kernel for MLA's latent RMSNorm, the RoPE of q's and k's rotary parts and the cache
+    write: q's rotary part and the whole cache (slots not written included) equal the torch
+    code's, q_rot and kv_a as views of their projections, as DeepSeekV3 slices them."""
+    skip_interpreted_bf16(dtype)
+    from gpu_service.models.kv_cache import write_cache
+
+    g = torch.Generator().manual_seed(seed)
+    nope = 2 * rope
+    q = (torch.randn(tokens, heads, nope + rope, generator=g) * 3).to(DEVICE, dtype)
+    q_rot = q[..., nope:]
+    qkv_a = (torch.randn(tokens, 40 + rank + rope, generator=g) * 3).to(DEVICE, dtype)
+    kv_a = qkv_a[:, 40:]  # q_a's 40 columns first, as the stacked projection gives them
+    weight = (torch.rand(rank, generator=g) + 0.5).to(DEVICE, dtype)
+    angles = torch.rand(tokens, rope // 2, generator=g) * 6.3
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    slots_count = 4 * tokens + 3
+    slots = torch.randperm(slots_count, generator=g)[:tokens].to(DEVICE)
+    cache = torch.randn(slots_count, rank + rope, generator=g).to(DEVICE, dtype)
+    want_cache = cache.clone()
+    with monkeypatch.context() as m:
+        torch_path(m)
+        c, k_rot = kv_a.split([rank, rope], dim=-1)
+        want_q = apply_rotary(q_rot, cos, sin, interleaved)
+        k_rot = apply_rotary(k_rot[:, None, :], cos, sin, interleaved)[:, 0]
+        write_cache(want_cache, slots, torch.cat((RMSNorm(weight, 1e-6)(c), k_rot), dim=-1))
+    print(f"seed={seed} tokens={tokens} heads={heads} rank={rank} rope={rope} {interleaved=}")
+    assert fused_ops.mla_rope_cache_fits(q_rot, kv_a, weight, cache, cos, sin) == (
+        DEVICE == "cuda"
+    )
+    got_q = fused_ops.mla_rope_cache(q_rot, kv_a, weight, 1e-6, cos, sin, cache, slots,
+                                     interleaved)  # fmt: skip
+    ulp = 2**-7 if dtype == torch.bfloat16 else 1e-6  # summation order: one unit after rounding
+    for got, want in ((got_q, want_q), (cache, want_cache)):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert ((got.float() - want.float()).abs() <= want.abs().float() * 2 * ulp + 1e-5).all()
+    untouched = torch.ones(slots_count, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert torch.equal(cache[untouched.to(DEVICE)], want_cache[untouched.to(DEVICE)])

@@ -483,8 +483,8 @@ def test_a_model_loaded_without_fused_kernels_runs_only_the_torch_code(cases, mo
         raise AssertionError("a fused kernel was called")
 
     monkeypatch.setattr(fused_ops, "supports", lambda *tensors: True)
-    kernels = ("rms_norm", "add_rms_norm", "rotary", "qk_rope_cache", "softmax_topk",
-               "grouped_sigmoid_topk")  # fmt: skip
+    kernels = ("rms_norm", "add_rms_norm", "rotary", "qk_rope_cache", "mla_rope_cache",
+               "softmax_topk", "grouped_sigmoid_topk")  # fmt: skip
     for kernel in kernels:
         monkeypatch.setattr(fused_ops, kernel, called)
     prompt = _prompt(case.seed, 9)
@@ -492,6 +492,34 @@ def test_a_model_loaded_without_fused_kernels_runs_only_the_torch_code(cases, mo
     assert _rel_err(got, _reference_logits(case, prompt)) < 1e-4
     with pytest.raises(AssertionError, match="a fused kernel was called"):
         _prefill(on, prompt)
+
+
+def test_mla_through_the_fused_rope_cache_kernel_keeps_transformers_logits(cases, monkeypatch):
+    """On CUDA, MLA's latent norm, both RoPEs and the cache write are one kernel
+    (fused_ops.mla_rope_cache); run here under Triton's interpreter, DeepSeek-V3 keeps
+    transformers' logits at every position (the later positions attend to the latent rows the
+    kernel wrote)."""
+    from gpu_service.models import fused_ops
+
+    if fused_ops.triton is None or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1) on the CPU")
+    case = cases["deepseek_v3"]
+    model = _load(case.path)
+    calls: list[int] = []
+    real = fused_ops.mla_rope_cache
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused_ops, "supports", lambda *tensors: True)
+    monkeypatch.setattr(fused_ops, "mla_rope_cache", counted)
+    prompt = _prompt(case.seed, 9)
+    got = _prefill(model, prompt, all_positions=True)
+    assert len(calls) == len(model.layers)
+    err = _rel_err(got, _reference_logits(case, prompt))
+    print(f"deepseek_v3: relative error {err:.2e} through the fused kernel")
+    assert err < FP32_REL_TOL
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])  # q/k norms; none
