@@ -69,7 +69,7 @@ def copy_gbs() -> float:
 
 def sweep_tiles(rows: int) -> list[wo.MMTiles]:
     block_m = 16 if rows <= 16 else 32
-    grid = itertools.product((16, 32, 64), (128, 256, 512), (2, 4, 8), (2, 3, 4))
+    grid = itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4))
     return [wo.MMTiles(block_m, n, k, w, s) for n, k, w, s in grid]
 
 
