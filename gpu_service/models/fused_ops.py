@@ -77,13 +77,12 @@ if triton is not None:
         tl.store(out_ptr + row * dim + cols, normed, mask=mask)
 
     @triton.jit
-    def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_token_stride, x_head_stride, heads,
-                       half, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-        pid = tl.program_id(0)
-        t, h = pid // heads, pid % heads
+    def _rope_halves(src, cos_ptr, sin_ptr, t, half, kind: tl.constexpr,
+                     INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """The rotated halves of one head's rotary part at src (even/odd elements when
+        INTERLEAVED), by token t's cos/sin, each rounded to kind."""
         i = tl.arange(0, BLOCK)
         mask = i < half
-        src = x_ptr + t * x_token_stride + h * x_head_stride
         if INTERLEAVED:
             x1 = tl.load(src + 2 * i, mask=mask).to(tl.float32)
             x2 = tl.load(src + 2 * i + 1, mask=mask).to(tl.float32)
@@ -92,8 +91,19 @@ if triton is not None:
             x2 = tl.load(src + half + i, mask=mask).to(tl.float32)
         c = tl.load(cos_ptr + t * half + i, mask=mask)
         s = tl.load(sin_ptr + t * half + i, mask=mask)
+        return _rotated(x1, x2, c, s, kind)
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_token_stride, x_head_stride, heads,
+                       half, INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        pid = tl.program_id(0)
+        t, h = pid // heads, pid % heads
+        i = tl.arange(0, BLOCK)
+        mask = i < half
+        src = x_ptr + t * x_token_stride + h * x_head_stride
+        r1, r2 = _rope_halves(src, cos_ptr, sin_ptr, t, half, out_ptr.dtype.element_ty,
+                              INTERLEAVED, BLOCK)  # fmt: skip
         dst = out_ptr + (t * heads + h) * 2 * half
-        r1, r2 = _rotated(x1, x2, c, s, out_ptr.dtype.element_ty)
         tl.store(dst + i, r1, mask=mask)
         tl.store(dst + half + i, r2, mask=mask)
 
@@ -151,23 +161,6 @@ if triton is not None:
             v = tl.load(v_ptr + t * v_ts + kh * v_hs + j, mask=vmask)
             vdst = v_cache + slot * vc_ss + kh * vc_hs
             tl.store(vdst + j, v.to(v_cache.dtype.element_ty), mask=vmask)
-
-    @triton.jit
-    def _rope_halves(src, cos_ptr, sin_ptr, t, half, kind: tl.constexpr,
-                     INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-        """The rotated halves of one head's rotary part at src (even/odd elements when
-        INTERLEAVED), by token t's cos/sin, each rounded to kind."""
-        i = tl.arange(0, BLOCK)
-        mask = i < half
-        if INTERLEAVED:
-            x1 = tl.load(src + 2 * i, mask=mask).to(tl.float32)
-            x2 = tl.load(src + 2 * i + 1, mask=mask).to(tl.float32)
-        else:
-            x1 = tl.load(src + i, mask=mask).to(tl.float32)
-            x2 = tl.load(src + half + i, mask=mask).to(tl.float32)
-        c = tl.load(cos_ptr + t * half + i, mask=mask)
-        s = tl.load(sin_ptr + t * half + i, mask=mask)
-        return _rotated(x1, x2, c, s, kind)
 
     @triton.jit
     def _mla_rope_cache_kernel(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, slots_ptr, q_out, cache,

@@ -494,40 +494,10 @@ def test_a_model_loaded_without_fused_kernels_runs_only_the_torch_code(cases, mo
         _prefill(on, prompt)
 
 
-def test_mla_through_the_fused_rope_cache_kernel_keeps_transformers_logits(cases, monkeypatch):
-    """On CUDA, MLA's latent norm, both RoPEs and the cache write are one kernel
-    (fused_ops.mla_rope_cache); run here under Triton's interpreter, DeepSeek-V3 keeps
-    transformers' logits at every position (the later positions attend to the latent rows the
-    kernel wrote)."""
-    from gpu_service.models import fused_ops
-
-    if fused_ops.triton is None or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1) on the CPU")
-    case = cases["deepseek_v3"]
-    model = _load(case.path)
-    calls: list[int] = []
-    real = fused_ops.mla_rope_cache
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fused_ops, "supports", lambda *tensors: True)
-    monkeypatch.setattr(fused_ops, "mla_rope_cache", counted)
-    prompt = _prompt(case.seed, 9)
-    got = _prefill(model, prompt, all_positions=True)
-    assert len(calls) == len(model.layers)
-    err = _rel_err(got, _reference_logits(case, prompt))
-    print(f"deepseek_v3: relative error {err:.2e} through the fused kernel")
-    assert err < FP32_REL_TOL
-
-
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])  # q/k norms; none
-def test_gqa_through_the_fused_qk_rope_cache_kernel_keeps_transformers_logits(cases, monkeypatch,
-                                                                              name):  # fmt: skip
-    """On CUDA, GQA's q/k norms, RoPE and cache writes are one kernel (fused_ops.qk_rope_cache);
-    run here under Triton's interpreter, the model keeps transformers' logits at every position
-    (the later positions attend to keys the kernel wrote)."""
+def _logits_through_the_fused_kernel(cases, monkeypatch, name: str, kernel: str) -> None:
+    """Under Triton's interpreter, with every tensor taken by fused_ops: model `name` calls
+    fused_ops.<kernel> once a layer and keeps transformers' logits at every position (the later
+    positions attend to what the kernel wrote into the cache)."""
     from gpu_service.models import fused_ops
 
     if fused_ops.triton is None or os.environ.get("TRITON_INTERPRET") != "1":
@@ -535,17 +505,30 @@ def test_gqa_through_the_fused_qk_rope_cache_kernel_keeps_transformers_logits(ca
     case = cases[name]
     model = _load(case.path)
     calls: list[int] = []
-    real = fused_ops.qk_rope_cache
+    real = getattr(fused_ops, kernel)
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fused_ops, "supports", lambda *tensors: True)
-    monkeypatch.setattr(fused_ops, "qk_rope_cache", counted)
+    monkeypatch.setattr(fused_ops, kernel, counted)
     prompt = _prompt(case.seed, 9)
     got = _prefill(model, prompt, all_positions=True)
     assert len(calls) == len(model.layers)
     err = _rel_err(got, _reference_logits(case, prompt))
-    print(f"{name}: relative error {err:.2e} through the fused kernel")
+    print(f"{name}: relative error {err:.2e} through fused_ops.{kernel}")
     assert err < FP32_REL_TOL
+
+
+def test_mla_through_the_fused_rope_cache_kernel_keeps_transformers_logits(cases, monkeypatch):
+    """On CUDA, MLA's latent norm, both RoPEs and the cache write are one kernel
+    (fused_ops.mla_rope_cache)."""
+    _logits_through_the_fused_kernel(cases, monkeypatch, "deepseek_v3", "mla_rope_cache")
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])  # q/k norms; none
+def test_gqa_through_the_fused_qk_rope_cache_kernel_keeps_transformers_logits(cases, monkeypatch,
+                                                                              name):  # fmt: skip
+    """On CUDA, GQA's q/k norms, RoPE and cache writes are one kernel (fused_ops.qk_rope_cache)."""
+    _logits_through_the_fused_kernel(cases, monkeypatch, name, "qk_rope_cache")
