@@ -40,7 +40,9 @@ def test_matches_the_dequantized_weight(weight_dtype, m, shape, tiles, seed):
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     err = float((got.cpu().double() - want).norm() / want.norm())
     print(f"[{weight_dtype} m={m} {n}x{k} {tiles}] seed={seed} relative error {err:.2e}")
-    assert err < 4e-3  # the output's bf16 rounding (2^-9) and the summation order
+    # the output's bf16 rounding: 2^-9 of each element, 2^-8 under the interpreter (which
+    # truncates to bf16), and the float32 summation order
+    assert err < 2**-7
 
 
 def test_no_rows_give_an_empty_output():
@@ -50,12 +52,17 @@ def test_no_rows_give_an_empty_output():
     assert out.shape == (0, 32)
 
 
-def test_few_rows_take_narrow_tiles_to_reach_every_sm():
-    """A decode step's rows read the weights once: the tiles narrow until each of the 132 SMs
-    has two programs; a chunk's rows keep the widest tiles."""
-    assert wo.default_tiles(1, 7168, 16384, 132).block_n == 16  # 448 programs of 16 outputs
-    assert wo.default_tiles(1, 24576, 1536, 132).block_n == 64  # 384 programs of 64
-    assert wo.default_tiles(4, 12288, 7168, 132).block_n == 32  # 384 programs of 32
+def test_decode_rows_take_the_sweeps_tiles():
+    """A decode step's rows read the weights once: 32 outputs a program where three quarters of
+    the 132 SMs still get one, else 16; K steps of 512 and four stages over a long K (what
+    bench_weight_only_mm's sweep chose at DeepSeek-V3's shapes on the H200); a chunk's rows keep
+    the widest tiles that give every SM two programs."""
+    o_proj = wo.default_tiles(1, 7168, 16384, 132)
+    assert (o_proj.block_n, o_proj.block_k, o_proj.num_stages) == (32, 512, 4)  # 224 programs
+    qkv_a = wo.default_tiles(1, 2112, 7168, 132)
+    assert (qkv_a.block_n, qkv_a.block_k) == (16, 256)  # 32 wide would leave 66 SMs idle
+    q_b = wo.default_tiles(4, 24576, 1536, 132)
+    assert (q_b.block_n, q_b.block_k, q_b.num_stages) == (32, 256, 3)
+    assert wo.default_tiles(1, 64, 40, 132).block_k == 64  # K below a step: its power of two
     wide = wo.default_tiles(128, 7168, 16384, 132)
-    assert (wide.block_m, wide.block_n) == (64, 32)  # 2 row blocks x 224
-    assert wo.default_tiles(3, 64, 40, 132).block_k == 64  # K below 128: the next power of two
+    assert (wide.block_m, wide.block_n, wide.block_k) == (64, 32, 128)  # 2 row blocks x 224
