@@ -14,7 +14,8 @@ The first and last steps are dropped (their edges are the host's).
 
 --middle also lists, kernel by kernel, the GPU's work between two MoE layers of one step (from a
 collect's end to the next layer's post: the non-expert time of a layer in the model's middle, with
-no head, embedding or dense layer in it), the median such gap of the run.
+no head, embedding or dense layer in it), the median such gap of the run. It counts one collect
+per MoE layer: one worker, no expert deferral.
 
     python bench/profile_decode_step.py CHECKPOINT [--modes graph,graph-memops] [--batch 1]
                                         [--middle]
