@@ -14,6 +14,7 @@ writes them) and the GPU service in this process, once per mode:
   graph-fp8  graph with --gpu-weight-format fp8 (the GPU part's linear layers in FP8: what
             `auto` picks where bf16 would take over half the GPU's memory budget); every other
             mode runs the GPU part in bf16, whatever the checkpoint
+  graph-int8  graph with --gpu-weight-format int8 (weight-only int8, a scale per output)
   stream-off, stream-on, stream-auto  graph with --stream-prefill off / on / auto: prefill's
             chunks through the CPU workers, streamed to the GPU, or as the start-up cost model
             chooses (printed per mode)
@@ -83,6 +84,7 @@ MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
                                  chain_decode_steps=False),
          "graph-unfused": dict(cuda_graphs=True, graph_expert_calls=True, fused_kernels=False),
          "graph-fp8": dict(cuda_graphs=True, graph_expert_calls=True, gpu_weight_format="fp8"),
+         "graph-int8": dict(cuda_graphs=True, graph_expert_calls=True, gpu_weight_format="int8"),
          "graph-memops": dict(cuda_graphs=True, graph_expert_calls=True,
                               experts=dict(device_handoff="memops")),
          # prefill through the GPU (--stream-prefill), side by side: --modes stream-off,stream-on
