@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_service.models import weight_only_triton
 from gpu_service.models.weight_formats import (
     FP8_MAX,
     MIN_SCALE,
@@ -39,11 +40,12 @@ from gpu_service.models.weight_formats import (
     LinearQuantConfig,
     dequantize_fp8,
     dequantize_int4,
+    dequantize_int8,
     quantize_fp8,
     quantize_int4,
     quantize_int8,
 )
-from gpu_service.models.weight_only_triton import weight_only_mm, weight_only_mm_available
+from gpu_service.models.weight_only_triton import weight_only_mm
 
 log = logging.getLogger("ktserve.gpu")
 TRITON_INT8_MAX_ROWS = 128  # above, dequantizing once and one cuBLAS matmul is the cheaper
@@ -176,7 +178,32 @@ def int4_mm_supported(device: torch.device) -> bool:
                                                     _int4_probe)  # fmt: skip
 
 
-def _kernel_agrees(name: str, device: torch.device, probe) -> bool:
+def _weight_only_probe(weight_dtype: torch.dtype):
+    def probe(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if weight_dtype == torch.int8:
+            q, scale = quantize_int8(w, x.dtype)
+            deq = dequantize_int8(q, scale)
+        else:
+            q, scale = quantize_fp8(w)
+            deq = dequantize_fp8(q, scale)
+        return weight_only_mm(x, q, scale), x.float() @ deq.T
+
+    return probe
+
+
+@functools.cache
+def weight_only_supported(device: torch.device, weight_dtype: torch.dtype) -> bool:
+    """The weight-only Triton matmul (weight_only_triton.py) runs here for int8 or fp8 weights
+    and agrees with dequantization on a small case."""
+    if device.type != "cuda" or weight_only_triton.triton is None:
+        return False
+    name = f"the weight-only Triton matmul ({str(weight_dtype).removeprefix('torch.')})"
+    fallback = "dequantizing per call" if weight_dtype == torch.int8 else "_scaled_mm for every row"
+    return _kernel_agrees(name, device, _weight_only_probe(weight_dtype), fallback)
+
+
+def _kernel_agrees(name: str, device: torch.device, probe,
+                   fallback: str = "dequantizing per call") -> bool:  # fmt: skip
     try:
         gen = torch.Generator(device).manual_seed(0)
         x = torch.randn(5, 256, generator=gen, device=device).bfloat16()
@@ -185,10 +212,10 @@ def _kernel_agrees(name: str, device: torch.device, probe) -> bool:
         err = float((got.float() - want).norm() / want.norm())
     except Exception as exc:  # noqa: BLE001 - any failure means the per-call fallback
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        log.warning("%s is unavailable here (%s): dequantizing per call", name, reason)
+        log.warning("%s is unavailable here (%s): %s", name, reason, fallback)
         return False
     if err > 0.1:
-        log.warning("%s disagrees with dequantization (%.2e): dequantizing per call", name, err)
+        log.warning("%s disagrees with dequantization (%.2e): %s", name, err, fallback)
         return False
     return True
 
@@ -210,7 +237,7 @@ class FP8Linear(nn.Module):
         self.register_buffer("bias", bias)
         dims_ok = self.out_features % 16 == 0 and self.in_features % 16 == 0
         self.scaled_mm = fp8_matmul_supported(q.device) and dims_ok
-        self.weight_only = self.scaled_mm and weight_only_mm_available(q.device, q.dtype)
+        self.weight_only = self.scaled_mm and weight_only_supported(q.device, q.dtype)
         self.kernel_name = (
             "weight_only+scaled_mm" if self.weight_only else "scaled_mm" if self.scaled_mm
             else "upcast"
@@ -238,7 +265,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)
         self.int8pack_mm = q.device.type == "cpu"
         half = scale.dtype in (torch.bfloat16, torch.float16)
-        self.triton = half and weight_only_mm_available(q.device, q.dtype)
+        self.triton = half and weight_only_supported(q.device, q.dtype)
         self.kernel_name = (
             "int8pack_mm" if self.int8pack_mm else "triton" if self.triton else "dequantize"
         )

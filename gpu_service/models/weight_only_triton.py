@@ -5,20 +5,16 @@ accumulation, output in x's dtype. torch has no CUDA kernel for int8 weights; fo
 `torch._scaled_mm` quantizes the activations first (five kernels before the GEMM), which at a
 decode step's few rows costs more than the GEMM. Few rows read weights and nothing else, so the
 tiles are narrow (BLOCK_N 16 or 32) to spread them over every SM.
-`weight_only_mm_available(device, dtype)` runs the kernel once on a small case against torch and
-answers False (the caller then takes its other path) where Triton is missing or the kernel fails
-or disagrees.
+linear.py's `weight_only_supported` runs it once per device and weight dtype on a small case
+against dequantization before a layer uses it.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger("ktserve.gpu")
 
 try:
     import triton
@@ -73,6 +69,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=1024)  # NOTE: per linear and step outside a graph: one lookup
 def default_tiles(m: int, n: int, k: int, num_sms: int) -> MMTiles:
     """Decode rows (<= 16): 32 outputs a program where that still gives three quarters of the SMs
     one, else 16, and long K steps, deep pipelines (the weights' stream is all the work): the
@@ -116,28 +113,3 @@ def weight_only_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                                  DOT_DTYPE=_dot_dtype(x), num_warps=t.num_warps,
                                  num_stages=t.num_stages)  # fmt: skip
     return y
-
-
-@functools.cache
-def weight_only_mm_available(device: torch.device, weight_dtype: torch.dtype) -> bool:
-    if triton is None or device.type != "cuda":
-        return False
-    try:
-        gen = torch.Generator(device).manual_seed(0)
-        x = torch.randn(5, 200, generator=gen, device=device, dtype=torch.bfloat16)
-        if weight_dtype == torch.int8:
-            q = torch.randint(-127, 128, (72, 200), generator=gen, device=device).to(torch.int8)
-        else:
-            q = torch.randn(72, 200, generator=gen, device=device).mul(64).to(weight_dtype)
-        scale = torch.rand(72, generator=gen, device=device) / 100
-        want = (x.float() @ q.float().T) * scale
-        got = weight_only_mm(x, q, scale.to(x.dtype)).float()
-        err = float((got - want).norm() / want.norm())
-        if err > 1e-2:
-            log.warning("the %s weight-only Triton kernel disagrees with torch (%.2e)",
-                        weight_dtype, err)  # fmt: skip
-            return False
-        return True
-    except Exception as exc:  # noqa: BLE001 - any failure means the caller's other path
-        log.warning("the %s weight-only Triton kernel is unavailable (%s)", weight_dtype, exc)
-        return False

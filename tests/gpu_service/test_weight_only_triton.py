@@ -66,3 +66,14 @@ def test_decode_rows_take_the_sweeps_tiles():
     assert wo.default_tiles(1, 64, 40, 132).block_k == 64  # K below a step: its power of two
     wide = wo.default_tiles(128, 7168, 16384, 132)
     assert (wide.block_m, wide.block_n, wide.block_k) == (64, 32, 128)  # 2 row blocks x 224
+
+
+@pytest.mark.parametrize("weight_dtype", wo.WEIGHT_DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_the_start_up_probe_agrees_with_dequantization(weight_dtype):
+    """linear.py's check before a layer takes the kernel (weight_only_supported: CUDA only),
+    its probe run here on this device: the kernel against the dequantized weight."""
+    from gpu_service.models import linear
+
+    probe = linear._weight_only_probe(weight_dtype)
+    assert linear._kernel_agrees("weight-only probe", DEVICE, probe)
+    assert linear.weight_only_supported(DEVICE, weight_dtype) == (DEVICE.type == "cuda")
