@@ -17,6 +17,7 @@ import argparse
 import itertools
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages
@@ -96,28 +97,34 @@ def main() -> None:
             del w
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k, device="cuda").bfloat16()
-                cells = {
-                    "bf16 cuBLAS": ([lambda b=b: F.linear(x, b) for b in bf16], 2),
-                    "fp8 _scaled_mm": ([lambda q=q, s=s: fp8_scaled_mm(x, q, s)
-                                        for q, s in fp8], 1),
-                    "fp8 weight-only": ([lambda q=q, s=s: wo.weight_only_mm(x, q, s)
-                                         for q, s in fp8], 1),
-                    "int8 weight-only": ([lambda q=q, s=s: wo.weight_only_mm(x, q, s)
-                                          for q, s in int8], 1),
-                }  # fmt: skip
+                cells = {  # label: (the calls, one per weight copy; bytes per weight)
+                    "bf16 cuBLAS": ([partial(F.linear, x, b) for b in bf16], 2),
+                    "fp8 _scaled_mm": ([partial(fp8_scaled_mm, x, *w) for w in fp8], 1),
+                    "fp8 weight-only": ([partial(wo.weight_only_mm, x, *w) for w in fp8], 1),
+                    "int8 weight-only": ([partial(wo.weight_only_mm, x, *w) for w in int8], 1),
+                }
                 base = None
                 for label, (calls, elem) in cells.items():
                     us = graph_us(calls, args.reps)
                     base = base or us
                     gbs = n * k * elem / (us / 1e6) / 1e9
-                    rows_out.append([model, name, str(rows), label, f"{us:.1f}",
-                                     f"{100 * gbs / bandwidth:.0f}%", f"{base / us:.2f}", ""])
+                    rows_out.append(
+                        [
+                            model,
+                            name,
+                            str(rows),
+                            label,
+                            f"{us:.1f}",
+                            f"{100 * gbs / bandwidth:.0f}%",
+                            f"{base / us:.2f}",
+                            "",
+                        ]
+                    )
                 if args.sweep:
                     best = None
                     for t in sweep_tiles(rows):
                         try:
-                            calls = [lambda q=q, s=s, t=t: wo.weight_only_mm(x, q, s, t)
-                                     for q, s in fp8]  # fmt: skip
+                            calls = [partial(wo.weight_only_mm, x, *w, t) for w in fp8]
                             us = graph_us(calls, max(3, args.reps // 4))
                         except Exception:  # noqa: BLE001 - a shape that does not compile
                             continue
@@ -125,14 +132,24 @@ def main() -> None:
                     if best:
                         us, t = best
                         gbs = n * k / (us / 1e6) / 1e9
-                        rows_out.append([model, name, str(rows), "fp8 weight-only, best",
-                                         f"{us:.1f}", f"{100 * gbs / bandwidth:.0f}%",
-                                         f"{base / us:.2f}",
-                                         f"{t.block_n},{t.block_k},{t.num_warps},{t.num_stages}"])
+                        rows_out.append(
+                            [
+                                model,
+                                name,
+                                str(rows),
+                                "fp8 weight-only, best",
+                                f"{us:.1f}",
+                                f"{100 * gbs / bandwidth:.0f}%",
+                                f"{base / us:.2f}",
+                                f"{t.block_n},{t.block_k},{t.num_warps},{t.num_stages}",
+                            ]
+                        )
             del fp8, int8, bf16
             torch.cuda.empty_cache()
-    print(f"device copy bandwidth (read + write) in this run: {bandwidth:.0f} GB/s; "
-          "% = the weights' bytes a call over its time, against it")
+    print(
+        f"device copy bandwidth (read + write) in this run: {bandwidth:.0f} GB/s; "
+        "% = the weights' bytes a call over its time, against it"
+    )
     print_table([Column("model", 13, "<"), Column("linear", 14, "<"), Column("rows", 4),
                  Column("kernel", 21, "<"), Column("us", 7), Column("% copy", 6),
                  Column("vs bf16", 7), Column("tiles n,k,w,s", 13, "<")], rows_out)  # fmt: skip

@@ -153,8 +153,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--modes", default="graph,graph-memops")
     parser.add_argument("--device", default=default_device())
-    parser.add_argument("--middle", action="store_true",
-                        help="list the kernels between two MoE layers of a step")
+    parser.add_argument(
+        "--middle", action="store_true", help="list the kernels between two MoE layers of a step"
+    )
     args = parser.parse_args()
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
@@ -183,10 +184,13 @@ def main() -> None:
             print(f"{mode}: no two MoE layers of one step to look between")
             continue
         span, kernel_rows = middle
-        print(f"{mode}: between two MoE layers of a step, the median of {count} gaps: "
-              f"{span:.1f} us from a collect's end to the next post")
-        print_table([Column("kernel", 60, "<"), Column("us", 6), Column("idle before", 11)],
-                    kernel_rows)
+        print(
+            f"{mode}: between two MoE layers of a step, the median of {count} gaps: "
+            f"{span:.1f} us from a collect's end to the next post"
+        )
+        print_table(
+            [Column("kernel", 60, "<"), Column("us", 6), Column("idle before", 11)], kernel_rows
+        )
 
 
 if __name__ == "__main__":

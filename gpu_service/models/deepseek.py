@@ -165,16 +165,22 @@ class MLAttention(nn.Module):
         q_nope, q_rot = q.view(t, heads, nope + rope).split([nope, rope], dim=-1)  # [T, h, *]
         (cache,) = ctx.kv_cache.layers[self.layer]  # [S, r + rope]
         meta, norm = ctx.meta, self.kv_a_norm
-        fused = self.fused_kernels and fused_ops.mla_rope_cache_fits(q_rot, kv_a, norm.weight,
-                                                                    cache, ctx.cos, ctx.sin)
+        fused = self.fused_kernels and fused_ops.mla_rope_cache_fits(
+            q_rot, kv_a, norm.weight, cache, ctx.cos, ctx.sin
+        )
         if fused:
             q_rot = fused_ops.mla_rope_cache(q_rot, kv_a, norm.weight, norm.eps, ctx.cos,
                                              ctx.sin, cache, meta.slot_mapping,
                                              cfg.rope.interleaved)  # fmt: skip
         else:
             c, k_rot = kv_a.split([rank, rope], dim=-1)  # [T, r], [T, rope]
-            rotate = partial(apply_rotary, cos=ctx.cos, sin=ctx.sin,
-                             interleaved=cfg.rope.interleaved, fused=self.fused_kernels)
+            rotate = partial(
+                apply_rotary,
+                cos=ctx.cos,
+                sin=ctx.sin,
+                interleaved=cfg.rope.interleaved,
+                fused=self.fused_kernels,
+            )
             q_rot = rotate(q_rot)
             k_rot = rotate(k_rot[:, None, :])[:, 0]  # [T, rope]
             write_cache(cache, meta.slot_mapping, torch.cat((norm(c), k_rot), dim=-1))

@@ -10,6 +10,7 @@ shapes kept small); without triton, the module is skipped with the reason.
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import pytest
 import torch
@@ -168,9 +169,9 @@ def test_decode_empty_splits_neither_write_nor_read_their_partials(monkeypatch, 
     check(got, want, torch.float32)
     (part,) = partials
     for b, n in enumerate(kv_lens):
-        per_split = -(-(-(-n // num_splits)) // 16) * 16  # keys a split takes, in 16-key steps
-        used = -(-n // per_split)
-        assert not part[b, :, :used].isnan().any(), f"sequence {b}: a split with keys wrote no output"
+        per_split = math.ceil(math.ceil(n / num_splits) / 16) * 16  # in steps of 16 keys
+        used = math.ceil(n / per_split)
+        assert not part[b, :, :used].isnan().any(), f"sequence {b}: a split with keys wrote none"
         assert part[b, :, used:].isnan().all(), f"sequence {b}: a split without keys wrote"
 
 

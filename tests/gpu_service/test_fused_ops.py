@@ -263,9 +263,7 @@ def test_mla_rope_cache_matches_the_torch_code(seed, monkeypatch, interleaved, d
         k_rot = apply_rotary(k_rot[:, None, :], cos, sin, interleaved)[:, 0]
         write_cache(want_cache, slots, torch.cat((RMSNorm(weight, 1e-6)(c), k_rot), dim=-1))
     print(f"seed={seed} tokens={tokens} heads={heads} rank={rank} rope={rope} {interleaved=}")
-    assert fused_ops.mla_rope_cache_fits(q_rot, kv_a, weight, cache, cos, sin) == (
-        DEVICE == "cuda"
-    )
+    assert fused_ops.mla_rope_cache_fits(q_rot, kv_a, weight, cache, cos, sin) == (DEVICE == "cuda")
     got_q = fused_ops.mla_rope_cache(q_rot, kv_a, weight, 1e-6, cos, sin, cache, slots,
                                      interleaved)  # fmt: skip
     ulp = 2**-7 if dtype == torch.bfloat16 else 1e-6  # summation order: one unit after rounding
