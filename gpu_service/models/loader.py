@@ -23,6 +23,7 @@ from ktserve.checkpoint import (
     index_tensors,
 )
 from ktserve.checkpoint.fp8 import dequantize_fp8_blocks
+from ktserve.checkpoint.fp8 import scale_name as fp8_scale_name
 
 
 class MissingTensor(CheckpointError):
@@ -76,7 +77,7 @@ class WeightLoader:
             raise TensorShapeMismatch(self.model_dir, name, tuple(shape), found)
         tensor = tensor_slice[:]
         if tensor.dtype == torch.float8_e4m3fn:
-            scale_name = f"{name}_scale_inv"
+            scale_name = fp8_scale_name(name)
             if scale_name not in self._files:
                 raise MissingTensor(self.model_dir, scale_name)
             scale = self._handle(scale_name).get_tensor(scale_name)

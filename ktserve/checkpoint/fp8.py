@@ -11,6 +11,13 @@ import math
 
 import torch
 
+SCALE_SUFFIX = "_scale_inv"  # tensor `<weight name>_scale_inv` holds an FP8 weight's block scales
+
+
+def scale_name(weight_name: str) -> str:
+    """The name of the FP8 weight `weight_name`'s block scales."""
+    return weight_name + SCALE_SUFFIX
+
 
 def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
     """Expected scale shape for an FP8 weight of `shape` (leading dims kept, last two blocked)."""

@@ -9,10 +9,10 @@ import math
 from pathlib import Path
 
 from ktserve.checkpoint.errors import InvalidConfig, SafetensorsNotFound
+from ktserve.checkpoint.fp8 import SCALE_SUFFIX
 from ktserve.checkpoint.reader import INDEX_FILE, index_tensors
 
 ROUTED_EXPERT_MARK = ".experts."  # ...mlp.experts.E... / ...block_sparse_moe.experts.E...
-FP8_SCALE_SUFFIX = "_scale_inv"  # DeepSeek-V3's block scales of an FP8 weight
 _HEADER_LIMIT = 100 * 2**20  # safetensors caps its JSON header at 100 MB
 
 
@@ -57,5 +57,5 @@ def non_expert_params(model_dir: str | Path) -> int:
     return sum(
         math.prod(meta["shape"])
         for name, meta in tensor_headers(model_dir).items()
-        if not is_routed_expert(name) and not name.endswith(FP8_SCALE_SUFFIX)
+        if not is_routed_expert(name) and not name.endswith(SCALE_SUFFIX)
     )

@@ -26,6 +26,7 @@ from ktserve.checkpoint.errors import (
     UnsupportedTensorDtype,
 )
 from ktserve.checkpoint.fp8 import dequantize_fp8_blocks, fp8_scale_shape
+from ktserve.checkpoint.fp8 import scale_name as fp8_scale_name
 from ktserve.checkpoint.spec import DEFAULT_FP8_BLOCK, ModelSpec
 from ktserve.names import FLOAT_DTYPES, FP8_SAFETENSORS
 
@@ -149,7 +150,7 @@ class CheckpointReader:
 
     def _block_scale(self, name: str, shape: tuple[int, int]) -> torch.Tensor:
         """The float32 scale_inv [ceil(rows / bo), ceil(cols / bi)] of the FP8 weight `name`."""
-        scale_name = f"{name}_scale_inv"
+        scale_name = fp8_scale_name(name)
         scale_slice = self._handle(scale_name).get_slice(scale_name)
         found, want = tuple(scale_slice.get_shape()), fp8_scale_shape(shape, self.block_size)
         if found != want:
@@ -191,7 +192,7 @@ class CheckpointReader:
     def _dequantize(
         self, name: str, weight: torch.Tensor, expert: int | None, halves: int
     ) -> torch.Tensor:
-        scale_name = f"{name}_scale_inv"
+        scale_name = fp8_scale_name(name)
         scale_slice = self._handle(scale_name).get_slice(scale_name)
         found = tuple(scale_slice.get_shape())
         lead = () if expert is None else (self.spec.num_experts,)
