@@ -267,15 +267,15 @@ def sweep(case: Case, timer: Timer, copy_bw: float, only: list[tuple[int, ...]] 
                   (32, 32, 8, 2, 0), (16, 32, 4, 2, 0), (64, 32, 16, 2, 0), (64, 64, 16, 2, 0),
                   (64, 32, 8, 3, 256), (64, 64, 8, 2, 256), (64, 64, 8, 3, 128),
                   (64, 64, 4, 3, 128)]  # fmt: skip
-    gqa_shapes = [(16, 64, 4, 2, 0), (16, 64, 4, 3, 0), (16, 32, 4, 3, 0), (16, 128, 4, 2, 0),
-                  (16, 64, 8, 2, 0)]  # fmt: skip
+    gqa_shapes = [(16, 64, 4, 2, 0), (16, 64, 4, 3, 0), (16, 64, 4, 4, 0), (16, 32, 4, 3, 0),
+                  (16, 32, 4, 4, 0), (16, 128, 4, 2, 0), (16, 64, 8, 2, 0)]  # fmt: skip
     shapes = only or (mla_shapes if case.shape.head_dim > 256 else gqa_shapes)
     hbm = case.batch * case.context * case.shape.cache_bytes_per_token / copy_bw
     rows = []
     for block_h, block_n, warps, stages, block_dv in shapes:
         tiles = at.Tiles(block_h, block_n, warps, stages, block_dv=block_dv)
         name = f"h{block_h} n{block_n} w{warps} s{stages}" + (f" v{block_dv}" if block_dv else "")
-        for splits in (None, 16, 32, 64):
+        for splits in (None, 16, 32, 64, 128, 256):
             try:  # NOTE: a shape compiles at its first call, before the capture
                 seconds = timer.median_graph_s(
                     lambda t=tiles, n=splits: at.decode_with(

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from gpu_service.models.paged_attention import LOG2E
 
-MAX_SPLITS = 64
+MAX_SPLITS = 256
 MIN_KEYS_PER_SPLIT = 256
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -490,12 +490,25 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def num_decode_splits(batch: int, programs_per_seq: int, max_keys: int, num_sms: int) -> int:
+def num_decode_splits(
+    batch: int, programs_per_seq: int, max_keys: int, num_sms: int, min_keys: int = 0
+) -> int:
     """Key partitions per sequence: enough programs for about two waves of the GPU, each split
-    keeping at least MIN_KEYS_PER_SPLIT of the longest possible context; a power of two."""
+    keeping at least max(min_keys, MIN_KEYS_PER_SPLIT) of the longest possible context; a power
+    of two."""
     wanted = triton.cdiv(2 * num_sms, batch * programs_per_seq)
-    cap = max(1, min(MAX_SPLITS, max_keys // MIN_KEYS_PER_SPLIT))
+    cap = max(1, min(MAX_SPLITS, max_keys // max(min_keys, MIN_KEYS_PER_SPLIT)))
     return min(triton.next_power_of_2(max(1, wanted)), 1 << (cap.bit_length() - 1))
+
+
+def min_keys_per_split(group: int, dims: _HeadDims, cache_bytes_per_key: int) -> int:
+    """Keys a split must read so that its cache bytes are at least twice the float32 partial
+    outputs it writes (group x Dv a kv head): GQA's 8 x 128 partial is 4 KB against 512 B of
+    bf16 keys and values a token, so a split may be short; MLA's 128 x 512 is 256 KB against
+    its 1,152-byte latent row, so its splits stay long (512 keys) and the merge does not read
+    back as much as the split kernel did."""
+    partial_bytes = group * dims.dv * 4
+    return triton.next_power_of_2(triton.cdiv(2 * partial_bytes, cache_bytes_per_key))
 
 
 def _check_cache(q, k_cache, v_cache, block_table, kv_len, block_size, window) -> tuple[int, int]:
@@ -596,7 +609,14 @@ def decode_with(
         if window is not None:
             max_keys = min(max_keys, window)
         programs_per_seq = num_kv_heads * tiles_per_kv * v_blocks
-        num_splits = num_decode_splits(batch, programs_per_seq, max_keys, _num_sms(q.device))
+        v_from_k = _v_from_k(k_cache, v_cache, dims)
+        key_bytes = dims.d * k_cache.element_size() + (
+            0 if v_from_k else dims.dv * v_cache.element_size()
+        )
+        num_splits = num_decode_splits(
+            batch, programs_per_seq, max_keys, _num_sms(q.device),
+            min_keys_per_split(group, dims, key_bytes),
+        )  # fmt: skip
     part_shape = (batch, num_heads, num_splits, dims.dv)
     part_out = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)

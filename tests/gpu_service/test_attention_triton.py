@@ -129,17 +129,19 @@ def test_decode_splits_merge_exactly(num_splits, seed):
     check(got, want, torch.float32)
 
 
-def test_decode_merges_many_splits_in_value_blocks(seed):
-    """64 splits, most of them empty, and a value width (96, padded to 128) that the merge takes
-    in two column blocks, the second one partly past Dv."""
-    gen = torch.Generator().manual_seed(seed + 64)
+@pytest.mark.parametrize("num_splits, block_v", [(64, 64), (at.MAX_SPLITS, 16)])
+def test_decode_merges_many_splits_in_value_blocks(num_splits, block_v, seed):
+    """Many splits, most of them empty, and a value width (96, padded to 128) that the merge
+    takes in column blocks: two of 64 (the second partly past Dv), or six of 16 at 256 splits."""
+    gen = torch.Generator().manual_seed(seed + num_splits)
     k_cache, v_cache, table, kv_len = make_case(gen, [300, 1, 45], 16, 1, 32, 96, torch.float32)
-    assert at._merge_block_v(128, 64) == 64
+    assert at._merge_block_v(128, num_splits) == block_v
     q = torch.randn(3, 2, 32, generator=gen)
     cu = torch.arange(4, dtype=torch.int32)
     want = reference(q, k_cache, v_cache, table, cu, kv_len, 16, 0.3, None)
     qd, kd, vd, td, ld = to_device(q, k_cache, v_cache, table, kv_len)
-    check(at.decode_with(qd, kd, vd, td, ld, 16, 0.3, num_splits=64), want, torch.float32)
+    got = at.decode_with(qd, kd, vd, td, ld, 16, 0.3, num_splits=num_splits)
+    check(got, want, torch.float32)
 
 
 def test_decode_empty_splits_neither_write_nor_read_their_partials(monkeypatch, seed):
@@ -290,10 +292,26 @@ def test_wide_heads_of_float32_queries_get_smaller_tiles():
 
 
 def test_split_count_depends_on_shapes_only():
-    assert at.num_decode_splits(1, 4, 32768, 132) == 64
+    assert at.num_decode_splits(1, 4, 32768, 132) == 128
+    assert at.num_decode_splits(1, 4, 1 << 20, 132) == 128  # 2 waves: 264 / 4 programs, rounded up
+    assert at.num_decode_splits(1, 1, 1 << 20, 132) == at.MAX_SPLITS
     assert at.num_decode_splits(16, 4, 32768, 132) == 8  # 2 waves of 132 SMs: 264 / 64 programs
     assert at.num_decode_splits(1, 4, 300, 132) == 1  # never under MIN_KEYS_PER_SPLIT keys each
     assert at.num_decode_splits(64, 32, 1 << 20, 132) == 1
+
+
+def test_splits_write_less_than_they_read():
+    """A split reads at least twice the bytes of the partial output it writes: MLA's 128 heads
+    of 512 float32 columns (256 KB a split) keep 512 keys a split (1,152 bytes each in bf16,
+    576 in fp8), GQA's 8 x 128 columns only the floor of MIN_KEYS_PER_SPLIT."""
+    mla, gqa = at._HeadDims.of(576, 512), at._HeadDims.of(128, 128)
+    for key_bytes, keys in ((1152, 512), (576, 1024)):
+        min_keys = at.min_keys_per_split(128, mla, key_bytes)
+        assert min_keys == keys
+        assert 2 * 128 * 512 * 4 <= min_keys * key_bytes < 4 * 128 * 512 * 4
+    assert at.num_decode_splits(1, 2, 32768, 132, at.min_keys_per_split(128, mla, 1152)) == 64
+    assert at.min_keys_per_split(8, gqa, 512) <= at.MIN_KEYS_PER_SPLIT
+    assert at.num_decode_splits(1, 4, 32768, 132, at.min_keys_per_split(8, gqa, 512)) == 128
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a CUDA device")
