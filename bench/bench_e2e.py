@@ -15,6 +15,10 @@ writes them) and the GPU service in this process, once per mode:
             `auto` picks where bf16 would take over half the GPU's memory budget); every other
             mode runs the GPU part in bf16, whatever the checkpoint
   graph-int8  graph with --gpu-weight-format int8 (weight-only int8, a scale per output)
+  graph-stamps  graph with the hand-off kernels timing themselves on the GPU's clock
+            (device_kernels.py's STAMPS): per call, the GPU's wait from its request bell to the
+            reply it saw, less the worker's part of it, is the two bells' latency; and the GPU's
+            part between two MoE layers, beside the worker's idle in (a table of its own)
   stream-off, stream-on, stream-auto  graph with --stream-prefill off / on / auto: prefill's
             chunks through the CPU workers, streamed to the GPU, or as the start-up cost model
             chooses (printed per mode)
@@ -85,6 +89,8 @@ MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
          "graph-unfused": dict(cuda_graphs=True, graph_expert_calls=True, fused_kernels=False),
          "graph-fp8": dict(cuda_graphs=True, graph_expert_calls=True, gpu_weight_format="fp8"),
          "graph-int8": dict(cuda_graphs=True, graph_expert_calls=True, gpu_weight_format="int8"),
+         "graph-stamps": dict(cuda_graphs=True, graph_expert_calls=True,
+                              experts=dict(handoff_stamps=True)),
          "graph-memops": dict(cuda_graphs=True, graph_expert_calls=True,
                               experts=dict(device_handoff="memops")),
          # prefill through the GPU (--stream-prefill), side by side: --modes stream-off,stream-on
@@ -164,12 +170,34 @@ def chained_steps(service) -> float:
     return service.metrics.chained_steps._value.get()
 
 
+def handoff_stamps(service):
+    """The decode graphs' hand-off stamps so far ([worker, slot, 6] int64, device_kernels.py),
+    or None where the mode keeps none."""
+    graphs = service.engine.runner.decode_graphs
+    calls = graphs.calls if graphs is not None else None
+    return calls.handoff_stamps() if calls is not None else None
+
+
+def stamp_means(before, after) -> dict[str, float] | None:
+    """Mean us of the GPU's wait per call (request bell -> reply seen) and of its part between
+    two MoE layers of a step (a slot's collect end -> the next slot's request bell)."""
+    if before is None:
+        return None
+    from gpu_service.device_kernels import MIDDLE_SUM, MIDDLES, WAIT_SUM, WAITS
+
+    d = (after - before).sum(dim=(0, 1)).tolist()
+    mean = lambda total, count: total / count / 1e3 if count else float("nan")  # noqa: E731
+    return {"wait": mean(d[WAIT_SUM], d[WAITS]), "middle": mean(d[MIDDLE_SUM], d[MIDDLES]),
+            "calls": d[WAITS]}  # fmt: skip
+
+
 def decode(service, stub, batch: int, tokens: int) -> dict[str, float]:
     before, host_before = worker_stats(stub), host_seconds(service)
-    chained_before = chained_steps(service)
+    chained_before, stamps_before = chained_steps(service), handoff_stamps(service)
     with GcPauses() as pauses:
         got = run_batch(service, batch, tokens)
     after, host_after = worker_stats(stub), host_seconds(service)
+    got["stamps"] = stamp_means(stamps_before, handoff_stamps(service))
     delta = {k: after[k] - before[k] for k in before}
     got["worker"] = delta
     got["gc"] = (pauses.count, pauses.seconds)
@@ -266,6 +294,38 @@ def run_mode(mode: str, args, address: str, stub, dram: DramMeter) -> dict:
     print(f"[{mode}] closed; host while idle: {out['idle_check']}", flush=True)
     dram.sample(f"after {mode}")
     return out
+
+
+def print_stamps(results: dict) -> None:
+    """The hand-off on the GPU's clock (modes that keep stamps: graph-stamps)."""
+    rows = []
+    for mode, res in results.items():
+        for b, r in res["decode"].items():
+            st = r.get("stamps")
+            if not st:
+                continue
+            w = r["worker"]
+            calls = max(w["calls"], 1)
+            worker = sum(w[p] for p in ("dispatch", "kernel", "publish")) / calls * 1e6
+            inner_gaps = w.get("inner_gaps", 0)
+            inner = w["inner_idle"] / inner_gaps * 1e6 if inner_gaps else float("nan")
+            rows.append([mode, str(b), str(int(st["calls"])), f"{st['wait']:.1f}",
+                         f"{worker:.1f}", f"{st['wait'] - worker:.1f}", f"{st['middle']:.1f}",
+                         f"{inner:.1f}", f"{inner - st['middle']:.1f}"])  # fmt: skip
+    if not rows:
+        return
+    print(
+        "\nthe hand-off on the GPU's clock (us a call): wait = from the post's request bell to "
+        "the reply the collect saw; worker = its dispatch + kernel + publish (its clock, from "
+        "the request seen to the reply out); bells = wait - worker: both bells' latency and the "
+        "worker's wake-up; middle = the GPU from a collect's end to the next MoE layer's request "
+        "bell (its part between two MoE layers, the post included); idle in = the worker's gap "
+        "there; idle in - middle: the same two bells and the worker's own gap, seen from its side"
+    )
+    cols = [Column("mode", 12, "<"), Column("batch", 5), Column("calls", 6), Column("wait", 8),
+            Column("worker", 8), Column("bells", 6), Column("middle", 7), Column("idle in", 7),
+            Column("idle in - middle", 16)]  # fmt: skip
+    print_table(cols, rows)
 
 
 # ---------------------------------------------------------------------------- llama.cpp
@@ -399,6 +459,7 @@ def print_results(args, spec: ModelSpec, results: dict, llama: dict, dram: DramM
                          f"{launch:.3f}", f"{replay:.3f}", f"{end - within:.3f}", str(gc_runs),
                          f"{gc_ms:.3f}"])  # fmt: skip
     print_table(cols, rows)
+    print_stamps(results)
     if args.prefills:
         print("\nprefill (one prompt; time to first token)")
         cols = [Column("mode", 11, "<"), Column("tokens", 6), Column("TTFT s", 7),

@@ -126,6 +126,7 @@ class ExpertClientConfig:
     )
     num_slots: int = 4
     spin_us: float = 500.0
+    handoff_stamps: bool = False  # benchmarks: the GPU times its hand-off (device_kernels.py)
     pin_memory: bool = True
     token: str | None = field(default=None, repr=False)  # the workers' (ktserve/worker_token.py)
 

@@ -206,6 +206,7 @@ class DeviceCalls:
             [_Slot(ch, j, *ch.device_slot(j)) for j in range(len(layers))] for ch in channels
         ]
         self.kernels = None
+        self._stamps: torch.Tensor | None = None
         if device.type == "cuda":
             self.stream: CudaStream | HostStream = CudaStream(channels)
             if owner.config.device_handoff == "kernels":
@@ -219,6 +220,9 @@ class DeviceCalls:
                 # [worker, slot, post|collect]: each launch site's counter (device_kernels.py)
                 self._counters = torch.zeros((len(channels), len(layers), 2), dtype=torch.int32,
                                              device=device)  # fmt: skip
+                if owner.config.handoff_stamps:  # [worker, slot, 6] (device_kernels.py: STAMPS)
+                    self._stamps = torch.zeros((len(channels), len(layers), 6),
+                                               dtype=torch.int64, device=device)  # fmt: skip
                 dev = self.stream.device_address
                 # per worker and slot, the device addresses of (request, request_bell, reply,
                 # reply_bell): fixed for the channels' lifetime
@@ -277,8 +281,12 @@ class DeviceCalls:
             x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
             for w, slots in enumerate(self._device_slots):
                 request, request_bell, _, _ = slots[j]
+                stamps = prev = None
+                if self._stamps is not None:
+                    stamps = self._stamps[w, j]
+                    prev = self._stamps[w, j - 1] if j > 0 else None
                 self.kernels.post(request, lay.offsets, request_bell, self._counters[w, j, 0],
-                                  x, ids, weights)  # fmt: skip
+                                  x, ids, weights, stamps, prev)  # fmt: skip
             return
         staging = lay.staging
         for offset, tensor, dtype in zip(lay.offsets, (x, ids, weights), self._arg_dtypes):
@@ -295,8 +303,9 @@ class DeviceCalls:
                 raise ValueError("routed must be contiguous")
             for w, slots in enumerate(self._device_slots):
                 _, request_bell, reply, reply_bell = slots[j]
+                stamps = None if self._stamps is None else self._stamps[w, j]
                 self.kernels.collect(reply, reply_bell, request_bell, self._counters[w, j, 1],
-                                     routed, accumulate=w > 0)  # fmt: skip
+                                     routed, accumulate=w > 0, stamps=stamps)  # fmt: skip
             return
         if self.stream.runs_on_host:
             lay.replies.zero_()  # NOTE: the host copies only the announced rows
@@ -314,6 +323,11 @@ class DeviceCalls:
             routed.copy_(lay.replies[0])
         else:
             torch.sum(lay.replies, dim=0, out=routed)
+
+    def handoff_stamps(self) -> torch.Tensor | None:
+        """The GPU's hand-off stamps so far, [worker, slot, 6] int64 nanoseconds and counts (on
+        the host; device_kernels.py's STAMPS), or None where they are not kept."""
+        return None if self._stamps is None else self._stamps.cpu()
 
     def end_step(self) -> None:
         self.stream.end(self.channels[0])

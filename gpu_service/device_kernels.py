@@ -11,6 +11,13 @@ and a copy back. Here the GPU's own threads read and write the mapped slot (zero
              tile of the reply into `out` (float32, on the device); the last program stores
              reply_bell = 0, then request_bell = IDLE
 
+STAMPS (a benchmark's option, `handoff_stamps`): each launch's last program also reads the GPU's
+%globaltimer into its slot's row of int64 stamps [post time, sum of waits, waits, collect end,
+sum of middles, middles]: post stores its bell's time and adds the time since the previous
+slot's collect ended (the GPU's part between two MoE layers); collect adds the time from that
+bell to the reply it saw (the worker's call plus both bells' latencies). One clock, so no host
+clock is compared with the GPU's.
+
 ORDERING: the bell store follows a `fence.sc.sys` after every program's stores were released
 to the counter, so a worker that sees POSTED sees the whole request (x86 reads are ordered).
 Bell words live in host memory: the kernels never apply atomics to them (PCIe need not support
@@ -61,6 +68,17 @@ def _load_u32_volatile(address):
 
 
 @triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+# the columns of a slot's stamps row (STAMPS above)
+POST_AT, WAIT_SUM, WAITS, COLLECT_END, MIDDLE_SUM, MIDDLES = range(6)
+
+
+@triton.jit
 def _fence_sys(address):
     tl.inline_asm_elementwise(
         "fence.acq_rel.sys;\n\tmov.u32 $0, 0;", "=r,l", [address], dtype=tl.int32,
@@ -70,8 +88,9 @@ def _fence_sys(address):
 
 @triton.jit(do_not_specialize=("num_x", "num_routes"))  # NOTE: per batch: see attention_triton
 def _post_kernel(x_ptr, ids_ptr, weights_ptr, x_dst, ids_dst, weights_dst, counter_ptr,
-                 bell_address, num_x, num_routes, BLOCK: tl.constexpr,
-                 ROUTES: tl.constexpr):  # fmt: skip
+                 bell_address, stamps_ptr, prev_stamps_ptr, num_x, num_routes,
+                 BLOCK: tl.constexpr, ROUTES: tl.constexpr, STAMPS: tl.constexpr,
+                 HAS_PREV: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_x
@@ -89,15 +108,25 @@ def _post_kernel(x_ptr, ids_ptr, weights_ptr, x_dst, ids_dst, weights_dst, count
     if done == tl.num_programs(0) - 1:
         tl.store(counter_ptr, 0)
         _store_one_sys(bell_address)  # POSTED
+        if STAMPS:
+            now = _globaltimer()
+            tl.store(stamps_ptr + POST_AT, now)
+            if HAS_PREV:
+                since = now - tl.load(prev_stamps_ptr + COLLECT_END)
+                tl.store(stamps_ptr + MIDDLE_SUM, tl.load(stamps_ptr + MIDDLE_SUM) + since)
+                tl.store(stamps_ptr + MIDDLES, tl.load(stamps_ptr + MIDDLES) + 1)
 
 
 @triton.jit(do_not_specialize=("num_out",))
 def _collect_kernel(reply_ptr, out_ptr, counter_ptr, reply_bell_address, request_bell_address,
-                    num_out, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr):  # fmt: skip
+                    stamps_ptr, num_out, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr,
+                    STAMPS: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     bell = _load_u32_volatile(reply_bell_address)
     while bell != 1:
         bell = _load_u32_volatile(reply_bell_address)
+    if STAMPS:
+        seen = _globaltimer()
     _fence_sys(reply_bell_address)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_out
@@ -111,6 +140,11 @@ def _collect_kernel(reply_ptr, out_ptr, counter_ptr, reply_bell_address, request
         tl.store(counter_ptr, 0)
         _store_zero_sys(reply_bell_address)
         _store_zero_sys(request_bell_address)  # IDLE
+        if STAMPS:
+            waited = seen - tl.load(stamps_ptr + POST_AT)
+            tl.store(stamps_ptr + WAIT_SUM, tl.load(stamps_ptr + WAIT_SUM) + waited)
+            tl.store(stamps_ptr + WAITS, tl.load(stamps_ptr + WAITS) + 1)
+            tl.store(stamps_ptr + COLLECT_END, _globaltimer())
 
 
 class KernelHandoff:
@@ -122,23 +156,40 @@ class KernelHandoff:
         self.wire_dtype = wire_dtype
 
     def post(self, request: int, offsets: list[int], bell: int, counter: torch.Tensor,
-             x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:  # fmt: skip
-        """x [rows_pad, H], ids/weights [rows_pad, k] (contiguous) -> the request region."""
+             x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+             stamps: torch.Tensor | None = None,
+             prev_stamps: torch.Tensor | None = None) -> None:  # fmt: skip
+        """x [rows_pad, H], ids/weights [rows_pad, k] (contiguous) -> the request region.
+        stamps: this slot's int64 row (module docstring), prev_stamps the previous slot's."""
         num_x, num_routes = x.numel(), ids.numel()
         _post_kernel[(triton.cdiv(num_x, BLOCK),)](
             x, ids, weights,
             MappedArray(request + offsets[0], self.wire_dtype),
             MappedArray(request + offsets[1], torch.int32),
             MappedArray(request + offsets[2], torch.float32),
-            counter, bell, num_x, num_routes,
-            BLOCK=BLOCK, ROUTES=triton.next_power_of_2(num_routes),
+            counter, bell, _or_counter(stamps, counter), _or_counter(prev_stamps, counter),
+            num_x, num_routes,
+            BLOCK=BLOCK, ROUTES=triton.next_power_of_2(num_routes), STAMPS=stamps is not None,
+            HAS_PREV=prev_stamps is not None,
         )  # fmt: skip
 
     def collect(self, reply: int, reply_bell: int, request_bell: int, counter: torch.Tensor,
-                out: torch.Tensor, accumulate: bool) -> None:  # fmt: skip
+                out: torch.Tensor, accumulate: bool,
+                stamps: torch.Tensor | None = None) -> None:  # fmt: skip
         """Wait for the reply and store (accumulate: add) it into out [rows_pad, H] float32."""
         num_out = out.numel()
         _collect_kernel[(triton.cdiv(num_out, BLOCK),)](
-            MappedArray(reply, torch.float32), out, counter, reply_bell, request_bell, num_out,
-            BLOCK=BLOCK, ACCUMULATE=accumulate,
+            MappedArray(reply, torch.float32), out, counter, reply_bell, request_bell,
+            _or_counter(stamps, counter), num_out,
+            BLOCK=BLOCK, ACCUMULATE=accumulate, STAMPS=stamps is not None,
         )  # fmt: skip
+
+
+def _or_counter(stamps: torch.Tensor | None, counter: torch.Tensor) -> torch.Tensor:
+    """The stamps row, or (where STAMPS is off and the kernel never reads it) any device
+    pointer: the counter."""
+    if stamps is None:
+        return counter
+    if stamps.dtype != torch.int64 or stamps.numel() < MIDDLES + 1 or not stamps.is_contiguous():
+        raise ValueError("a slot's stamps must be a contiguous int64 row of 6")
+    return stamps

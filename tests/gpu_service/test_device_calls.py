@@ -26,9 +26,12 @@ from tests.support.expert_procs import ExpertProcess
 
 FAMILIES = [f for f in ("deepseek_v3", "qwen3_moe") if f in available_families()]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-# (device, --device-handoff): on CUDA, both ways of reaching the workers' slots
+# (device, --device-handoff): on CUDA, both ways of reaching the workers' slots, and the kernels
+# keeping their stamps (a benchmark's option: the GPU times the hand-off)
 HANDOFFS = [("cpu", "memops")] + (
-    [("cuda", "memops"), ("cuda", "kernels")] if torch.cuda.is_available() else []
+    [("cuda", "memops"), ("cuda", "kernels"), ("cuda", "kernels+stamps")]
+    if torch.cuda.is_available()
+    else []
 )
 BLOCK = 4
 
@@ -87,9 +90,11 @@ def test_device_calls_give_the_logits_of_calls_between_segments(checkpoint, seed
     worker = start_worker(checkpoint, free_port())
     reader = CheckpointReader(checkpoint)
     spec = reader.spec
+    stamped = handoff.endswith("+stamps")
     experts = ShmExperts(
         ExpertClientConfig((worker.address,), token=worker.token, wire_dtype="float32",
-                           worker_timeout_s=20, device_handoff=handoff),  # fmt: skip
+                           worker_timeout_s=20, device_handoff=handoff.removesuffix("+stamps"),
+                           handoff_stamps=stamped),  # fmt: skip
         hidden_size=spec.hidden_size, top_k=spec.num_experts_per_tok, max_tokens=64,
         device=device,
     )  # fmt: skip
@@ -100,7 +105,7 @@ def test_device_calls_give_the_logits_of_calls_between_segments(checkpoint, seed
         graphs = DecodeGraphs(in_graph, DecodeGraphConfig(4, 8, capture))
         assert isinstance(graphs.calls, DeviceCalls)
         assert isinstance(graphs.calls.stream, CudaStream if capture else HostStream)
-        assert (graphs.calls.kernels is not None) == (handoff == "kernels")
+        assert (graphs.calls.kernels is not None) == handoff.startswith("kernels")
         segmented = DecodeGraphs(between, DecodeGraphConfig(4, 8, capture, experts_in_graph=False))
         assert segmented.calls is None
         reference = DecodeGraphs(eager, DecodeGraphConfig(4, 8, capture=False))
@@ -121,9 +126,28 @@ def test_device_calls_give_the_logits_of_calls_between_segments(checkpoint, seed
         assert worst < 2e-2  # bf16 expert weights against float32 torch experts
         req_bells = [graphs.calls.channels[0].bells(j) for j in range(len(graphs.moes))]
         assert req_bells == [(0, 0)] * len(graphs.moes), "every slot is idle between steps"
+        stamps = graphs.calls.handoff_stamps()
+        assert (stamps is not None) == stamped
+        if stamped:
+            check_stamps(stamps[0], steps=10)
     finally:
         experts.close()
         worker.close()
+
+
+def check_stamps(stamps: torch.Tensor, steps: int) -> None:
+    """One worker's stamps [slot, 6] after `steps` steps (device_kernels.py: STAMPS): every slot
+    waited once a step (a capture's warm-up runs a step's calls once more), for a positive time;
+    every slot after the first also timed the GPU's part since the one before it."""
+    from gpu_service.device_kernels import MIDDLE_SUM, MIDDLES, WAIT_SUM, WAITS
+
+    waits = stamps[:, WAITS].tolist()
+    assert len(set(waits)) == 1 and waits[0] >= steps, f"waits per slot: {waits}"
+    assert (stamps[:, WAIT_SUM] > 0).all()
+    assert stamps[0, MIDDLES] == 0 and stamps[0, MIDDLE_SUM] == 0
+    assert stamps[1:, MIDDLES].tolist() == waits[1:]
+    assert (stamps[1:, MIDDLE_SUM] > 0).all()
+    print(f"[stamps] mean wait {stamps[:, WAIT_SUM].sum() / sum(waits) / 1e3:.1f} us a call")
 
 
 def test_a_worker_restarted_between_steps_serves_the_next_one(checkpoint, seed):
