@@ -68,14 +68,15 @@ def _load_u32_volatile(address):
 
 
 @triton.jit
-def _globaltimer():
+def _globaltimer(address):  # NOTE: the address only gives the op its (scalar) shape
     return tl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1,
+        "mov.u64 $0, %globaltimer;", "=l,l", [address], dtype=tl.int64, is_pure=False, pack=1,
     )  # fmt: skip
 
 
-# the columns of a slot's stamps row (STAMPS above)
+# the columns of a slot's stamps row (STAMPS above), and the same as the kernels' constants
 POST_AT, WAIT_SUM, WAITS, COLLECT_END, MIDDLE_SUM, MIDDLES = range(6)
+_POST_AT, _WAIT_SUM, _WAITS, _COLLECT_END, _MIDDLE_SUM, _MIDDLES = map(tl.constexpr, range(6))
 
 
 @triton.jit
@@ -109,12 +110,12 @@ def _post_kernel(x_ptr, ids_ptr, weights_ptr, x_dst, ids_dst, weights_dst, count
         tl.store(counter_ptr, 0)
         _store_one_sys(bell_address)  # POSTED
         if STAMPS:
-            now = _globaltimer()
-            tl.store(stamps_ptr + POST_AT, now)
+            now = _globaltimer(stamps_ptr)
+            tl.store(stamps_ptr + _POST_AT, now)
             if HAS_PREV:
-                since = now - tl.load(prev_stamps_ptr + COLLECT_END)
-                tl.store(stamps_ptr + MIDDLE_SUM, tl.load(stamps_ptr + MIDDLE_SUM) + since)
-                tl.store(stamps_ptr + MIDDLES, tl.load(stamps_ptr + MIDDLES) + 1)
+                since = now - tl.load(prev_stamps_ptr + _COLLECT_END)
+                tl.store(stamps_ptr + _MIDDLE_SUM, tl.load(stamps_ptr + _MIDDLE_SUM) + since)
+                tl.store(stamps_ptr + _MIDDLES, tl.load(stamps_ptr + _MIDDLES) + 1)
 
 
 @triton.jit(do_not_specialize=("num_out",))
@@ -126,7 +127,7 @@ def _collect_kernel(reply_ptr, out_ptr, counter_ptr, reply_bell_address, request
     while bell != 1:
         bell = _load_u32_volatile(reply_bell_address)
     if STAMPS:
-        seen = _globaltimer()
+        seen = _globaltimer(stamps_ptr)
     _fence_sys(reply_bell_address)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_out
@@ -141,10 +142,10 @@ def _collect_kernel(reply_ptr, out_ptr, counter_ptr, reply_bell_address, request
         _store_zero_sys(reply_bell_address)
         _store_zero_sys(request_bell_address)  # IDLE
         if STAMPS:
-            waited = seen - tl.load(stamps_ptr + POST_AT)
-            tl.store(stamps_ptr + WAIT_SUM, tl.load(stamps_ptr + WAIT_SUM) + waited)
-            tl.store(stamps_ptr + WAITS, tl.load(stamps_ptr + WAITS) + 1)
-            tl.store(stamps_ptr + COLLECT_END, _globaltimer())
+            waited = seen - tl.load(stamps_ptr + _POST_AT)
+            tl.store(stamps_ptr + _WAIT_SUM, tl.load(stamps_ptr + _WAIT_SUM) + waited)
+            tl.store(stamps_ptr + _WAITS, tl.load(stamps_ptr + _WAITS) + 1)
+            tl.store(stamps_ptr + _COLLECT_END, _globaltimer(stamps_ptr))
 
 
 class KernelHandoff:
