@@ -134,7 +134,7 @@ def profile_mode(mode: str, args, address: str, moe_layers: int) -> dict[str, fl
         service.close()
     steps = got["steps"]
     out = split(timeline, steps * moe_layers)
-    out["step_ms"] = 1e3 * args.batch * args.tokens / got["tok/s"] / steps
+    out["step_ms"] = 1e3 * args.batch * (args.tokens - 1) / got["tok/s"] / steps
     out["gpu_span_ms"] = (timeline[-1]["ts"] + timeline[-1]["dur"] - timeline[0]["ts"]) / 1e3
     out["steps"] = steps
     gaps = sorted(middle_gaps(timeline, moe_layers), key=lambda g: describe_gap(g)[0])
