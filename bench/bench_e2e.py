@@ -178,6 +178,16 @@ def handoff_stamps(service):
     return calls.handoff_stamps() if calls is not None else None
 
 
+def gpu_and_host_clocks(service) -> tuple[int, int] | None:
+    """(%globaltimer, the host's perf_counter_ns) at about one moment, where stamps are kept."""
+    if handoff_stamps(service) is None:
+        return None
+    from gpu_service.device_kernels import read_globaltimer
+
+    gpu = read_globaltimer(service.engine.model.device)
+    return gpu, time.perf_counter_ns()
+
+
 def stamp_means(before, after) -> dict[str, float] | None:
     """Mean us of the GPU's wait per call (request bell -> reply seen) and of its part between
     two MoE layers of a step (a slot's collect end -> the next slot's request bell)."""
@@ -199,7 +209,8 @@ def decode(service, stub, batch: int, tokens: int) -> dict[str, float]:
 
     def snapshot() -> None:
         start.update(worker=worker_stats(stub), host=host_seconds(service),
-                     chained=chained_steps(service), stamps=handoff_stamps(service))  # fmt: skip
+                     chained=chained_steps(service), stamps=handoff_stamps(service),
+                     clocks=gpu_and_host_clocks(service))  # fmt: skip
 
     with GcPauses() as pauses:
         got = run_batch(service, batch, tokens, after_prefill=snapshot)
@@ -207,6 +218,9 @@ def decode(service, stub, batch: int, tokens: int) -> dict[str, float]:
     chained_before, stamps_before = start["chained"], start["stamps"]
     after, host_after = worker_stats(stub), host_seconds(service)
     got["stamps"] = stamp_means(stamps_before, handoff_stamps(service))
+    if got["stamps"] is not None:  # the GPU's ns per host ns over the decode
+        (g0, t0), (g1, t1) = start["clocks"], gpu_and_host_clocks(service)
+        got["stamps"]["gpu_clock_rate"] = (g1 - g0) / (t1 - t0)
     delta = {k: after[k] - before[k] for k in before}
     got["worker"] = delta
     got["gc"] = (pauses.count, pauses.seconds)
@@ -318,7 +332,8 @@ def print_stamps(results: dict) -> None:
             worker = sum(w[p] for p in ("dispatch", "kernel", "publish")) / calls * 1e6
             inner_gaps = w.get("inner_gaps", 0)
             inner = w["inner_idle"] / inner_gaps * 1e6 if inner_gaps else float("nan")
-            rows.append([mode, str(b), str(int(st["calls"])), f"{st['wait']:.1f}",
+            rate = st.get("gpu_clock_rate", float("nan"))
+            rows.append([mode, str(b), f"{rate:.4f}", str(int(st["calls"])), f"{st['wait']:.1f}",
                          f"{worker:.1f}", f"{st['wait'] - worker:.1f}", f"{st['middle']:.1f}",
                          f"{inner:.1f}", f"{inner - st['middle']:.1f}"])  # fmt: skip
     if not rows:
@@ -329,9 +344,11 @@ def print_stamps(results: dict) -> None:
         "the request seen to the reply out); bells = wait - worker: both bells' latency and the "
         "worker's wake-up; middle = the GPU from a collect's end to the next MoE layer's request "
         "bell (its part between two MoE layers, the post included); idle in = the worker's gap "
-        "there; idle in - middle: the same two bells and the worker's own gap, seen from its side"
+        "there; idle in - middle: the same two bells and the worker's own gap, seen from its side; "
+        "GPU clock: %globaltimer's ns per host ns over the decode (1: the two clocks agree)"
     )
-    cols = [Column("mode", 12, "<"), Column("batch", 5), Column("calls", 6), Column("wait", 8),
+    cols = [Column("mode", 12, "<"), Column("batch", 5), Column("GPU clock", 9),
+            Column("calls", 6), Column("wait", 8),
             Column("worker", 8), Column("bells", 6), Column("middle", 7), Column("idle in", 7),
             Column("idle in - middle", 16)]  # fmt: skip
     print_table(cols, rows)

@@ -148,6 +148,18 @@ def _collect_kernel(reply_ptr, out_ptr, counter_ptr, reply_bell_address, request
             tl.store(stamps_ptr + _COLLECT_END, _globaltimer(stamps_ptr))
 
 
+@triton.jit
+def _read_globaltimer_kernel(out_ptr):
+    tl.store(out_ptr, _globaltimer(out_ptr))
+
+
+def read_globaltimer(device: torch.device) -> int:
+    """The GPU's %globaltimer now (ns; a benchmark sets the stamps' clock against the host's)."""
+    out = torch.zeros(1, dtype=torch.int64, device=device)
+    _read_globaltimer_kernel[(1,)](out)
+    return int(out.item())
+
+
 class KernelHandoff:
     """Posts and collects calls with the two kernels (module docstring). Addresses are device
     pointers of the mapped channels (with UVA usually the host ones); `counter` is one int32 of
