@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 
 from bench.bench_e2e import prefill
-from tests.support.checkpoints import make_tiny_checkpoint
-from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
-from tests.support.worker_services import worker_service
+from tests.support.expert_procs import no_segments_left_behind  # noqa: F401 - autouse
+from tests.support.worker_services import tiny_served
 
 
 def prefix_cache_hits(service) -> float:
@@ -19,22 +18,14 @@ def prefix_cache_hits(service) -> float:
 
 
 def test_prefill_prompts_miss_the_prefix_cache_and_a_hit_stops_the_run(tmp_path, seed):
-    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "ckpt", seed=seed)
-    worker = ExpertProcess("--model", str(path), "--format", "bf16")
-    try:
-        service = worker_service(path, worker, max_model_len=256, kv_cache_tokens=2048)
-        try:
-            assert service.engine.model.kv_cache.prefix_caching
-            # the lengths bench_e2e times, scaled down: each longer one, for each repeat, once
-            # began with the shorter ones (blocks of 16 tokens: 48 of 64 could have hit)
-            for n in (48, 64, 128):
-                for rep in (1, 2):
-                    assert prefill(service, n, rep) > 0
-            assert prefix_cache_hits(service) == 0
-            with pytest.raises(SystemExit, match="served in part by the prefix cache"):
-                prefill(service, 64, 1)  # the same prompt again
-            assert prefix_cache_hits(service) > 0
-        finally:
-            service.close()
-    finally:
-        worker.close()
+    with tiny_served(tmp_path, seed, max_model_len=256, kv_cache_tokens=2048) as service:
+        assert service.engine.model.kv_cache.prefix_caching
+        # the lengths bench_e2e times, scaled down: each longer one, for each repeat, once
+        # began with the shorter ones (blocks of 16 tokens: 48 of 64 could have hit)
+        for n in (48, 64, 128):
+            for rep in (1, 2):
+                assert prefill(service, n, rep) > 0
+        assert prefix_cache_hits(service) == 0
+        with pytest.raises(SystemExit, match="served in part by the prefix cache"):
+            prefill(service, 64, 1)  # the same prompt again
+        assert prefix_cache_hits(service) > 0

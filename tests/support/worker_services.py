@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
 from gpu_service.service import GPUService, build_gpu_service
+from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess
 
 # The GPU part's device: cpu here and in CI; KTSERVE_TEST_DEVICE=cuda on the GPU host.
@@ -34,3 +37,19 @@ def worker_service(
         model_dir=str(path), scheduler=SchedulerConfig(max_model_len=max_model_len),
         experts=experts, **config,
     ))  # fmt: skip
+
+
+@contextlib.contextmanager
+def tiny_served(tmp_path, seed: int, family: str = "qwen3_moe", **config) -> Iterator[GPUService]:
+    """worker_service on a tiny `family` checkpoint (written under tmp_path) and one bf16 worker
+    of its own, both closed on the way out."""
+    path = make_tiny_checkpoint(family, tmp_path / "ckpt", seed=seed)
+    worker = ExpertProcess("--model", str(path), "--format", "bf16")
+    try:
+        service = worker_service(path, worker, **config)
+        try:
+            yield service
+        finally:
+            service.close()
+    finally:
+        worker.close()
