@@ -196,8 +196,38 @@ def pct(bound: float, seconds: float) -> str:
     return f"{100 * bound / seconds:.0f}%"
 
 
-def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: float, reference):
-    """One table row: times and bounds per decode step or per 1k prefill tokens."""
+def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int) -> float | None:
+    """Seconds a decode call takes inside one CUDA graph of `layers` calls, each over a cache of
+    its own (as a served step runs a model's layers): the graph's start is paid once, not per
+    call. None where the caches do not fit."""
+    from gpu_service.models import attention_triton as at
+
+    if layers < 2 or not fits(
+        (layers - 1) * case.batch * case.context * case.shape.cache_bytes_per_token, 0.5
+    ):
+        return None
+    caches = [(case.k_cache, case.v_cache)]
+    for _ in range(layers - 1):
+        k = torch.randn_like(case.k_cache)
+        caches.append(
+            (k, k[..., : case.shape.v_dim] if case.shape.mla else torch.randn_like(case.v_cache))
+        )
+
+    def run_all():
+        for k, v in caches:
+            at.paged_decode(q, k, v, case.block_table, case.kv_len, case.block_size, case.scale)
+
+    try:
+        return timer.median_graph_s(run_all) / layers
+    finally:
+        caches.clear()
+        torch.cuda.empty_cache()
+
+
+def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: float, reference,
+            layers: int = 0):  # fmt: skip
+    """One table row: times and bounds per decode step or per 1k prefill tokens; with layers, a
+    decode call's time inside a graph of that many calls too."""
     from gpu_service.models import attention_triton as at
 
     s, b, n = case.shape, case.batch, case.context
@@ -217,8 +247,10 @@ def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: flo
             return at.paged_prefill(q, *args, cu, case.kv_len, case.block_size, case.scale)
 
         visible = (n - per_seq) + (per_seq + 1) / 2
+    layered_s = None
     if step == "decode":
         seconds, eager_s = timer.median_graph_s(run), timer.median_s(run)
+        layered_s = layered_decode_s(case, q, timer, layers)
     else:
         seconds, eager_s = timer.median_s(run) / b, None
     per = 1 if step == "decode" else b  # prefill: per sequence's 1k-token chunk
@@ -239,7 +271,8 @@ def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: flo
     return (
         s.name, str(b), f"{n // 1024}k", step, us(seconds), us(eager_s),
         us(hbm_spec), pct(hbm_spec, seconds), us(hbm_copy), pct(hbm_copy, seconds),
-        us(flop_bound), pct(flop_bound, seconds), pct(bound, seconds), us(ref_s), diff,
+        us(flop_bound), pct(flop_bound, seconds), pct(bound, seconds), us(layered_s),
+        pct(hbm_spec, layered_s) if layered_s else "-", us(ref_s), diff,
     )  # fmt: skip
 
 
@@ -324,6 +357,13 @@ def main() -> None:
         "own: 'heads,keys,warps,stages[,value columns];...'",
     )
     parser.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="also time a decode call inside one CUDA graph of this many calls, each over a "
+        "cache of its own, as a served step runs a model's layers (0: off)",
+    )
+    parser.add_argument(
         "--shapes",
         default="",
         help="model shapes to time, by name prefix (comma-separated; default all)",
@@ -351,11 +391,12 @@ def main() -> None:
                 cache_bytes = batch * context * shape.cache_bytes_per_token
                 if not fits(cache_bytes, 0.5):
                     skipped = (shape.name, str(batch), f"{context // 1024}k", "no room")
-                    rows.append((*skipped, *["-"] * 11))
+                    rows.append((*skipped, *["-"] * 13))
                     continue
                 case = Case(shape, batch, context, args.block_size)
                 for step in steps:
-                    rows.append(measure(case, step, timer, copy_bw, flops_rate, reference))
+                    rows.append(measure(case, step, timer, copy_bw, flops_rate, reference,
+                                        args.layers))  # fmt: skip
                     print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
                 if args.sweep and context == 32768:
                     sweep(case, timer, copy_bw, parse_tiles(args.tiles) or None)
@@ -363,12 +404,14 @@ def main() -> None:
                 torch.cuda.empty_cache()
     print("\ntimes in us: per decode step (triton: CUDA-graph replay; eager: launched from "
           "Python), or per sequence's 1k-token prefill chunk; % = bound / triton's time; "
-          "roofline = the larger bound")  # fmt: skip
+          "roofline = the larger bound; layered: a decode call inside one graph of --layers "
+          "calls over caches of their own, and its % of the HBM bound at 4.8 TB/s")  # fmt: skip
     cols = [
         Column("shape", 17, "<"), Column("B", 2), Column("ctx", 4), Column("step", 7, "<"),
         Column("triton", 10), Column("eager", 10), Column("HBM 4.8T", 9), Column("%", 4),
         Column("HBM copy", 9), Column("%", 4), Column("FLOP bnd", 9), Column("%", 4),
-        Column("%roof", 5), Column("torch", 11), Column("max|diff|", 9),
+        Column("%roof", 5), Column("layered", 9), Column("%", 4), Column("torch", 11),
+        Column("max|diff|", 9),
     ]  # fmt: skip
     print_table(cols, rows)
 
