@@ -15,8 +15,9 @@ STAMPS (a benchmark's option, `handoff_stamps`): each launch's last program also
 %globaltimer into its slot's row of int64 stamps [post time, sum of waits, waits, collect end,
 sum of middles, middles]: post stores its bell's time and adds the time since the previous
 slot's collect ended (the GPU's part between two MoE layers); collect adds the time from that
-bell to the reply it saw (the worker's call plus both bells' latencies). One clock, so no host
-clock is compared with the GPU's.
+bell to the reply it saw (the worker's call plus both bells' latencies). Each span is on the
+GPU's clock alone; bench_e2e sets them beside the worker's own times and checks the two clocks'
+rates against each other (`read_globaltimer`).
 
 ORDERING: the bell store follows a `fence.sc.sys` after every program's stores were released
 to the counter, so a worker that sees POSTED sees the whole request (x86 reads are ordered).
