@@ -209,8 +209,11 @@ def decode(service, stub, batch: int, tokens: int) -> dict[str, float]:
 
     def snapshot() -> None:
         start.update(worker=worker_stats(stub), host=host_seconds(service),
-                     chained=chained_steps(service), stamps=handoff_stamps(service),
-                     clocks=gpu_and_host_clocks(service))  # fmt: skip
+                     chained=chained_steps(service), stamps=handoff_stamps(service))  # fmt: skip
+
+    # NOTE: the clocks are read while the GPU is idle, before the requests and after them: read
+    # at the snapshot, behind a running step, they gave a rate (1.13) the spans contradict
+    clocks = gpu_and_host_clocks(service)
 
     with GcPauses() as pauses:
         got = run_batch(service, batch, tokens, after_prefill=snapshot)
@@ -218,8 +221,8 @@ def decode(service, stub, batch: int, tokens: int) -> dict[str, float]:
     chained_before, stamps_before = start["chained"], start["stamps"]
     after, host_after = worker_stats(stub), host_seconds(service)
     got["stamps"] = stamp_means(stamps_before, handoff_stamps(service))
-    if got["stamps"] is not None:  # the GPU's ns per host ns over the decode
-        (g0, t0), (g1, t1) = start["clocks"], gpu_and_host_clocks(service)
+    if got["stamps"] is not None:  # the GPU's ns per host ns over the batch
+        (g0, t0), (g1, t1) = clocks, gpu_and_host_clocks(service)
         got["stamps"]["gpu_clock_rate"] = (g1 - g0) / (t1 - t0)
     delta = {k: after[k] - before[k] for k in before}
     got["worker"] = delta
@@ -345,7 +348,8 @@ def print_stamps(results: dict) -> None:
         "worker's wake-up; middle = the GPU from a collect's end to the next MoE layer's request "
         "bell (its part between two MoE layers, the post included); idle in = the worker's gap "
         "there; idle in - middle: the same two bells and the worker's own gap, seen from its side; "
-        "GPU clock: %globaltimer's ns per host ns over the decode (1: the two clocks agree)"
+        "GPU clock: %globaltimer's ns per host ns over the batch, read on an idle GPU before and "
+        "after it (1: the two clocks agree)"
     )
     cols = [Column("mode", 12, "<"), Column("batch", 5), Column("GPU clock", 9),
             Column("calls", 6), Column("wait", 8),
