@@ -29,7 +29,8 @@ from gpu_service.models.paged_attention import paged_prefill  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-# bf16 / fp16: the probabilities are rounded to the query's dtype before p @ v, as in attend()
+# bf16 / fp16: the probabilities are rounded to the query's dtype before p @ v, as in attend();
+# for outputs up to 1 in size: rounding errors grow with the values (check scales them)
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 
 
@@ -60,9 +61,13 @@ def to_device(*tensors):
 
 
 def check(got, want, dtype):
+    """Max abs error within TOLERANCE times the output's largest value (at least 1): a query
+    that sees one key returns that key's value row, up to ~4.5 for randn in fp8, where bf16's
+    rounding of p and of the output alone is up to ~0.033 (seed 1794369244 measured 0.0296)."""
     assert got.dtype == dtype and got.shape == want.shape
     err = (got.cpu().double() - want).abs().max().item()
-    assert err <= TOLERANCE[dtype], f"max abs error {err} > {TOLERANCE[dtype]}"
+    tol = TOLERANCE[dtype] * max(1.0, want.abs().max().item())
+    assert err <= tol, f"max abs error {err} > {tol}"
 
 
 DECODE_CASES = {
