@@ -604,12 +604,12 @@ def decode_with(
     tiles_per_kv = triton.cdiv(group, tiles.block_h)
     block_dv = min(tiles.block_dv or dims.dv_pad, dims.dv_pad)
     v_blocks = triton.cdiv(dims.dv, block_dv)
+    v_from_k = _v_from_k(k_cache, v_cache, dims)  # MLA: one latent row is key and value
     if num_splits is None:
         max_keys = block_table.shape[1] * block_size
         if window is not None:
             max_keys = min(max_keys, window)
         programs_per_seq = num_kv_heads * tiles_per_kv * v_blocks
-        v_from_k = _v_from_k(k_cache, v_cache, dims)
         key_bytes = dims.d * k_cache.element_size() + (
             0 if v_from_k else dims.dv * v_cache.element_size()
         )
@@ -628,7 +628,7 @@ def decode_with(
         group, block_size, scale * LOG2E, window or 0, num_splits,
         D=dims.d, DV=dims.dv, DA=dims.da, DB=dims.db, BLOCK_DV=block_dv,
         BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, HAS_WINDOW=window is not None,
-        V_FROM_K=_v_from_k(k_cache, v_cache, dims) and block_dv == dims.dv_pad, **_dot_args(q),
+        V_FROM_K=v_from_k and block_dv == dims.dv_pad, **_dot_args(q),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     splits_pad = max(2, triton.next_power_of_2(num_splits))
