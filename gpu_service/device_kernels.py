@@ -77,7 +77,9 @@ def _globaltimer(address):  # NOTE: the address only gives the op its (scalar) s
 
 # the columns of a slot's stamps row (STAMPS above), and the same as the kernels' constants
 POST_AT, WAIT_SUM, WAITS, COLLECT_END, MIDDLE_SUM, MIDDLES = range(6)
-_POST_AT, _WAIT_SUM, _WAITS, _COLLECT_END, _MIDDLE_SUM, _MIDDLES = map(tl.constexpr, range(6))
+_POST_AT, _WAIT_SUM, _WAITS, _COLLECT_END, _MIDDLE_SUM, _MIDDLES = map(
+    tl.constexpr, (POST_AT, WAIT_SUM, WAITS, COLLECT_END, MIDDLE_SUM, MIDDLES)
+)
 
 
 @triton.jit
