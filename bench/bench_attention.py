@@ -77,16 +77,21 @@ class Case:
     def __post_init__(self) -> None:
         s, dev = self.shape, self.device
         blocks = self.batch * -(-self.context // self.block_size)
-        slots = blocks * self.block_size
-        self.k_cache = torch.randn(slots, s.num_kv_heads, s.head_dim, device=dev).to(self.dtype)
-        if s.mla:
-            self.v_cache = self.k_cache[..., : s.v_dim]
-        else:
-            self.v_cache = torch.randn(slots, s.num_kv_heads, s.v_dim, device=dev).to(self.dtype)
+        self.k_cache, self.v_cache = self.fresh_cache(blocks * self.block_size)
         order = torch.randperm(blocks, device=dev, dtype=torch.int64).to(torch.int32)
         self.block_table = order.view(self.batch, -1)
         self.kv_len = torch.full((self.batch,), self.context, dtype=torch.int32, device=dev)
         self.scale = (192 if s.mla else s.head_dim) ** -0.5
+
+    def fresh_cache(self, slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random keys and values of `slots` rows (default: this case's); MLA's values are the
+        keys' first v_dim columns."""
+        s, dev = self.shape, self.device
+        slots = self.k_cache.shape[0] if slots is None else slots
+        k = torch.randn(slots, s.num_kv_heads, s.head_dim, device=dev).to(self.dtype)
+        if s.mla:
+            return k, k[..., : s.v_dim]
+        return k, torch.randn(slots, s.num_kv_heads, s.v_dim, device=dev).to(self.dtype)
 
     def queries(self, per_seq: int) -> torch.Tensor:
         s = self.shape
@@ -206,12 +211,7 @@ def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int) -> 
         (layers - 1) * case.batch * case.context * case.shape.cache_bytes_per_token, 0.5
     ):
         return None
-    caches = [(case.k_cache, case.v_cache)]
-    for _ in range(layers - 1):
-        k = torch.randn_like(case.k_cache)
-        caches.append(
-            (k, k[..., : case.shape.v_dim] if case.shape.mla else torch.randn_like(case.v_cache))
-        )
+    caches = [(case.k_cache, case.v_cache)] + [case.fresh_cache() for _ in range(layers - 1)]
 
     def run_all():
         for k, v in caches:

@@ -178,10 +178,8 @@ def handoff_stamps(service):
     return calls.handoff_stamps() if calls is not None else None
 
 
-def gpu_and_host_clocks(service) -> tuple[int, int] | None:
-    """(%globaltimer, the host's perf_counter_ns) at about one moment, where stamps are kept."""
-    if handoff_stamps(service) is None:
-        return None
+def gpu_and_host_clocks(service) -> tuple[int, int]:
+    """(%globaltimer, the host's perf_counter_ns) at about one moment."""
     from gpu_service.device_kernels import read_globaltimer
 
     gpu = read_globaltimer(service.engine.model.device)
@@ -213,7 +211,8 @@ def decode(service, stub, batch: int, tokens: int) -> dict[str, float]:
 
     # NOTE: the clocks are read while the GPU is idle, before the requests and after them: read
     # at the snapshot, behind a running step, they gave a rate (1.13) the spans contradict
-    clocks = gpu_and_host_clocks(service)
+    stamped = handoff_stamps(service) is not None
+    clocks = gpu_and_host_clocks(service) if stamped else None
 
     with GcPauses() as pauses:
         got = run_batch(service, batch, tokens, after_prefill=snapshot)

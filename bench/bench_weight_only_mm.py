@@ -108,18 +108,9 @@ def main() -> None:
                     us = graph_us(calls, args.reps)
                     base = base or us
                     gbs = n * k * elem / (us / 1e6) / 1e9
-                    rows_out.append(
-                        [
-                            model,
-                            name,
-                            str(rows),
-                            label,
-                            f"{us:.1f}",
-                            f"{100 * gbs / bandwidth:.0f}%",
-                            f"{base / us:.2f}",
-                            "",
-                        ]
-                    )
+                    rows_out.append([model, name, str(rows), label, f"{us:.1f}",
+                                     f"{100 * gbs / bandwidth:.0f}%", f"{base / us:.2f}",
+                                     ""])  # fmt: skip
                 if args.sweep:
                     best = None
                     for t in sweep_tiles(rows):
@@ -132,18 +123,11 @@ def main() -> None:
                     if best:
                         us, t = best
                         gbs = n * k / (us / 1e6) / 1e9
-                        rows_out.append(
-                            [
-                                model,
-                                name,
-                                str(rows),
-                                "fp8 weight-only, best",
-                                f"{us:.1f}",
-                                f"{100 * gbs / bandwidth:.0f}%",
-                                f"{base / us:.2f}",
-                                f"{t.block_n},{t.block_k},{t.num_warps},{t.num_stages}",
-                            ]
-                        )
+                        rows_out.append([model, name, str(rows), "fp8 weight-only, best",
+                                         f"{us:.1f}", f"{100 * gbs / bandwidth:.0f}%",
+                                         f"{base / us:.2f}",
+                                         f"{t.block_n},{t.block_k},{t.num_warps},{t.num_stages}",
+                                         ])  # fmt: skip
             del fp8, int8, bf16
             torch.cuda.empty_cache()
     print(
