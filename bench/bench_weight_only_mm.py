@@ -2,13 +2,15 @@
 
 Per (shape, rows): bf16 weights through F.linear (cuBLAS), fp8 weights through torch._scaled_mm
 with the activations quantized per row first (fp8_scaled_mm: FP8Linear's path for more than
-FP8_WEIGHT_ONLY_MAX_ROWS rows), and fp8 and int8 weights through the weight-only Triton kernel
-(weight_only_triton.py) at its default tiles and, with --sweep, the best of a grid of tiles.
+FP8_WEIGHT_ONLY_MAX_ROWS rows), and fp8 and int8 weights through the weight-only Triton kernels
+(weight_only_triton.py) at their defaults (the GEMV kernel up to GEMV_MAX_ROWS rows, there the
+tile kernel beside it) and, with --sweep, the best of a grid of tiles (--gemv-sweep: the GEMV
+kernel's other launch shapes).
 Each is timed as a server runs it: a CUDA graph of calls over enough copies of the weights that
 they are read from HBM, not L2, replayed; microseconds a call (medians of --reps replays), and the
 weights' bytes over that time against the copy bandwidth measured in the same run.
 
-    python bench/bench_weight_only_mm.py [--rows 1,4,16] [--sweep]
+    python bench/bench_weight_only_mm.py [--rows 1,4,16] [--sweep] [--gemv-sweep]
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ SHAPES = {
                     ("shared gate+up", 4096, 7168), ("shared down", 7168, 2048)],
     "Qwen3-30B-A3B": [("qkv", 5120, 2048), ("o_proj", 2048, 4096)],
 }  # fmt: skip
+GEMV_SWEEP = [wo.GemvTiles(n, k, w) for n, k, w in ((2, 2048, 4), (4, 1024, 4), (8, 1024, 4),
+                                                     (8, 2048, 8), (16, 512, 4),
+                                                     (4, 4096, 8))]  # fmt: skip
 HBM_MIN_BYTES = 256 << 20  # the copies a graph walks: over 5x the H200's 50 MB L2
 
 
@@ -79,6 +84,9 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,16", help="activation rows (tokens of a step)")
     parser.add_argument("--reps", type=int, default=20, help="graph replays a cell (medians)")
     parser.add_argument("--sweep", action="store_true", help="also the fp8 kernel's best tiles")
+    parser.add_argument("--gemv-sweep", action="store_true",
+                        help="also the int8 GEMV kernel at other shapes (rows <= GEMV_MAX_ROWS)",
+                        )  # fmt: skip
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -103,6 +111,14 @@ def main() -> None:
                     "fp8 weight-only": ([partial(wo.weight_only_mm, x, *w) for w in fp8], 1),
                     "int8 weight-only": ([partial(wo.weight_only_mm, x, *w) for w in int8], 1),
                 }
+                if rows <= wo.GEMV_MAX_ROWS:  # the defaults above are the GEMV kernel's
+                    tiles = wo.default_tiles(rows, n, k, torch.cuda.get_device_properties(
+                        0).multi_processor_count)  # fmt: skip
+                    tile_calls = [partial(wo.weight_only_mm, x, *w, tiles) for w in int8]
+                    cells["int8 tile kernel"] = (tile_calls, 1)
+                    for t in GEMV_SWEEP if args.gemv_sweep else ():
+                        calls = [partial(wo.weight_only_mm, x, *w, t) for w in int8]
+                        cells[f"int8 gemv {t.block_n},{t.block_k},{t.num_warps}"] = (calls, 1)
                 base = None
                 for label, (calls, elem) in cells.items():
                     us = graph_us(calls, args.reps)

@@ -203,16 +203,19 @@ if triton is not None:
         x = raw.to(tl.float32)
         e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
         probs = e / tl.sum(e, axis=0)
-        work = tl.where(valid, probs, -1.0)
+        # NOTE: one max a pick: a probability's bits (>= 0: ordered as integers) above BLOCK - 1
+        # - its id, so the largest key is the best expert, the lower id among equals
+        bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
+        work = tl.where(valid, (bits << 32) | (BLOCK - 1 - offs).to(tl.int64), -1)
         kk = tl.arange(0, KP)
         vals = tl.zeros((KP,), tl.float32)
         idxs = tl.zeros((KP,), tl.int32)
         for j in tl.static_range(K):
             best = tl.max(work, axis=0)
-            at = tl.min(tl.where(work == best, offs, BLOCK), axis=0)
-            vals = tl.where(kk == j, best, vals)
+            at = BLOCK - 1 - (best & (BLOCK - 1)).to(tl.int32)
+            vals = tl.where(kk == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), vals)
             idxs = tl.where(kk == j, at, idxs)
-            work = tl.where(offs == at, -2.0, work)
+            work = tl.where(offs == at, -1, work)
         if RENORM:
             vals = vals / tl.sum(tl.where(kk < K, vals, 0.0), axis=0)
         if ROUND:
@@ -327,7 +330,7 @@ def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, scaling: float,
 
 
 ROUTER_MAX_TOKENS = 4  # the fused router's rows (decode); more: the gate GEMM, then softmax_topk
-_ROUTER_EXPERTS_PER_PROGRAM = 8  # Qwen3's 128 experts x 2048: 16 programs of 32 KB each
+_ROUTER_EXPERTS_PER_PROGRAM = 4  # Qwen3's 128 experts x 2048: 32 programs of 16 KB each
 
 
 def router_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -352,8 +355,8 @@ def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, counter: torch.Te
         x, weight, logits, counter, ids, weights, tokens, num_experts, hidden, x.stride(0),
         float(scaling), K=k, KP=triton.next_power_of_2(k),
         BLOCK=triton.next_power_of_2(num_experts), BLOCK_E=_ROUTER_EXPERTS_PER_PROGRAM,
-        BLOCK_H=min(512, triton.next_power_of_2(hidden)), RENORM=renorm,
-        ROUND=round_to_logits_dtype,
+        BLOCK_H=min(4096, triton.next_power_of_2(hidden)), RENORM=renorm,
+        ROUND=round_to_logits_dtype, num_warps=2,
     )  # fmt: skip
     return ids, weights, logits
 

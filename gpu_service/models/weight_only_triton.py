@@ -4,7 +4,9 @@ q int8 or float8_e4m3fn [N, K], read once and converted to x's dtype in register
 accumulation, output in x's dtype. torch has no CUDA kernel for int8 weights; for fp8 weights,
 `torch._scaled_mm` quantizes the activations first (five kernels before the GEMM), which at a
 decode step's few rows costs more than the GEMM. Few rows read weights and nothing else, so the
-tiles are narrow (BLOCK_N 16 or 32) to spread them over every SM.
+tiles are narrow (BLOCK_N 16 or 32) to spread them over every SM; up to GEMV_MAX_ROWS rows skip
+the tensor cores (a 16-row tile of which one row is used) for a GEMV kernel of a few outputs a
+program, many programs' loads in flight per SM.
 linear.py's `weight_only_supported` runs it once per device and weight dtype on a small case
 against dequantization before a layer uses it.
 """
@@ -50,6 +52,30 @@ if triton is not None:
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=out_mask)  # fmt: skip
 
+    @triton.jit(do_not_specialize=("M",))  # NOTE: the step's tokens: see attention_triton
+    def _weight_only_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
+                                 stride_xm, stride_wn, stride_ym,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        # NOTE: a few rows: no tensor-core tile (16 rows of which one is used), a program per
+        # BLOCK_N outputs, so that every SM has many programs' weight loads in flight; a row
+        # after the first reads the program's weights again from its cache
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        for m in range(M):
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < K
+                w = tl.load(w_ptr + rn[:, None] * stride_wn + k[None, :],
+                            mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+                x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0)
+                # exact products (int8 and e4m3 values are float32's), float32 sums: the tile
+                # kernel's arithmetic in another order
+                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            tl.store(y_ptr + m * stride_ym + rn, (acc * scale).to(y_ptr.dtype.element_ty),
+                     mask=n_ok)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class MMTiles:
@@ -60,6 +86,18 @@ class MMTiles:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+
+
+GEMV_MAX_ROWS = 4  # rows up to this take the GEMV kernel (GemvTiles) by default
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """Launch shape of the few-rows kernel: outputs and K elements a program's step."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
 
 
 @functools.lru_cache(maxsize=8)
@@ -89,6 +127,12 @@ def default_tiles(m: int, n: int, k: int, num_sms: int) -> MMTiles:
     return MMTiles(block_m, block_n, block_k)
 
 
+def default_gemv_tiles(n: int, k: int) -> GemvTiles:
+    """4 outputs a program and K steps of up to 2048: for Qwen3-30B-A3B's o_proj (2048 x 4096)
+    512 programs, 32 KB of weights in flight per SM."""
+    return GemvTiles(4, min(2048, max(16, triton.next_power_of_2(k))))
+
+
 def _dot_dtype(x: torch.Tensor):
     """x's dtype on CUDA; float32 under the interpreter (CPU tensors), whose numpy dot cannot
     take bf16 (the products are exact there: x's values, the weights' upcast)."""
@@ -98,13 +142,22 @@ def _dot_dtype(x: torch.Tensor):
 
 
 def weight_only_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                   tiles: MMTiles | None = None) -> torch.Tensor:  # fmt: skip
+                   tiles: MMTiles | GemvTiles | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] (contiguous, float16/bfloat16/float32), q int8 or float8_e4m3fn [N, K]
-    contiguous, scale [N] (any float dtype) -> [M, N] in x's dtype."""
+    contiguous, scale [N] (any float dtype) -> [M, N] in x's dtype. Up to GEMV_MAX_ROWS rows
+    take the GEMV kernel unless `tiles` names the tile kernel's shape."""
     m, k = x.shape
     n = q.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
+        return y
+    if tiles is None and m <= GEMV_MAX_ROWS:
+        tiles = default_gemv_tiles(n, k)
+    if isinstance(tiles, GemvTiles):
+        _weight_only_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
+            x, q, scale, y, m, n, k, x.stride(0), q.stride(0), y.stride(0),
+            BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        )  # fmt: skip
         return y
     t = tiles or default_tiles(m, n, k, _num_sms(x.device))
     grid = (triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))

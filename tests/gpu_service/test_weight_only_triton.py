@@ -16,7 +16,8 @@ if importlib.util.find_spec("triton") is None:
 from gpu_service.models import weight_only_triton as wo  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TILES = [None, wo.MMTiles(16, 16, 32, num_warps=2, num_stages=2), wo.MMTiles(32, 64, 128)]
+TILES = [None, wo.MMTiles(16, 16, 32, num_warps=2, num_stages=2), wo.MMTiles(32, 64, 128),
+         wo.GemvTiles(4, 64), wo.GemvTiles(8, 2048, num_warps=8)]  # fmt: skip
 
 
 def quantized(gen: torch.Generator, n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -28,7 +29,7 @@ def quantized(gen: torch.Generator, n: int, k: int, dtype: torch.dtype) -> torch
 @pytest.mark.parametrize("weight_dtype", wo.WEIGHT_DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("m", [1, 5, 33])
 @pytest.mark.parametrize("shape", [(101, 200), (64, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("tiles", TILES, ids=["default", "narrow", "wide"])
+@pytest.mark.parametrize("tiles", TILES, ids=["default", "narrow", "wide", "gemv", "gemv-long"])
 def test_matches_the_dequantized_weight(weight_dtype, m, shape, tiles, seed):
     n, k = shape
     gen = torch.Generator().manual_seed(seed + m + n)
@@ -43,6 +44,30 @@ def test_matches_the_dequantized_weight(weight_dtype, m, shape, tiles, seed):
     # the output's bf16 rounding: 2^-9 of each element, 2^-8 under the interpreter (which
     # truncates to bf16), and the float32 summation order
     assert err < 2**-7
+
+
+def test_few_rows_take_the_gemv_kernel(monkeypatch):
+    """Up to GEMV_MAX_ROWS rows go to the GEMV kernel by default, more to the tile kernel."""
+    launched = []
+    for name in ("_weight_only_gemv_kernel", "_weight_only_mm_kernel"):
+        kernel = getattr(wo, name)
+        monkeypatch.setattr(wo, name, _Recording(kernel, name, launched))
+    q = torch.ones(32, 64, dtype=torch.int8, device=DEVICE)
+    for m in (1, wo.GEMV_MAX_ROWS, wo.GEMV_MAX_ROWS + 1):
+        x = torch.ones(m, 64, dtype=torch.bfloat16, device=DEVICE)
+        assert bool((wo.weight_only_mm(x, q, torch.ones(32, device=DEVICE)) == 64).all())
+    assert launched == ["_weight_only_gemv_kernel"] * 2 + ["_weight_only_mm_kernel"]
+
+
+class _Recording:
+    """A Triton kernel whose launches are counted by name."""
+
+    def __init__(self, kernel, name: str, launched: list) -> None:
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
 
 
 def test_no_rows_give_an_empty_output():
