@@ -195,34 +195,6 @@ if triton is not None:
             tl.store(dst + rank + half + i, r2.to(cache_kind), mask=mask)
 
     @triton.jit
-    def _softmax_topk_row(raw, offs, valid, K: tl.constexpr, KP: tl.constexpr,
-                          BLOCK: tl.constexpr, RENORM: tl.constexpr,
-                          ROUND: tl.constexpr):  # fmt: skip
-        """One row's logits raw [BLOCK] (-inf past the experts) -> (ids [KP], weights [KP]
-        float32, unscaled), best first, ties to the lower id."""
-        x = raw.to(tl.float32)
-        e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
-        probs = e / tl.sum(e, axis=0)
-        # NOTE: one max a pick: a probability's bits (>= 0: ordered as integers) above BLOCK - 1
-        # - its id, so the largest key is the best expert, the lower id among equals
-        bits = probs.to(tl.int32, bitcast=True).to(tl.int64)
-        work = tl.where(valid, (bits << 32) | (BLOCK - 1 - offs).to(tl.int64), -1)
-        kk = tl.arange(0, KP)
-        vals = tl.zeros((KP,), tl.float32)
-        idxs = tl.zeros((KP,), tl.int32)
-        for j in tl.static_range(K):
-            best = tl.max(work, axis=0)
-            at = BLOCK - 1 - (best & (BLOCK - 1)).to(tl.int32)
-            vals = tl.where(kk == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), vals)
-            idxs = tl.where(kk == j, at, idxs)
-            work = tl.where(offs == at, -1, work)
-        if RENORM:
-            vals = vals / tl.sum(tl.where(kk < K, vals, 0.0), axis=0)
-        if ROUND:
-            vals = vals.to(raw.dtype).to(tl.float32)
-        return idxs, vals
-
-    @triton.jit
     def _softmax_topk_kernel(logits_ptr, ids_ptr, weights_ptr, row_stride, num_experts, scaling,
                              K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
                              RENORM: tl.constexpr, ROUND: tl.constexpr):  # fmt: skip
@@ -230,46 +202,25 @@ if triton is not None:
         offs = tl.arange(0, BLOCK)
         valid = offs < num_experts
         raw = tl.load(logits_ptr + row * row_stride + offs, mask=valid, other=float("-inf"))
-        idxs, vals = _softmax_topk_row(raw, offs, valid, K, KP, BLOCK, RENORM, ROUND)
+        x = raw.to(tl.float32)
+        e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
+        probs = e / tl.sum(e, axis=0)
+        work = tl.where(valid, probs, -1.0)
         kk = tl.arange(0, KP)
+        vals = tl.zeros((KP,), tl.float32)
+        idxs = tl.zeros((KP,), tl.int32)
+        for j in tl.static_range(K):
+            best = tl.max(work, axis=0)
+            at = tl.min(tl.where(work == best, offs, BLOCK), axis=0)
+            vals = tl.where(kk == j, best, vals)
+            idxs = tl.where(kk == j, at, idxs)
+            work = tl.where(offs == at, -2.0, work)
+        if RENORM:
+            vals = vals / tl.sum(tl.where(kk < K, vals, 0.0), axis=0)
+        if ROUND:
+            vals = vals.to(raw.dtype).to(tl.float32)
         tl.store(ids_ptr + row * K + kk, idxs, mask=kk < K)
         tl.store(weights_ptr + row * K + kk, vals * scaling, mask=kk < K)
-
-    @triton.jit(do_not_specialize=("tokens",))  # NOTE: per batch: see attention_triton
-    def _router_softmax_topk_kernel(x_ptr, w_ptr, logits_ptr, counter_ptr, ids_ptr, weights_ptr,
-                                    tokens, num_experts, hidden, x_row_stride, scaling,
-                                    K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-                                    BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                                    RENORM: tl.constexpr, ROUND: tl.constexpr):  # fmt: skip
-        # NOTE: each program writes the logits of its BLOCK_E experts for every token; the last
-        # to finish (a device counter, acquire/release) routes every token from them
-        pid = tl.program_id(0)
-        kind = logits_ptr.dtype.element_ty
-        e = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-        e_ok = e < num_experts
-        for t in range(tokens):
-            acc = tl.zeros((BLOCK_E,), tl.float32)
-            for h0 in range(0, hidden, BLOCK_H):
-                h = h0 + tl.arange(0, BLOCK_H)
-                h_ok = h < hidden
-                xv = tl.load(x_ptr + t * x_row_stride + h, mask=h_ok, other=0.0).to(kind)
-                wv = tl.load(w_ptr + e[:, None] * hidden + h[None, :],
-                             mask=e_ok[:, None] & h_ok[None, :], other=0.0)  # fmt: skip
-                acc += tl.sum(wv.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
-            tl.store(logits_ptr + t * num_experts + e, acc.to(kind), mask=e_ok)
-        tl.debug_barrier()
-        done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
-        if done == tl.num_programs(0) - 1:
-            tl.store(counter_ptr, 0)
-            offs = tl.arange(0, BLOCK)
-            valid = offs < num_experts
-            kk = tl.arange(0, KP)
-            for t in range(tokens):
-                raw = tl.load(logits_ptr + t * num_experts + offs, mask=valid,
-                              other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-                idxs, vals = _softmax_topk_row(raw, offs, valid, K, KP, BLOCK, RENORM, ROUND)
-                tl.store(ids_ptr + t * K + kk, idxs, mask=kk < K)
-                tl.store(weights_ptr + t * K + kk, vals * scaling, mask=kk < K)
 
     @triton.jit
     def _grouped_sigmoid_topk_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, row_stride,
@@ -327,38 +278,6 @@ def softmax_topk(logits: torch.Tensor, k: int, renorm: bool, scaling: float,
             RENORM=renorm, ROUND=round_to_logits_dtype,
         )  # fmt: skip
     return ids, weights
-
-
-ROUTER_MAX_TOKENS = 4  # the fused router's rows (decode); more: the gate GEMM, then softmax_topk
-_ROUTER_EXPERTS_PER_PROGRAM = 4  # Qwen3's 128 experts x 2048: 32 programs of 16 KB each
-
-
-def router_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether router_softmax_topk takes x [T, H] and weight [E, H] (contiguous)."""
-    return (0 < x.shape[0] <= ROUTER_MAX_TOKENS and weight.is_contiguous()
-            and x.shape[1] == weight.shape[1])  # fmt: skip
-
-
-def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, counter: torch.Tensor, k: int,
-                        renorm: bool, scaling: float, round_to_logits_dtype: bool,
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The gate GEMM and softmax_topk in one kernel, for a few rows (router_fits): x [T, H],
-    weight [E, H] -> (ids [T, k] int32, weights [T, k] float32, logits [T, E] in weight's
-    dtype, x cast to it first, as F.linear(x.to(weight.dtype), weight) rounds them).
-    counter: one int32 of device memory, zero between calls (the kernel resets it)."""
-    tokens, hidden = x.shape
-    num_experts = weight.shape[0]
-    ids, weights = _routes(x, k)
-    logits = torch.empty((tokens, num_experts), dtype=weight.dtype, device=x.device)
-    grid = (triton.cdiv(num_experts, _ROUTER_EXPERTS_PER_PROGRAM),)
-    _router_softmax_topk_kernel[grid](
-        x, weight, logits, counter, ids, weights, tokens, num_experts, hidden, x.stride(0),
-        float(scaling), K=k, KP=triton.next_power_of_2(k),
-        BLOCK=triton.next_power_of_2(num_experts), BLOCK_E=_ROUTER_EXPERTS_PER_PROGRAM,
-        BLOCK_H=min(4096, triton.next_power_of_2(hidden)), RENORM=renorm,
-        ROUND=round_to_logits_dtype, num_warps=2,
-    )  # fmt: skip
-    return ids, weights, logits
 
 
 def grouped_topk_fits(num_experts: int, num_groups: int) -> bool:

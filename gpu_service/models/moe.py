@@ -106,20 +106,10 @@ class SoftmaxRouter(nn.Module):
         self.top_k, self.norm_topk_prob, self.scaling = top_k, norm_topk_prob, scaling
         self.logits_fp32, self.round_to_model_dtype = logits_fp32, round_to_model_dtype
         self.num_groups, self.topk_groups = num_groups, topk_groups
-        self._counter: torch.Tensor | None = None  # the fused router's, on the device (lazily)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        fused = self.fused_kernels and self.num_groups is None
-        if fused and fused_ops.supports(x, self.weight) and fused_ops.router_fits(x, self.weight):
-            if self._counter is None or self._counter.device != x.device:
-                self._counter = torch.zeros(1, dtype=torch.int32, device=x.device)
-            ids, weights, _ = fused_ops.router_softmax_topk(
-                x, self.weight, self._counter, self.top_k, self.norm_topk_prob, self.scaling,
-                self.round_to_model_dtype,
-            )  # fmt: skip
-            return ids, weights
         logits = F.linear(x.float() if self.logits_fp32 else x, self.weight)  # [T, E]
-        if fused and fused_ops.supports(logits):
+        if self.fused_kernels and self.num_groups is None and fused_ops.supports(logits):
             return fused_ops.softmax_topk(logits, self.top_k, self.norm_topk_prob, self.scaling,
                                           self.round_to_model_dtype)  # fmt: skip
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]

@@ -88,7 +88,8 @@ class MMTiles:
     num_stages: int = 3
 
 
-GEMV_MAX_ROWS = 4  # rows up to this take the GEMV kernel (GemvTiles) by default
+GEMV_MAX_ROWS = 1  # rows up to this take the GEMV kernel (GemvTiles) by default: at 4 rows
+# it took about twice the tile kernel's time on the H200 (bench_weight_only_mm --gemv-sweep)
 
 
 @dataclass(frozen=True)

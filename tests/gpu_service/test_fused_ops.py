@@ -162,55 +162,6 @@ def test_softmax_router_matches_the_torch_code(seed, monkeypatch, experts, k, re
     torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize(
-    ("experts", "hidden", "k", "renorm", "round_weights", "dtype", "tokens"),
-    [(128, 2048, 8, True, False, torch.bfloat16, 1), (60, 200, 4, False, False, torch.float32, 3),
-     (8, 64, 2, True, True, torch.bfloat16, 4), (160, 520, 6, True, False, torch.float32, 2)],
-)  # fmt: skip
-def test_fused_router_is_the_gate_gemm_then_softmax_topk(seed, monkeypatch, experts, hidden, k,
-                                                         renorm, round_weights, dtype,
-                                                         tokens):  # fmt: skip
-    """The gate GEMM and the routing in one kernel (decode's few rows: Qwen3-MoE's 128 x 2048,
-    Qwen2-MoE's 60 experts, Mixtral's 8 rounded to the model dtype, 160 float32 logits): its
-    logits are F.linear's to one rounding step (the float32 sums differ in order), and the routes
-    are the torch router's on those logits. A second call routes the same (the kernel's counter
-    is back to zero)."""
-    if DEVICE == "cpu" and round_weights:
-        pytest.skip("Triton's interpreter casts float32 to bfloat16 by truncation, not rounding")
-    from gpu_service.models.moe import SoftmaxRouter
-
-    g = torch.Generator().manual_seed(seed)
-    weight = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(DEVICE, dtype)
-    x = torch.randn(tokens, hidden, generator=g).to(DEVICE, torch.bfloat16)
-    router = SoftmaxRouter(weight, k, norm_topk_prob=renorm, scaling=1.5,
-                           round_to_model_dtype=round_weights)  # fmt: skip
-    assert fused_ops.router_fits(x, weight)
-    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    ids, weights, logits = fused_ops.router_softmax_topk(x, weight, counter, k, renorm, 1.5,
-                                                         round_weights)  # fmt: skip
-    want_logits = torch.nn.functional.linear(x.to(dtype), weight)
-    assert logits.dtype == dtype and logits.shape == (tokens, experts)
-    step = 2**-7 if dtype == torch.bfloat16 else 1e-5
-    assert ((logits.float() - want_logits.float()).abs()
-            <= want_logits.float().abs() * step + 1e-6).all()  # fmt: skip
-    assert int(counter.item()) == 0
-    # the routes: the torch router's on these logits (ties broken its own way: compared by the
-    # chosen experts' probabilities, best first)
-    probs = torch.softmax(logits, -1, dtype=torch.float32)
-    want_w, want_ids = probs.topk(k, dim=-1)
-    if renorm:
-        want_w = want_w / want_w.sum(dim=-1, keepdim=True)
-    if round_weights:
-        want_w = want_w.to(dtype).float()
-    assert torch.equal(probs.gather(1, ids.long()), probs.gather(1, want_ids))
-    assert all(len(set(row)) == k for row in ids.tolist())
-    torch.testing.assert_close(weights, want_w * 1.5, rtol=1e-5, atol=1e-7)
-    with monkeypatch.context() as m:  # the router takes this path for these rows
-        fused_path(m)
-        again_ids, again_w = router(x.to(dtype) if dtype == torch.float32 else x)
-    assert torch.equal(again_ids, ids) and torch.equal(again_w, weights)
-
-
 @pytest.mark.parametrize(("experts", "groups", "topk_groups", "k"), [(256, 8, 4, 8), (64, 4, 2, 6)])
 def test_grouped_sigmoid_router_matches_the_torch_code(seed, monkeypatch, experts, groups,
                                                        topk_groups, k):  # fmt: skip

@@ -484,7 +484,7 @@ def test_a_model_loaded_without_fused_kernels_runs_only_the_torch_code(cases, mo
 
     monkeypatch.setattr(fused_ops, "supports", lambda *tensors: True)
     kernels = ("rms_norm", "add_rms_norm", "rotary", "qk_rope_cache", "mla_rope_cache",
-               "softmax_topk", "router_softmax_topk", "grouped_sigmoid_topk")  # fmt: skip
+               "softmax_topk", "grouped_sigmoid_topk")  # fmt: skip
     for kernel in kernels:
         monkeypatch.setattr(fused_ops, kernel, called)
     prompt = _prompt(case.seed, 9)
