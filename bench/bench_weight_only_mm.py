@@ -112,8 +112,7 @@ def main() -> None:
                     "int8 weight-only": ([partial(wo.weight_only_mm, x, *w) for w in int8], 1),
                 }
                 if rows <= wo.GEMV_MAX_ROWS:  # the defaults above are the GEMV kernel's
-                    tiles = wo.default_tiles(rows, n, k, torch.cuda.get_device_properties(
-                        0).multi_processor_count)  # fmt: skip
+                    tiles = wo.default_tiles(rows, n, k, wo._num_sms(x.device))
                     tile_calls = [partial(wo.weight_only_mm, x, *w, tiles) for w in int8]
                     cells["int8 tile kernel"] = (tile_calls, 1)
                     for t in GEMV_SWEEP if args.gemv_sweep else ():
