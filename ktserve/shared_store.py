@@ -54,7 +54,10 @@ def create(required_bytes: int) -> Path | None:
     pid = os.getpid()
     path = ROOT / f"{ktshm.name_prefix()}{MARK}{pid}.{secrets.token_hex(8)}"
     path.mkdir(mode=0o700)
-    (path / OWNER_FILE).write_text(f"{pid} {_start_ticks(pid)}\n")
+    # NOTE: whole or absent (a rename): another worker's cleanup may read it meanwhile
+    partial = path / f"{OWNER_FILE}.partial"
+    partial.write_text(f"{pid} {_start_ticks(pid)}\n")
+    partial.replace(path / OWNER_FILE)
     return path
 
 
@@ -67,12 +70,20 @@ def is_store_name(name: str) -> bool:
 
 
 def owner_alive(path: Path) -> bool:
-    """Whether the process that made the store still runs (the same pid and start time)."""
+    """Whether the process that made the store still runs (the same pid and start time). A store
+    without its owner file yet is being made: alive while the pid in its name runs."""
     try:
         pid_text, ticks_text = (path / OWNER_FILE).read_text().split()
     except (OSError, ValueError):
-        return False
+        pid = _named_pid(path)
+        return pid is not None and _start_ticks(pid) is not None
     return str(_start_ticks(int(pid_text))) == ticks_text
+
+
+def _named_pid(path: Path) -> int | None:
+    """The pid in a store's name (<prefix>store.<pid>.<random>), or None."""
+    rest = path.name.rsplit(MARK, 1)[-1].split(".")
+    return int(rest[0]) if len(rest) == 2 and rest[0].isdigit() else None
 
 
 def cleanup_stale() -> list[str]:

@@ -6,6 +6,7 @@ removed. Real `ktserve expert` subprocesses."""
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import ktshm
 from expert_service.shard import load_shard
 from ktserve import shared_store
 from ktserve.protocol import expert_pb2 as pb
@@ -69,6 +71,26 @@ def test_a_killed_workers_store_goes_with_the_next_store(checkpoint):
         first.close()
         if second is not None:
             second.close()
+
+
+def test_a_store_being_made_is_not_taken_for_a_dead_workers():
+    """A store whose owner file is not written yet (another worker's cleanup ran between its
+    mkdir and that write: once seen in CI, with two workers starting side by side) stays while
+    the pid in its name runs, and goes once it does not."""
+    prefix = f"{shared_store.ROOT}/{ktshm.name_prefix()}{shared_store.MARK}"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    making = Path(f"{prefix}{os.getpid()}.{secrets.token_hex(8)}")
+    gone = Path(f"{prefix}{int(dead.stdout)}.{secrets.token_hex(8)}")
+    try:
+        for path in (making, gone):
+            path.mkdir(mode=0o700)
+        removed = shared_store.cleanup_stale()
+        assert making.is_dir() and making.name not in removed
+        assert not gone.exists() and gone.name in removed
+    finally:
+        for path in (making, gone):
+            shared_store.remove(path)
 
 
 def test_no_share_experts_keeps_them_private(checkpoint):
