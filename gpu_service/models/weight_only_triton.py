@@ -128,6 +128,7 @@ def default_tiles(m: int, n: int, k: int, num_sms: int) -> MMTiles:
     return MMTiles(block_m, block_n, block_k)
 
 
+@functools.lru_cache(maxsize=1024)  # NOTE: per linear and step outside a graph, as default_tiles
 def default_gemv_tiles(n: int, k: int) -> GemvTiles:
     """4 outputs a program and K steps of up to 2048: for Qwen3-30B-A3B's o_proj (2048 x 4096)
     512 programs, 32 KB of weights in flight per SM."""
