@@ -201,7 +201,8 @@ def pct(bound: float, seconds: float) -> str:
     return f"{100 * bound / seconds:.0f}%"
 
 
-def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int) -> float | None:
+def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int,
+                     kernel: str = "auto") -> float | None:  # fmt: skip
     """Seconds a decode call takes inside one CUDA graph of `layers` calls, each over a cache of
     its own (as a served step runs a model's layers): the graph's start is paid once, not per
     call. None where the caches do not fit."""
@@ -215,7 +216,8 @@ def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int) -> 
 
     def run_all():
         for k, v in caches:
-            at.paged_decode(q, k, v, case.block_table, case.kv_len, case.block_size, case.scale)
+            at.decode_with(q, k, v, case.block_table, case.kv_len, case.block_size, case.scale,
+                           kernel=kernel)  # fmt: skip
 
     try:
         return timer.median_graph_s(run_all) / layers
@@ -225,9 +227,9 @@ def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int) -> 
 
 
 def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: float, reference,
-            layers: int = 0):  # fmt: skip
+            layers: int = 0, kernel: str = "auto"):  # fmt: skip
     """One table row: times and bounds per decode step or per 1k prefill tokens; with layers, a
-    decode call's time inside a graph of that many calls too."""
+    decode call's time inside a graph of that many calls too. kernel: decode_with's."""
     from gpu_service.models import attention_triton as at
 
     s, b, n = case.shape, case.batch, case.context
@@ -237,7 +239,8 @@ def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: flo
     if step == "decode":
 
         def run():
-            return at.paged_decode(q, *args, case.kv_len, case.block_size, case.scale)
+            return at.decode_with(q, *args, case.kv_len, case.block_size, case.scale,
+                                  kernel=kernel)  # fmt: skip
 
         visible = float(n)
     else:
@@ -250,7 +253,7 @@ def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: flo
     layered_s = None
     if step == "decode":
         seconds, eager_s = timer.median_graph_s(run), timer.median_s(run)
-        layered_s = layered_decode_s(case, q, timer, layers)
+        layered_s = layered_decode_s(case, q, timer, layers, kernel)
     else:
         seconds, eager_s = timer.median_s(run) / b, None
     per = 1 if step == "decode" else b  # prefill: per sequence's 1k-token chunk
@@ -268,8 +271,9 @@ def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: flo
             diff = "oom"
         torch.cuda.empty_cache()
     bound = max(hbm_spec, flop_bound)
+    label = step if kernel == "auto" else f"{step}:{kernel}"
     return (
-        s.name, str(b), f"{n // 1024}k", step, us(seconds), us(eager_s),
+        s.name, str(b), f"{n // 1024}k", label, us(seconds), us(eager_s),
         us(hbm_spec), pct(hbm_spec, seconds), us(hbm_copy), pct(hbm_copy, seconds),
         us(flop_bound), pct(flop_bound, seconds), pct(bound, seconds), us(layered_s),
         pct(hbm_spec, layered_s) if layered_s else "-", us(ref_s), diff,
@@ -302,17 +306,24 @@ def sweep(case: Case, timer: Timer, copy_bw: float, only: list[tuple[int, ...]] 
                   (64, 64, 4, 3, 128)]  # fmt: skip
     gqa_shapes = [(16, 64, 4, 2, 0), (16, 64, 4, 3, 0), (16, 64, 4, 4, 0), (16, 32, 4, 3, 0),
                   (16, 32, 4, 4, 0), (16, 128, 4, 2, 0), (16, 64, 8, 2, 0)]  # fmt: skip
-    shapes = only or (mla_shapes if case.shape.head_dim > 256 else gqa_shapes)
+    # the Hopper MLA kernel (mla_decode_hopper): 64 heads on 8 warps, keys a step and stages
+    hopper_shapes = [(64, 64, 8, 2, 0), (64, 32, 8, 3, 0), (64, 32, 8, 4, 0), (64, 32, 8, 2, 0)]
+    mla = case.shape.head_dim > 256
+    shapes = [("triton", *t) for t in only or (mla_shapes if mla else gqa_shapes)]
+    if mla and at.mla_decode_hopper is not None and at.mla_decode_hopper.supported_device(q.device):
+        shapes += [("hopper", *t) for t in only or hopper_shapes]
     hbm = case.batch * case.context * case.shape.cache_bytes_per_token / copy_bw
     rows = []
-    for block_h, block_n, warps, stages, block_dv in shapes:
+    for kernel, block_h, block_n, warps, stages, block_dv in shapes:
         tiles = at.Tiles(block_h, block_n, warps, stages, block_dv=block_dv)
-        name = f"h{block_h} n{block_n} w{warps} s{stages}" + (f" v{block_dv}" if block_dv else "")
+        name = f"{kernel} h{block_h} n{block_n} w{warps} s{stages}" + (
+            f" v{block_dv}" if block_dv else ""
+        )
         for splits in (None, 16, 32, 64, 128, 256):
             try:  # NOTE: a shape compiles at its first call, before the capture
                 seconds = timer.median_graph_s(
-                    lambda t=tiles, n=splits: at.decode_with(
-                        *args, case.scale, tiles=t, num_splits=n
+                    lambda t=tiles, n=splits, k=kernel: at.decode_with(
+                        *args, case.scale, tiles=t, num_splits=n, kernel=k
                     )
                 )
             except Exception as exc:  # a launch shape this GPU cannot run: say so, go on
@@ -320,7 +331,7 @@ def sweep(case: Case, timer: Timer, copy_bw: float, only: list[tuple[int, ...]] 
                 continue
             rows.append((name, str(splits or "auto"), us(seconds), pct(hbm, seconds)))
     print(f"\nsweep: {case.shape.name} decode, batch {case.batch}, context {case.context}")
-    cols = [Column("tiles", 22, "<"), Column("splits", 6), Column("us", 9), Column("%copy", 6)]
+    cols = [Column("tiles", 29, "<"), Column("splits", 6), Column("us", 9), Column("%copy", 6)]
     print_table(cols, rows)
 
 
@@ -364,6 +375,12 @@ def main() -> None:
         "cache of its own, as a served step runs a model's layers (0: off)",
     )
     parser.add_argument(
+        "--mla-kernels",
+        default="auto",
+        help="MLA decode's split kernels to time, a row each (comma-separated: auto = what "
+        "paged_decode runs, triton = attention_triton's, hopper = mla_decode_hopper's)",
+    )
+    parser.add_argument(
         "--shapes",
         default="",
         help="model shapes to time, by name prefix (comma-separated; default all)",
@@ -395,9 +412,13 @@ def main() -> None:
                     continue
                 case = Case(shape, batch, context, args.block_size)
                 for step in steps:
-                    rows.append(measure(case, step, timer, copy_bw, flops_rate, reference,
-                                        args.layers))  # fmt: skip
-                    print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
+                    kernels = ["auto"]
+                    if step == "decode" and shape.mla:
+                        kernels = [k for k in args.mla_kernels.split(",") if k]
+                    for kernel in kernels:
+                        rows.append(measure(case, step, timer, copy_bw, flops_rate, reference,
+                                            args.layers, kernel))  # fmt: skip
+                        print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
                 if args.sweep and context == 32768:
                     sweep(case, timer, copy_bw, parse_tiles(args.tiles) or None)
                 del case
@@ -407,7 +428,7 @@ def main() -> None:
           "roofline = the larger bound; layered: a decode call inside one graph of --layers "
           "calls over caches of their own, and its % of the HBM bound at 4.8 TB/s")  # fmt: skip
     cols = [
-        Column("shape", 17, "<"), Column("B", 2), Column("ctx", 4), Column("step", 7, "<"),
+        Column("shape", 17, "<"), Column("B", 2), Column("ctx", 4), Column("step", 14, "<"),
         Column("triton", 10), Column("eager", 10), Column("HBM 4.8T", 9), Column("%", 4),
         Column("HBM copy", 9), Column("%", 4), Column("FLOP bnd", 9), Column("%", 4),
         Column("%roof", 5), Column("layered", 9), Column("%", 4), Column("torch", 11),

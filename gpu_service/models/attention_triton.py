@@ -36,6 +36,11 @@ import triton.language as tl
 
 from gpu_service.models.paged_attention import LOG2E
 
+try:  # Gluon (Triton's explicit-layout dialect) is newer than some Triton releases
+    from gpu_service.models import mla_decode_hopper
+except ImportError:
+    mla_decode_hopper = None
+
 MAX_SPLITS = 256
 MIN_KEYS_PER_SPLIT = 256
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
@@ -540,6 +545,19 @@ def _check_cache(q, k_cache, v_cache, block_table, kv_len, block_size, window) -
     return num_heads, num_kv_heads
 
 
+# the Hopper MLA kernel's launch shape: 64 heads, 64 keys a step, 8 warps, 2 stages
+HOPPER_MLA_TILES = Tiles(block_h=64, block_n=64, num_warps=8, num_stages=2)
+# NOTE: off until the kernel's CUDA tests pass on the GPU host and bench_attention measures it
+# beside this module's split kernel (it was written in a session lent no GPU)
+HOPPER_MLA_BY_DEFAULT = False
+
+
+def _hopper_takes(q, k_cache, group: int, v_from_k: bool, window) -> bool:
+    return mla_decode_hopper is not None and mla_decode_hopper.takes(
+        q, k_cache, group, v_from_k, window
+    )
+
+
 def _v_from_k(k_cache: torch.Tensor, v_cache: torch.Tensor, dims: _HeadDims) -> bool:
     """v_cache is k_cache's first Dv columns (MLA), so a loaded key tile is also the value."""
     return (
@@ -585,8 +603,14 @@ def decode_with(
     window: int | None = None,
     tiles: Tiles | None = None,
     num_splits: int | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
-    """paged_decode with the launch shape chosen by the caller (benchmarks, tests)."""
+    """paged_decode with the launch shape chosen by the caller (benchmarks, tests). kernel:
+    "auto" or "triton" (this module's split kernel), or "hopper" (mla_decode_hopper's, or a
+    ValueError where it cannot serve the call). NOTE: "auto" takes the Hopper kernel only once
+    it has been measured faster on a Hopper GPU (HOPPER_MLA_BY_DEFAULT)."""
+    if kernel not in ("auto", "triton", "hopper"):
+        raise ValueError(f"kernel must be auto, triton or hopper, got {kernel!r}")
     num_heads, num_kv_heads = _check_cache(
         q, k_cache, v_cache, block_table, kv_len, block_size, window
     )
@@ -597,6 +621,7 @@ def decode_with(
         )
     batch, group = q.shape[0], num_heads // num_kv_heads
     dims = _HeadDims.of(q.shape[-1], v_cache.shape[-1])
+    given_tiles = tiles
     tiles = tiles or decode_tiles(dims.d, group, q.element_size())
     out = torch.empty((batch, num_heads, dims.dv), dtype=q.dtype, device=q.device)
     if batch == 0:
@@ -605,6 +630,18 @@ def decode_with(
     block_dv = min(tiles.block_dv or dims.dv_pad, dims.dv_pad)
     v_blocks = triton.cdiv(dims.dv, block_dv)
     v_from_k = _v_from_k(k_cache, v_cache, dims)  # MLA: one latent row is key and value
+    hopper = kernel == "hopper" or (
+        kernel == "auto" and given_tiles is None and HOPPER_MLA_BY_DEFAULT
+    )
+    hopper = hopper and _hopper_takes(q, k_cache, group, v_from_k, window)
+    if kernel == "hopper" and not hopper:
+        raise ValueError(
+            "the Hopper MLA decode kernel takes bf16/fp16 MLA caches (576-wide latent rows read "
+            "as key and value, heads a multiple of 64, no window) on a Hopper GPU with Gluon"
+        )
+    if hopper:
+        hopper_tiles = given_tiles or HOPPER_MLA_TILES
+        tiles_per_kv, block_dv, v_blocks = group // 64, dims.dv, 1
     if num_splits is None:
         max_keys = block_table.shape[1] * block_size
         if window is not None:
@@ -621,16 +658,22 @@ def decode_with(
     part_out = torch.empty(part_shape, dtype=torch.float32, device=q.device)
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     grid = (num_kv_heads * tiles_per_kv * v_blocks, num_splits, batch)
-    _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_table, kv_len, part_out, part_lse,
-        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
-        *part_out.stride()[:3], *part_lse.stride()[:2],
-        group, block_size, scale * LOG2E, window or 0, num_splits,
-        D=dims.d, DV=dims.dv, DA=dims.da, DB=dims.db, BLOCK_DV=block_dv,
-        BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, HAS_WINDOW=window is not None,
-        V_FROM_K=v_from_k and block_dv == dims.dv_pad, **_dot_args(q),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )  # fmt: skip
+    if hopper:
+        mla_decode_hopper.split_launch(
+            q, k_cache, block_table, kv_len, part_out, part_lse, block_size, scale * LOG2E,
+            hopper_tiles.block_n, hopper_tiles.num_stages,
+        )  # fmt: skip
+    else:
+        _decode_split_kernel[grid](
+            q, k_cache, v_cache, block_table, kv_len, part_out, part_lse,
+            *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+            *part_out.stride()[:3], *part_lse.stride()[:2],
+            group, block_size, scale * LOG2E, window or 0, num_splits,
+            D=dims.d, DV=dims.dv, DA=dims.da, DB=dims.db, BLOCK_DV=block_dv,
+            BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, HAS_WINDOW=window is not None,
+            V_FROM_K=v_from_k and block_dv == dims.dv_pad, **_dot_args(q),
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )  # fmt: skip
     splits_pad = max(2, triton.next_power_of_2(num_splits))
     block_v = _merge_block_v(dims.dv_pad, splits_pad)
     _decode_merge_kernel[(batch, num_heads, triton.cdiv(dims.dv, block_v))](
