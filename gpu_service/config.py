@@ -192,7 +192,7 @@ class GPUServiceConfig:
         "(torch's int8 kernel on the CPU; on CUDA a Triton kernel for up to 128 rows, larger "
         "steps dequantize per call); int4 = weight-only, groups of 128 inputs, two per byte "
         "(torch's tinygemm kernels). auto: bf16 where the unquantized GPU part takes at most "
-        "half of the memory budget (it decodes faster: 1.54x fp8 at batch 1 on an H200), "
+        "half of the memory budget (the checkpoint's own precision), "
         "else fp8 on GPUs with FP8 units (an FP8 checkpoint's 128x128 block scales are "
         "requantized per output channel, a bf16 one is quantized at load), else bf16; the "
         "start-up log says which and why (default %(default)s)",
