@@ -416,8 +416,15 @@ def main() -> None:
                     if step == "decode" and shape.mla:
                         kernels = [k for k in args.mla_kernels.split(",") if k]
                     for kernel in kernels:
-                        rows.append(measure(case, step, timer, copy_bw, flops_rate, reference,
-                                            args.layers, kernel))  # fmt: skip
+                        try:
+                            rows.append(measure(case, step, timer, copy_bw, flops_rate,
+                                                reference, args.layers, kernel))  # fmt: skip
+                        except Exception as exc:  # a kernel this GPU cannot run: say so, go on
+                            failed = (shape.name, str(batch), f"{context // 1024}k",
+                                      f"{step}:{kernel}", type(exc).__name__)  # fmt: skip
+                            rows.append((*failed, *["-"] * 12))
+                            print(f"{failed}: {exc}", file=sys.stderr, flush=True)
+                            continue
                         print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
                 if args.sweep and context == 32768:
                     sweep(case, timer, copy_bw, parse_tiles(args.tiles) or None)
