@@ -136,6 +136,42 @@ def _softmax_step(scores, m_i, l_i, key0, end, qk_scale, BLOCK_N: gl.constexpr,
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
+@gluon.jit
+def _tiles_landed(NUM_OUTSTANDING: gl.constexpr):
+    """This thread's copies done but the newest NUM_OUTSTANDING groups, then every thread's,
+    visible to the tensor cores' proxy. NOTE: the barrier also retires the products issued
+    before it, so a buffer they read may be overwritten by the copies issued after it."""
+    async_copy.wait_group(NUM_OUTSTANDING)
+    _cta_barrier()
+    fence_async_shared()
+
+
+@gluon.jit
+def _prefetch(keys_buf, rope_buf, cache, stride_cs, block_row, blocks_n, blocks_r, i, start,
+              end, block_size, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              LOAD_N: gl.constexpr, LOAD_R: gl.constexpr):  # fmt: skip
+    """At tile i: issue tile i + STAGES - 1's copies (into tile i - 1's buffer; its block ids
+    given) and load the block ids of the tile after it."""
+    ahead = start + (i + STAGES - 1) * BLOCK_N
+    stage = (i + STAGES - 1) % STAGES
+    _issue_tile(keys_buf.index(stage), rope_buf.index(stage), cache, stride_cs, blocks_n,
+                blocks_r, ahead, end, block_size, BLOCK_N, LOAD_N, LOAD_R)  # fmt: skip
+    blocks_n = _block_ids(block_row, ahead + BLOCK_N, end, block_size, BLOCK_N, LOAD_N)
+    blocks_r = _block_ids(block_row, ahead + BLOCK_N, end, block_size, BLOCK_N, LOAD_R)
+    return blocks_n, blocks_r
+
+
+@gluon.jit
+def _accumulate(acc, p, alpha, p_smem, values, O_LAYOUT: gl.constexpr):
+    """O * alpha + P V, issued (a token to wait for): P through shared memory, rounded to the
+    query's dtype as attend() rounds its probabilities."""
+    p_smem.store(p.to(p_smem.dtype))
+    fence_async_shared()
+    _cta_barrier()
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
+    return warpgroup_mma(p_smem, values, acc, is_async=True)
+
+
 @gluon.jit(do_not_specialize=("stride_bt", "stride_pb", "stride_ph", "stride_ps", "stride_lb",
                               "stride_lh", "num_splits"))  # fmt: skip
 def _mla_split_kernel(
@@ -209,62 +245,35 @@ def _mla_split_kernel(
         # NOTE: tile i + 1's scores run on the tensor cores while tile i's softmax runs: the
         # loop enters with tile 0's scores, and each step waits for tiles up to i + 1 (so 3
         # stages at least: i's buffer for P V, i + 1's for Q K^T, one loading)
-        async_copy.wait_group(STAGES - 2)
-        _cta_barrier()
-        fence_async_shared()
+        _tiles_landed(STAGES - 2)
         scores_next = _scores(q_n_smem, q_r_smem, keys_buf.index(0), rope_buf.index(0),
                               BLOCK_H, BLOCK_N, S_LAYOUT)  # fmt: skip
         scores_next = warpgroup_mma_wait(0, deps=[scores_next])
         for i in range(num_tiles):
-            async_copy.wait_group(STAGES - 3)
-            _cta_barrier()
-            fence_async_shared()
-            ahead = start + (i + STAGES - 1) * BLOCK_N
-            stage_ahead = (i + STAGES - 1) % STAGES
-            _issue_tile(keys_buf.index(stage_ahead), rope_buf.index(stage_ahead), cache,
-                        stride_cs, next_n, next_r, ahead, end, block_size, BLOCK_N, LOAD_N,
-                        LOAD_R)  # fmt: skip
-            next_n = _block_ids(block_row, ahead + BLOCK_N, end, block_size, BLOCK_N, LOAD_N)
-            next_r = _block_ids(block_row, ahead + BLOCK_N, end, block_size, BLOCK_N, LOAD_R)
+            _tiles_landed(STAGES - 3)
+            next_n, next_r = _prefetch(keys_buf, rope_buf, cache, stride_cs, block_row, next_n,
+                                       next_r, i, start, end, block_size, BLOCK_N, STAGES,
+                                       LOAD_N, LOAD_R)  # fmt: skip
             scores = scores_next
             scores_next = _scores(q_n_smem, q_r_smem, keys_buf.index((i + 1) % STAGES),
                                   rope_buf.index((i + 1) % STAGES), BLOCK_H, BLOCK_N,
                                   S_LAYOUT)  # fmt: skip
-            key0 = start + i * BLOCK_N
-            p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i, key0, end, qk_scale, BLOCK_N,
-                                               S_LAYOUT)  # fmt: skip
-            p_smem.store(p.to(dtype))
-            fence_async_shared()
-            _cta_barrier()
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-            acc = warpgroup_mma(p_smem, keys_buf.index(i % STAGES), acc, is_async=True)
+            p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i, start + i * BLOCK_N, end,
+                                               qk_scale, BLOCK_N, S_LAYOUT)  # fmt: skip
+            acc = _accumulate(acc, p, alpha, p_smem, keys_buf.index(i % STAGES), O_LAYOUT)
             scores_next, acc = warpgroup_mma_wait(0, deps=[scores_next, acc])
     else:
         for i in range(num_tiles):
-            # NOTE: tile i's copies done (this thread's), then every thread's visible to the
-            # tensor cores' proxy; the barrier also retires tile i - 1's products, whose buffer
-            # the copy issued next overwrites
-            async_copy.wait_group(STAGES - 2)
-            _cta_barrier()
-            fence_async_shared()
-            ahead = start + (i + STAGES - 1) * BLOCK_N
-            stage_ahead = (i + STAGES - 1) % STAGES
-            _issue_tile(keys_buf.index(stage_ahead), rope_buf.index(stage_ahead), cache,
-                        stride_cs, next_n, next_r, ahead, end, block_size, BLOCK_N, LOAD_N,
-                        LOAD_R)  # fmt: skip
-            next_n = _block_ids(block_row, ahead + BLOCK_N, end, block_size, BLOCK_N, LOAD_N)
-            next_r = _block_ids(block_row, ahead + BLOCK_N, end, block_size, BLOCK_N, LOAD_R)
+            _tiles_landed(STAGES - 2)  # tile i's
+            next_n, next_r = _prefetch(keys_buf, rope_buf, cache, stride_cs, block_row, next_n,
+                                       next_r, i, start, end, block_size, BLOCK_N, STAGES,
+                                       LOAD_N, LOAD_R)  # fmt: skip
             scores = _scores(q_n_smem, q_r_smem, keys_buf.index(i % STAGES),
                              rope_buf.index(i % STAGES), BLOCK_H, BLOCK_N, S_LAYOUT)  # fmt: skip
             scores = warpgroup_mma_wait(0, deps=[scores])
-            key0 = start + i * BLOCK_N
-            p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i, key0, end, qk_scale, BLOCK_N,
-                                               S_LAYOUT)  # fmt: skip
-            p_smem.store(p.to(dtype))  # rounded to q's dtype, as attend() rounds its probs
-            fence_async_shared()
-            _cta_barrier()
-            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_LAYOUT))[:, None]
-            acc = warpgroup_mma(p_smem, keys_buf.index(i % STAGES), acc, is_async=True)
+            p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i, start + i * BLOCK_N, end,
+                                               qk_scale, BLOCK_N, S_LAYOUT)  # fmt: skip
+            acc = _accumulate(acc, p, alpha, p_smem, keys_buf.index(i % STAGES), O_LAYOUT)
             acc = warpgroup_mma_wait(0, deps=[acc])
     async_copy.wait_group(0)
 
