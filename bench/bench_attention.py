@@ -201,6 +201,18 @@ def pct(bound: float, seconds: float) -> str:
     return f"{100 * bound / seconds:.0f}%"
 
 
+PARTIAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def kernel_spec(spec: str) -> tuple[str, torch.dtype]:
+    """'hopper+bf16' -> ("hopper", torch.bfloat16): decode_with's kernel and the dtype of its
+    splits' partial outputs (default fp32)."""
+    name, _, partials = spec.partition("+")
+    if partials and partials not in PARTIAL_DTYPES:
+        raise SystemExit(f"{spec!r}: partials must be one of {sorted(PARTIAL_DTYPES)}")
+    return name, PARTIAL_DTYPES[partials or "fp32"]
+
+
 def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int,
                      kernel: str = "auto") -> float | None:  # fmt: skip
     """Seconds a decode call takes inside one CUDA graph of `layers` calls, each over a cache of
@@ -208,6 +220,7 @@ def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int,
     call. None where the caches do not fit."""
     from gpu_service.models import attention_triton as at
 
+    name, partials = kernel_spec(kernel)
     if layers < 2 or not fits(
         (layers - 1) * case.batch * case.context * case.shape.cache_bytes_per_token, 0.5
     ):
@@ -217,7 +230,7 @@ def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int,
     def run_all():
         for k, v in caches:
             at.decode_with(q, k, v, case.block_table, case.kv_len, case.block_size, case.scale,
-                           kernel=kernel)  # fmt: skip
+                           kernel=name, partial_dtype=partials)  # fmt: skip
 
     try:
         return timer.median_graph_s(run_all) / layers
@@ -237,10 +250,11 @@ def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: flo
     q = case.queries(per_seq)
     args = (case.k_cache, case.v_cache, case.block_table)
     if step == "decode":
+        name, partials = kernel_spec(kernel)
 
         def run():
             return at.decode_with(q, *args, case.kv_len, case.block_size, case.scale,
-                                  kernel=kernel)  # fmt: skip
+                                  kernel=name, partial_dtype=partials)  # fmt: skip
 
         visible = float(n)
     else:
@@ -311,7 +325,7 @@ def sweep(case: Case, timer: Timer, copy_bw: float, only: list[tuple[int, ...]] 
     mla = case.shape.head_dim > 256
     shapes = [("triton", *t) for t in only or (mla_shapes if mla else gqa_shapes)]
     if mla and at.mla_decode_hopper is not None and at.mla_decode_hopper.supported_device(q.device):
-        shapes += [("hopper", *t) for t in only or hopper_shapes]
+        shapes += [(k, *t) for k in ("hopper", "hopper+bf16") for t in only or hopper_shapes]
     hbm = case.batch * case.context * case.shape.cache_bytes_per_token / copy_bw
     rows = []
     for kernel, block_h, block_n, warps, stages, block_dv in shapes:
@@ -319,11 +333,12 @@ def sweep(case: Case, timer: Timer, copy_bw: float, only: list[tuple[int, ...]] 
         name = f"{kernel} h{block_h} n{block_n} w{warps} s{stages}" + (
             f" v{block_dv}" if block_dv else ""
         )
+        kernel_name, partials = kernel_spec(kernel)
         for splits in (None, 16, 32, 64, 128, 256):
             try:  # NOTE: a shape compiles at its first call, before the capture
                 seconds = timer.median_graph_s(
-                    lambda t=tiles, n=splits, k=kernel: at.decode_with(
-                        *args, case.scale, tiles=t, num_splits=n, kernel=k
+                    lambda t=tiles, n=splits, k=kernel_name, p=partials: at.decode_with(
+                        *args, case.scale, tiles=t, num_splits=n, kernel=k, partial_dtype=p
                     )
                 )
             except Exception as exc:  # a launch shape this GPU cannot run: say so, go on
@@ -378,7 +393,8 @@ def main() -> None:
         "--mla-kernels",
         default="auto",
         help="MLA decode's split kernels to time, a row each (comma-separated: auto = what "
-        "paged_decode runs, triton = attention_triton's, hopper = mla_decode_hopper's)",
+        "paged_decode runs, triton = attention_triton's, hopper = mla_decode_hopper's; "
+        "+bf16 or +fp16 after one: its splits' partial outputs in that dtype, not fp32)",
     )
     parser.add_argument(
         "--shapes",

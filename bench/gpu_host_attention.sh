@@ -34,8 +34,8 @@ if [ "$what" = mla ]; then
   cuda_tests "$out/tests-mla-hopper.log" 240 tests/gpu_service/test_mla_decode_hopper.py || rc=1
   say tests
   timeout 330 python3 bench/bench_attention.py --shapes DeepSeek --no-prefill --block-size 16 \
-    --mla-kernels triton,hopper --layers 8 --sweep \
-    --tiles "64,64,8,2;64,32,8,2;64,32,8,3;64,32,8,4" > "$out/bench-mla-decode.log" 2>&1 || rc=1
+    --mla-kernels triton,hopper,hopper+bf16 --layers 8 --sweep \
+    --tiles "64,64,8,2;64,32,8,3;64,32,8,4" > "$out/bench-mla-decode.log" 2>&1 || rc=1
   grep -v -E "^\s*$" "$out/bench-mla-decode.log" | tail -60
   say mla-decode
 fi

@@ -321,6 +321,7 @@ def _decode_split_kernel(
     lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     offs_v = v0 + tl.arange(0, BLOCK_DV)
     part = part_out + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps
+    out = out.to(part_out.dtype.element_ty)  # float32, or halved (decode_with's partial_dtype)
     tl.store(part + offs_v[None, :], out, mask=live[:, None] & (offs_v[None, :] < DV))
     if v0 == 0:
         tl.store(part_lse + b * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
@@ -361,7 +362,7 @@ def _decode_merge_kernel(
         part + offs_s[:, None] * stride_ps + offs_v[None, :],
         mask=(weights[:, None] > 0) & (offs_v[None, :] < DV),
         other=0.0,
-    )  # [S, V]
+    ).to(tl.float32)  # [S, V]
     result = tl.sum(weights[:, None] * tiles, 0) / tl.where(total > 0, total, 1.0)
     dst = out + b * stride_ob + h * stride_oh + offs_v * stride_od
     tl.store(dst, result.to(out.dtype.element_ty), mask=offs_v < DV)
@@ -604,11 +605,17 @@ def decode_with(
     tiles: Tiles | None = None,
     num_splits: int | None = None,
     kernel: str = "auto",
+    partial_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """paged_decode with the launch shape chosen by the caller (benchmarks, tests). kernel:
     "auto" or "triton" (this module's split kernel), or "hopper" (mla_decode_hopper's, or a
     ValueError where it cannot serve the call). NOTE: "auto" takes the Hopper kernel only once
-    it has been measured faster on a Hopper GPU (HOPPER_MLA_BY_DEFAULT)."""
+    it has been measured faster on a Hopper GPU (HOPPER_MLA_BY_DEFAULT). partial_dtype: the
+    splits' normalized partial outputs, written and read back by the merge (MLA at batch 1 and
+    32k: 16.8 MB each way in float32 against 37.7 MB of cache; bf16 / fp16 halve it, adding one
+    rounding of each partial); their log-sum-exps stay float32."""
+    if partial_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"partial_dtype must be float32, bfloat16 or float16, got {partial_dtype}")
     if kernel not in ("auto", "triton", "hopper"):
         raise ValueError(f"kernel must be auto, triton or hopper, got {kernel!r}")
     num_heads, num_kv_heads = _check_cache(
@@ -655,7 +662,7 @@ def decode_with(
             min_keys_per_split(group, dims, key_bytes),
         )  # fmt: skip
     part_shape = (batch, num_heads, num_splits, dims.dv)
-    part_out = torch.empty(part_shape, dtype=torch.float32, device=q.device)
+    part_out = torch.empty(part_shape, dtype=partial_dtype, device=q.device)
     part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     grid = (num_kv_heads * tiles_per_kv * v_blocks, num_splits, batch)
     if hopper:

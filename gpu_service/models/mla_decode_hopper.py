@@ -287,7 +287,7 @@ def _mla_split_kernel(
         heads_o = tile * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, O_LAYOUT))
         cols_o = gl.arange(0, LATENT, layout=gl.SliceLayout(0, O_LAYOUT))
         part = part_out + b * stride_pb + heads_o[:, None] * stride_ph + split * stride_ps
-        gl.store(part + cols_o[None, :], out)
+        gl.store(part + cols_o[None, :], out.to(part_out.dtype.element_ty))
 
 
 def split_launch(

@@ -134,6 +134,33 @@ def test_decode_splits_merge_exactly(num_splits, seed):
     check(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("partial_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_decode_partials_in_half_precision(partial_dtype, seed):
+    """decode_with(partial_dtype=...): the splits' partial outputs stored halved (one rounding
+    each, within the bf16 bound) and merged in float32; the MLA case, as its partials are big."""
+    kv_lens, block_size, hq, hkv, d, dv, cache_dtype, mla, window = DECODE_CASES["mla"]
+    gen = torch.Generator().manual_seed(seed + 5)
+    k_cache, v_cache, table, kv_len = make_case(gen, kv_lens, block_size, hkv, d, dv,
+                                                cache_dtype, mla)  # fmt: skip
+    q = torch.randn(len(kv_lens), hq, d, generator=gen)
+    cu = torch.arange(len(kv_lens) + 1, dtype=torch.int32)
+    want = reference(q, k_cache, v_cache, table, cu, kv_len, block_size, d**-0.5, window)
+    qd, kd, td, ld = to_device(q, k_cache, table, kv_len)
+    got = at.decode_with(qd, kd, kd[..., :dv], td, ld, block_size, d**-0.5, window,
+                         num_splits=3, partial_dtype=partial_dtype)  # fmt: skip
+    assert got.dtype == torch.float32
+    err = (got.cpu().double() - want).abs().max().item()
+    assert err <= TOLERANCE[torch.bfloat16] * max(1.0, want.abs().max().item())
+
+
+def test_decode_refuses_a_partial_dtype_it_cannot_merge(seed):
+    q = torch.zeros(1, 2, 16, device=DEVICE)
+    cache = torch.zeros(16, 1, 16, device=DEVICE)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="partial_dtype"):
+        at.decode_with(q, cache, cache, table, table[0] + 1, 16, 1.0, partial_dtype=torch.int8)
+
+
 @pytest.mark.parametrize("num_splits, block_v", [(64, 64), (at.MAX_SPLITS, 16)])
 def test_decode_merges_many_splits_in_value_blocks(num_splits, block_v, seed):
     """Many splits, most of them empty, and a value width (96, padded to 128) that the merge

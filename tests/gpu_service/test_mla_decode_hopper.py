@@ -61,10 +61,10 @@ from triton.compiler import compile as triton_compile
 from triton.experimental.gluon._runtime import GluonASTSource
 from gpu_service.models import mla_decode_hopper
 
-block_n, stages = int(sys.argv[1]), int(sys.argv[2])
+block_n, stages, partials = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 fn = mla_decode_hopper._mla_split_kernel
 pointers = {"q": "*bf16", "cache": "*bf16", "block_table": "*i32", "kv_len": "*i32",
-            "part_out": "*fp32", "part_lse": "*fp32"}
+            "part_out": partials, "part_lse": "*fp32"}
 constexprs = {"BLOCK_N": block_n, "STAGES": stages, "OVERLAP": stages >= 3}
 signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
              for name in fn.arg_names}
@@ -78,13 +78,16 @@ print(json.dumps({"cubin_bytes": len(kernel.asm["cubin"]), "shared": kernel.meta
 """
 
 
+@pytest.mark.parametrize("partials", ["*fp32", "*bf16"])
 @pytest.mark.parametrize("tiles", SHAPES, ids=lambda t: f"n{t.block_n}s{t.num_stages}")
-def test_hopper_kernel_compiles_for_sm90(tiles):
-    """The kernel's launch shapes build for sm_90 (bf16) within Hopper's shared memory. In a
-    process of its own: where there is no GPU, this one runs Triton interpreted (conftest)."""
+def test_hopper_kernel_compiles_for_sm90(tiles, partials):
+    """The kernel's launch shapes build for sm_90 (bf16, float32 or bf16 partial outputs) within
+    Hopper's shared memory. In a process of its own: where there is no GPU, this one runs
+    Triton interpreted (conftest)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    args = [sys.executable, "-c", COMPILE_FOR_SM90, str(tiles.block_n), str(tiles.num_stages)]
+    args = [sys.executable, "-c", COMPILE_FOR_SM90, str(tiles.block_n), str(tiles.num_stages),
+            partials]  # fmt: skip
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     built = json.loads(done.stdout.strip().splitlines()[-1])
@@ -102,11 +105,13 @@ def test_hopper_decode_matches_reference(name, tiles, seed):
 
 
 @needs_hopper
+@pytest.mark.parametrize("partials", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("num_splits", [1, 7, 64])
-def test_hopper_decode_splits_merge(num_splits, seed):
-    """Any key partition, splits past a sequence's end (no keys) among them."""
+def test_hopper_decode_splits_merge(num_splits, partials, seed):
+    """Any key partition, splits past a sequence's end (no keys) among them, and partial
+    outputs in float32 or bf16."""
     args, want, dtype = mla_case("ragged-bs16", seed + num_splits)
-    got = at.decode_with(*args, num_splits=num_splits, kernel="hopper")
+    got = at.decode_with(*args, num_splits=num_splits, kernel="hopper", partial_dtype=partials)
     check(got, want, dtype)
 
 
