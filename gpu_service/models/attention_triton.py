@@ -648,6 +648,11 @@ def decode_with(
         )
     if hopper:
         hopper_tiles = given_tiles or HOPPER_MLA_TILES
+        if (hopper_tiles.block_h, hopper_tiles.num_warps, hopper_tiles.block_dv) != (64, 8, 0):
+            raise ValueError(
+                "the Hopper MLA kernel runs 64 heads a program on 8 warps over all value columns, "
+                f"got {hopper_tiles}"
+            )
         tiles_per_kv, block_dv, v_blocks = group // 64, dims.dv, 1
     if num_splits is None:
         max_keys = block_table.shape[1] * block_size

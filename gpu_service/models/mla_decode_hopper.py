@@ -47,6 +47,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
+# (keys a step, stages) built for sm_90 (tests/gpu_service/test_mla_decode_hopper.py); 64 keys
+# at 3 stages would take 303 KB of shared memory
+LAUNCH_SHAPES = frozenset({(64, 2), (32, 2), (32, 3), (32, 4)})
 HEADS_PER_PROGRAM = 64
 HEAD_DIM = 576  # latent 512 + rope 64
 # the kernels' constants
@@ -305,6 +308,11 @@ def split_launch(
     """Writes part_out [B, Hq, splits, 512] and part_lse [B, Hq, splits] for q [B, Hq, 576]
     (qk_scale: the softmax scale times log2(e)); attention_triton's merge kernel reads them.
     With 3 stages or more a tile's scores overlap the softmax before them (OVERLAP)."""
+    if (block_n, stages) not in LAUNCH_SHAPES:
+        raise ValueError(
+            f"the Hopper MLA kernel runs {sorted(LAUNCH_SHAPES)} (keys a step, stages), got "
+            f"({block_n}, {stages}): others do not fit Hopper's shared memory or were never built"
+        )
     batch, num_heads = q.shape[0], q.shape[1]
     num_splits = part_lse.shape[2]
     grid = (num_heads // HEADS_PER_PROGRAM, num_splits, batch)

@@ -39,7 +39,7 @@ CASES = {
     "ragged-bs64-128-heads": ([130, 5, 64], 64, 128, torch.bfloat16),
     "one-long-fp16": ([4099], 16, 128, torch.float16),
 }
-SHAPES = [at.HOPPER_MLA_TILES, at.Tiles(64, 32, 8, 3), at.Tiles(64, 32, 8, 4)]
+SHAPES = [at.Tiles(64, n, 8, stages) for n, stages in sorted(at.mla_decode_hopper.LAUNCH_SHAPES)]
 
 
 def mla_case(name, seed):
@@ -78,8 +78,11 @@ print(json.dumps({"cubin_bytes": len(kernel.asm["cubin"]), "shared": kernel.meta
 """
 
 
-@pytest.mark.parametrize("partials", ["*fp32", "*bf16"])
-@pytest.mark.parametrize("tiles", SHAPES, ids=lambda t: f"n{t.block_n}s{t.num_stages}")
+@pytest.mark.parametrize(
+    "tiles, partials",
+    [(t, "*fp32") for t in SHAPES] + [(at.HOPPER_MLA_TILES, "*bf16")],
+    ids=lambda v: f"n{v.block_n}s{v.num_stages}" if isinstance(v, at.Tiles) else v[1:],
+)
 def test_hopper_kernel_compiles_for_sm90(tiles, partials):
     """The kernel's launch shapes build for sm_90 (bf16, float32 or bf16 partial outputs) within
     Hopper's shared memory. In a process of its own: where there is no GPU, this one runs
@@ -158,3 +161,6 @@ def test_hopper_kernel_refuses_what_it_cannot_serve(seed):
     with pytest.raises(ValueError, match="Hopper MLA decode kernel"):
         fp8 = kd.to(torch.float8_e4m3fn)
         at.decode_with(q, fp8, fp8[..., :512], table, kv_len, block_size, scale, kernel="hopper")
+    for tiles in (at.Tiles(32, 64, 8, 2), at.Tiles(64, 64, 4, 2), at.Tiles(64, 64, 8, 3)):
+        with pytest.raises(ValueError, match="Hopper MLA kernel runs"):
+            at.decode_with(*args, tiles=tiles, kernel="hopper")
