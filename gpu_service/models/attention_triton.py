@@ -647,13 +647,11 @@ def decode_with(
             "as key and value, heads a multiple of 64, no window) on a Hopper GPU with Gluon"
         )
     if hopper:
-        hopper_tiles = given_tiles or HOPPER_MLA_TILES
-        if (hopper_tiles.block_h, hopper_tiles.num_warps, hopper_tiles.block_dv) != (64, 8, 0):
-            raise ValueError(
-                "the Hopper MLA kernel runs 64 heads a program on 8 warps over all value columns, "
-                f"got {hopper_tiles}"
-            )
-        tiles_per_kv, block_dv, v_blocks = group // 64, dims.dv, 1
+        tiles = given_tiles or HOPPER_MLA_TILES
+        mla_decode_hopper.check_launch(
+            tiles.block_h, tiles.block_n, tiles.num_warps, tiles.num_stages, tiles.block_dv
+        )
+        tiles_per_kv, block_dv, v_blocks = group // tiles.block_h, dims.dv, 1
     if num_splits is None:
         max_keys = block_table.shape[1] * block_size
         if window is not None:
@@ -673,7 +671,7 @@ def decode_with(
     if hopper:
         mla_decode_hopper.split_launch(
             q, k_cache, block_table, kv_len, part_out, part_lse, block_size, scale * LOG2E,
-            hopper_tiles.block_n, hopper_tiles.num_stages,
+            tiles.block_n, tiles.num_stages,
         )  # fmt: skip
     else:
         _decode_split_kernel[grid](

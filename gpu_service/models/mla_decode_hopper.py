@@ -293,6 +293,22 @@ def _mla_split_kernel(
         gl.store(part + cols_o[None, :], out.to(part_out.dtype.element_ty))
 
 
+def check_launch(heads: int, block_n: int, num_warps: int, stages: int, block_dv: int) -> None:
+    """A ValueError for a launch shape (attention_triton.Tiles' fields) this kernel does not run:
+    64 heads a program on 8 warps over all value columns, at LAUNCH_SHAPES' keys and stages."""
+    if (heads, num_warps, block_dv) != (HEADS_PER_PROGRAM, NUM_WARPS.value, 0) or (
+        block_n,
+        stages,
+    ) not in LAUNCH_SHAPES:
+        raise ValueError(
+            f"the Hopper MLA kernel runs {HEADS_PER_PROGRAM} heads a program on "
+            f"{NUM_WARPS.value} warps over all value columns, at (keys a step, stages) "
+            f"{sorted(LAUNCH_SHAPES)}: others do not fit Hopper's shared memory or were never "
+            f"built; got {heads} heads, {num_warps} warps, {block_dv or 'all'} value columns, "
+            f"({block_n}, {stages})"
+        )
+
+
 def split_launch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -308,11 +324,7 @@ def split_launch(
     """Writes part_out [B, Hq, splits, 512] and part_lse [B, Hq, splits] for q [B, Hq, 576]
     (qk_scale: the softmax scale times log2(e)); attention_triton's merge kernel reads them.
     With 3 stages or more a tile's scores overlap the softmax before them (OVERLAP)."""
-    if (block_n, stages) not in LAUNCH_SHAPES:
-        raise ValueError(
-            f"the Hopper MLA kernel runs {sorted(LAUNCH_SHAPES)} (keys a step, stages), got "
-            f"({block_n}, {stages}): others do not fit Hopper's shared memory or were never built"
-        )
+    check_launch(HEADS_PER_PROGRAM, block_n, NUM_WARPS.value, stages, 0)
     batch, num_heads = q.shape[0], q.shape[1]
     num_splits = part_lse.shape[2]
     grid = (num_heads // HEADS_PER_PROGRAM, num_splits, batch)

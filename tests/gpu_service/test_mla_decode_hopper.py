@@ -98,6 +98,21 @@ def test_hopper_kernel_compiles_for_sm90(tiles, partials):
     assert 0 < built["shared"] <= HOPPER_SHARED_MEMORY
 
 
+@pytest.mark.parametrize(
+    "tiles",
+    [at.Tiles(32, 64, 8, 2), at.Tiles(64, 64, 4, 2), at.Tiles(64, 64, 8, 3),
+     at.Tiles(64, 64, 8, 2, block_dv=256)],
+    ids=["32-heads", "4-warps", "n64s3", "value-blocks"],
+)  # fmt: skip
+def test_launch_shapes_the_kernel_does_not_run_are_refused(tiles):
+    hopper = at.mla_decode_hopper
+    with pytest.raises(ValueError, match="Hopper MLA kernel runs"):
+        hopper.check_launch(tiles.block_h, tiles.block_n, tiles.num_warps, tiles.num_stages,
+                            tiles.block_dv)  # fmt: skip
+    for t in SHAPES:
+        hopper.check_launch(t.block_h, t.block_n, t.num_warps, t.num_stages, t.block_dv)
+
+
 @needs_hopper
 @pytest.mark.parametrize("tiles", SHAPES, ids=lambda t: f"n{t.block_n}s{t.num_stages}")
 @pytest.mark.parametrize("name", list(CASES))
