@@ -100,14 +100,11 @@ def test_decode_matches_reference(name, dtype, seed):
     check(got, want, dtype)
 
 
-@pytest.mark.parametrize(
-    "name,block_dv", [("mla", 128), ("mla-fp8-bs16", 256), ("mha-odd-dims", 16), ("gqa-window", 32)]
-)
-def test_decode_in_value_blocks(name, block_dv, seed):
-    """Tiles.block_dv: each program of a head tile holds only block_dv value columns (MLA's
-    value then loaded apart from its key tile); the output is the whole attention."""
+def float32_decode_case(name, seed):
+    """DECODE_CASES[name] with float32 queries: (decode_with's positional arguments on DEVICE,
+    the float64 reference output)."""
     kv_lens, block_size, hq, hkv, d, dv, cache_dtype, mla, window = DECODE_CASES[name]
-    gen = torch.Generator().manual_seed(seed + block_dv)
+    gen = torch.Generator().manual_seed(seed)
     k_cache, v_cache, table, kv_len = make_case(gen, kv_lens, block_size, hkv, d, dv,
                                                 cache_dtype, mla)  # fmt: skip
     q = torch.randn(len(kv_lens), hq, d, generator=gen)
@@ -115,9 +112,18 @@ def test_decode_in_value_blocks(name, block_dv, seed):
     want = reference(q, k_cache, v_cache, table, cu, kv_len, block_size, d**-0.5, window)
     qd, kd, td, ld = to_device(q, k_cache, table, kv_len)
     vd = kd[..., :dv] if mla else v_cache.to(DEVICE)
+    return (qd, kd, vd, td, ld, block_size, d**-0.5, window), want
+
+
+@pytest.mark.parametrize(
+    "name,block_dv", [("mla", 128), ("mla-fp8-bs16", 256), ("mha-odd-dims", 16), ("gqa-window", 32)]
+)
+def test_decode_in_value_blocks(name, block_dv, seed):
+    """Tiles.block_dv: each program of a head tile holds only block_dv value columns (MLA's
+    value then loaded apart from its key tile); the output is the whole attention."""
+    args, want = float32_decode_case(name, seed + block_dv)
     tiles = at.Tiles(block_h=16, block_n=16, num_warps=4, num_stages=1, block_dv=block_dv)
-    got = at.decode_with(qd, kd, vd, td, ld, block_size, d**-0.5, window, tiles=tiles,
-                         num_splits=3)  # fmt: skip
+    got = at.decode_with(*args, tiles=tiles, num_splits=3)
     check(got, want, torch.float32)
 
 
@@ -138,16 +144,8 @@ def test_decode_splits_merge_exactly(num_splits, seed):
 def test_decode_partials_in_half_precision(partial_dtype, seed):
     """decode_with(partial_dtype=...): the splits' partial outputs stored halved (one rounding
     each, within the bf16 bound) and merged in float32; the MLA case, as its partials are big."""
-    kv_lens, block_size, hq, hkv, d, dv, cache_dtype, mla, window = DECODE_CASES["mla"]
-    gen = torch.Generator().manual_seed(seed + 5)
-    k_cache, v_cache, table, kv_len = make_case(gen, kv_lens, block_size, hkv, d, dv,
-                                                cache_dtype, mla)  # fmt: skip
-    q = torch.randn(len(kv_lens), hq, d, generator=gen)
-    cu = torch.arange(len(kv_lens) + 1, dtype=torch.int32)
-    want = reference(q, k_cache, v_cache, table, cu, kv_len, block_size, d**-0.5, window)
-    qd, kd, td, ld = to_device(q, k_cache, table, kv_len)
-    got = at.decode_with(qd, kd, kd[..., :dv], td, ld, block_size, d**-0.5, window,
-                         num_splits=3, partial_dtype=partial_dtype)  # fmt: skip
+    args, want = float32_decode_case("mla", seed + 5)
+    got = at.decode_with(*args, num_splits=3, partial_dtype=partial_dtype)
     assert got.dtype == torch.float32
     err = (got.cpu().double() - want).abs().max().item()
     assert err <= TOLERANCE[torch.bfloat16] * max(1.0, want.abs().max().item())
