@@ -7,7 +7,9 @@
 #          decode launch-shape sweep at 32k), then bench_mla_prefill at DeepSeek-V3 shapes
 #          (absorbed against expanded, 1k chunks at 4k and 32k)
 #   mla: the Hopper MLA decode kernel's CUDA tests, then MLA decode on it beside the Triton
-#        split kernel (both a row each; 16-token blocks as the server's; the 32k sweep of both)
+#        split kernel (both a row each; 16-token blocks as the server's; the 32k sweep of both),
+#        then one launch of each at batch 1 and 32k under Nsight Compute; with BASE (a tar of
+#        another commit's sources) that tree's bench and this one's, twice in turn
 # Logs go to $OUT (or ./gpu-host-out).
 #   usage: bash bench/gpu_host_attention.sh [tests|bench|mla|all]
 set -uo pipefail
@@ -33,10 +35,30 @@ fi
 if [ "$what" = mla ]; then
   cuda_tests "$out/tests-mla-hopper.log" 240 tests/gpu_service/test_mla_decode_hopper.py || rc=1
   say tests
-  timeout 330 python3 bench/bench_attention.py --shapes DeepSeek --no-prefill --block-size 16 \
-    --mla-kernels triton,hopper,hopper+bf16 --layers 8 --sweep \
-    --tiles "64,64,8,2;64,32,8,3;64,32,8,4" > "$out/bench-mla-decode.log" 2>&1 || rc=1
-  grep -v -E "^\s*$" "$out/bench-mla-decode.log" | tail -60
-  say mla-decode
+  mla_bench() {  # TREE NAME: MLA decode's kernels from that tree, the 32k sweep among them
+    (cd "$1" && PYTHONPATH="$1:$PYTHONPATH" timeout 200 python3 bench/bench_attention.py --shapes DeepSeek --no-prefill \
+      --block-size 16 --mla-kernels triton,hopper,hopper+bf16 --layers 8 --sweep \
+      --tiles "64,64,8,2;64,32,8,3;64,32,8,4") > "$out/bench-mla-decode-$2.log" 2>&1 || rc=1
+    grep -v -E "^\s*$" "$out/bench-mla-decode-$2.log" | tail -40
+    say "mla-decode $2"
+  }
+  if [ -n "${BASE:-}" ]; then  # a tar of another commit's sources: its kernels, in turn with these
+    rm -rf /tmp/attn-base && mkdir -p /tmp/attn-base && tar -xf "$BASE" -C /tmp/attn-base || rc=1
+    for round in 1 2; do mla_bench /tmp/attn-base "base-$round"; mla_bench "$PWD" "this-$round"; done
+  else
+    mla_bench "$PWD" this
+  fi
+  # where each kernel's time goes at batch 1, 32k: one launch of each split kernel under Nsight
+  # Compute (tensor pipe, memory, warp stalls); the merge kernel is not profiled
+  for kernel in triton:_decode_split_kernel hopper:_mla_split_kernel; do
+    timeout 150 ncu --clock-control none -k "${kernel#*:}" --launch-skip 3 --launch-count 1 \
+      --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section Occupancy python3 bench/bench_attention.py \
+      --shapes DeepSeek --no-prefill --block-size 16 --contexts 32768 --batches 1 --reps 3 \
+      --mla-kernels "${kernel%%:*}" > "$out/ncu-${kernel%%:*}.log" 2>&1 || rc=1
+    grep -E "split_kernel|Throughput|Pipe|Duration|Registers|Stall|Warp Cycles|Achieved" \
+      "$out/ncu-${kernel%%:*}.log" | head -40
+  done
+  say ncu
 fi
 exit $rc
