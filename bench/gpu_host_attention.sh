@@ -53,11 +53,14 @@ if [ "$what" = mla ]; then
   for kernel in triton:_decode_split_kernel hopper:_mla_split_kernel; do
     timeout 150 ncu --clock-control none -k "${kernel#*:}" --launch-skip 3 --launch-count 1 \
       --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      --section WarpStateStats --section Occupancy python3 bench/bench_attention.py \
+      --section WarpStateStats --section Occupancy \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      python3 bench/bench_attention.py \
       --shapes DeepSeek --no-prefill --block-size 16 --contexts 32768 --batches 1 --reps 3 \
       --mla-kernels "${kernel%%:*}" > "$out/ncu-${kernel%%:*}.log" 2>&1 || rc=1
-    grep -E "split_kernel|Throughput|Pipe|Duration|Registers|Stall|Warp Cycles|Achieved" \
-      "$out/ncu-${kernel%%:*}.log" | head -40
+    grep -E "split_kernel|Throughput|Pipe|Duration|Registers|Warp Cycles|Achieved" \
+      "$out/ncu-${kernel%%:*}.log" | head -24
+    grep -E "issue_stalled" "$out/ncu-${kernel%%:*}.log" | sort -k3 -n -r | head -8
   done
   say ncu
 fi
