@@ -553,9 +553,9 @@ HOPPER_MLA_TILES = Tiles(block_h=64, block_n=64, num_warps=8, num_stages=2)
 HOPPER_MLA_BY_DEFAULT = False
 
 
-def _hopper_takes(q, k_cache, group: int, v_from_k: bool, window, block_size: int) -> bool:
+def _hopper_takes(q, k_cache, group: int, v_from_k: bool, window) -> bool:
     return mla_decode_hopper is not None and mla_decode_hopper.takes(
-        q, k_cache, group, v_from_k, window, block_size
+        q, k_cache, group, v_from_k, window
     )
 
 
@@ -640,7 +640,7 @@ def decode_with(
     hopper = kernel == "hopper" or (
         kernel == "auto" and given_tiles is None and HOPPER_MLA_BY_DEFAULT
     )
-    hopper = hopper and _hopper_takes(q, k_cache, group, v_from_k, window, block_size)
+    hopper = hopper and _hopper_takes(q, k_cache, group, v_from_k, window)
     if kernel == "hopper" and not hopper:
         raise ValueError(
             "the Hopper MLA decode kernel takes bf16/fp16 MLA caches (576-wide latent rows read "

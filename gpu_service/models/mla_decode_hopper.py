@@ -10,25 +10,22 @@ key tile's copy only after this tile's products. Here the layouts and the pipeli
     per program: 64 heads of one sequence, one key range (a split), 8 warps = 2 warpgroups
     smem: Q [64, 512] + [64, 64] | STAGES x (keys [N, 512] + rope [N, 64]) | P [64, N]
     loop over key tiles i:
-        wait for tile i's mbarrier; clear its rows past the end (last tile); barrier
+        wait tile i's copies; barrier
+        issue tile i + STAGES - 1's copies (into the buffer tile i - 1 used)      <- overlaps below
         S [64, N] = Q K^T       warpgroup w scores keys w*N/2 .. (w+1)*N/2 (no duplicate work)
-        TMA tile i + STAGES - 1 (into the buffer tile i - 1 used)      <- overlaps the products
         online softmax over S (row max and sum across both warpgroups)
         P -> smem; O [64, 512] = O * alpha + P V   warpgroup w owns value columns w*256 ..
     store O / l and the log-sum-exp, as attention_triton's split kernel does; its merge follows.
 
 With 3 stages or more (OVERLAP), tile i + 1's Q K^T is issued before tile i's softmax and runs
-on the tensor cores while it does; each step then waits for tile i + 1.
+on the tensor cores while it does; each step then waits for tiles up to i + 1.
 
-Cache rows come by TMA, one thread issuing a box of min(block size, N) rows by 64 columns per
-cache block and column chunk (9 chunks: 8 latent, 1 rope), each block's id read from the table
-as it is issued (after the tile's Q K^T, which hides the read). The boxes land in the layout
-wgmma reads: a [N, 512] tile with 128-byte swizzle is 8 column chunks of [N, 64], so a box is a
-slice of rows of one chunk. Rows past a split's end score -inf; the last tile's value rows past
-it are zeroed, since p = 0 times an Inf or a NaN in them is NaN. Only bf16 / fp16 caches with
-queries of the same dtype, head groups that are multiples of 64 and power-of-two blocks of 8
-tokens or more take this path (attention_triton.decode_with decides); an fp8 cache must be
-upcast on load, which TMA cannot do.
+Block ids are loaded one tile ahead of the copies that use them, so no load latency sits between
+a tile's products and the next copy. Cache rows are gathered by cp.async through the block table
+(any block size); masked rows are zero-filled, so keys past a split's end score -inf and add 0.
+Only bf16 / fp16 caches with queries of the same dtype and head groups that are multiples of 64
+take this path (attention_triton.decode_with decides); an fp8 cache must be upcast on load, which
+cp.async cannot do.
 """
 
 from __future__ import annotations
@@ -39,17 +36,15 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
     fence_async_shared,
-    mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# NOTE: Triton 3.9 renamed Gluon's TMA load (tma.async_copy_global_to_shared) and CTA barrier
+# NOTE: Triton 3.9 renamed Gluon's cp.async copy (async_copy_global_to_shared) and CTA barrier
 # (thread_barrier); the GPU host's torch ships Triton 3.6, CI installs the newest
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 # (keys a step, stages) built for sm_90 (tests/gpu_service/test_mla_decode_hopper.py); 64 keys
@@ -57,11 +52,9 @@ _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 LAUNCH_SHAPES = frozenset({(64, 2), (32, 2), (32, 3), (32, 4)})
 HEADS_PER_PROGRAM = 64
 HEAD_DIM = 576  # latent 512 + rope 64
-CHUNK = 64  # columns a TMA box carries: 128 bytes, the width of the shared tiles' swizzle
 # the kernels' constants
 LATENT = gl.constexpr(512)
 ROPE = gl.constexpr(64)
-COLS = gl.constexpr(CHUNK)
 BLOCK_H = gl.constexpr(HEADS_PER_PROGRAM)
 NUM_WARPS = gl.constexpr(8)
 
@@ -71,9 +64,7 @@ def supported_device(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def takes(
-    q: torch.Tensor, k_cache: torch.Tensor, group: int, v_from_k: bool, window, block_size: int
-) -> bool:
+def takes(q: torch.Tensor, k_cache: torch.Tensor, group: int, v_from_k: bool, window) -> bool:
     """Whether this kernel serves a decode call (else attention_triton's split kernel does)."""
     return (
         v_from_k
@@ -84,55 +75,45 @@ def takes(
         and q.dtype in (torch.bfloat16, torch.float16)
         and k_cache.dtype == q.dtype
         and k_cache.stride(-1) == 1
-        and (k_cache.stride(0) * k_cache.element_size()) % 16 == 0
-        and k_cache.data_ptr() % 16 == 0
-        and block_size >= 8
-        and block_size & (block_size - 1) == 0
         and q.stride(-1) == 1
         and supported_device(q.device)
     )
 
 
 @gluon.jit
-def _issue_tile(desc, keys_tile, rope_tile, bar, block_row, key0, end, issue,
-                BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
-    """TMA the cache rows of keys key0 .. key0 + BLOCK_N - 1 into a stage's tiles, a box of ROWS
-    rows by 64 columns at a time (their block's ids looked up here), all counted on `bar`; nothing
-    where not `issue`. Rows past `end` read block 0 (_zero_past_end clears them before P V)."""
-    mbarrier.expect(bar, BLOCK_N * (LATENT + ROPE) * desc.dtype.primitive_bitwidth // 8, issue)
-    for j in gl.static_range(BLOCK_N // ROWS):
-        key = key0 + j * ROWS
-        block = gl.load(block_row + key // BLOCK_SIZE, mask=issue & (key < end), other=0)
-        row = block * BLOCK_SIZE + key % BLOCK_SIZE
-        for c in gl.static_range(LATENT // COLS):
-            box = keys_tile.slice(c * COLS, COLS, dim=1).slice(j * ROWS, ROWS)
-            _tma_load(desc, [row, c * COLS], bar, box, issue)
-        _tma_load(desc, [row, LATENT], bar, rope_tile.slice(j * ROWS, ROWS), issue)
+def _issue_tile(
+    keys_buf,
+    rope_buf,
+    cache,
+    stride_cs,
+    blocks_n,
+    blocks_r,
+    key0,
+    end,
+    block_size,
+    BLOCK_N: gl.constexpr,
+    LOAD_N: gl.constexpr,
+    LOAD_R: gl.constexpr,
+):
+    """cp.async the cache rows of keys key0 .. key0 + BLOCK_N - 1 (their blocks' ids given, one
+    copy per layout) into the stage's buffers; rows at or past `end` are zero-filled."""
+    keys_n = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD_N))
+    slot_n = blocks_n.to(gl.int64) * block_size + keys_n % block_size
+    cols_n = gl.arange(0, LATENT, layout=gl.SliceLayout(0, LOAD_N))
+    ptr_n = cache + slot_n[:, None] * stride_cs + cols_n[None, :]
+    _async_load(keys_buf, ptr_n, mask=(keys_n < end)[:, None])
+    keys_r = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD_R))
+    slot_r = blocks_r.to(gl.int64) * block_size + keys_r % block_size
+    cols_r = LATENT + gl.arange(0, ROPE, layout=gl.SliceLayout(0, LOAD_R))
+    ptr_r = cache + slot_r[:, None] * stride_cs + cols_r[None, :]
+    _async_load(rope_buf, ptr_r, mask=(keys_r < end)[:, None])
+    async_copy.commit_group()
 
 
 @gluon.jit
-def _zero_past_end(keys_tile, key0, end, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
-    """Zero the value rows of keys at or past `end` (another sequence's or never written): they
-    add p = 0 times themselves to O, which is NaN where they hold an Inf or a NaN."""
-    keep = (key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))) < end
-    for c in gl.static_range(LATENT // COLS):
-        chunk = keys_tile.slice(c * COLS, COLS, dim=1)
-        rows = chunk.load(LAYOUT)
-        chunk.store(gl.where(keep[:, None], rows, gl.zeros_like(rows)))
-
-
-@gluon.jit
-def _tile_ready(keys_buf, bars, t, num_tiles, start, end, STAGES: gl.constexpr,
-                BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):  # fmt: skip
-    """Wait for tile t's copies (where it exists), clear its rows past the end, then every
-    thread's view of it visible to the tensor cores' proxy. NOTE: the barrier also retires the
-    products issued before it, so a buffer they read may be overwritten by copies issued after."""
-    mbarrier.wait(bars.index(t % STAGES), (t // STAGES) & 1, t < num_tiles)
-    key0 = start + t * BLOCK_N
-    if (t < num_tiles) & (key0 + BLOCK_N > end):
-        _zero_past_end(keys_buf.index(t % STAGES), key0, end, BLOCK_N, LAYOUT)
-        fence_async_shared()
-    _cta_barrier()
+def _block_ids(block_row, key0, end, block_size, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    keys = key0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LAYOUT))
+    return gl.load(block_row + keys // block_size, mask=keys < end, other=0)
 
 
 @gluon.jit
@@ -159,15 +140,28 @@ def _softmax_step(scores, m_i, l_i, key0, end, qk_scale, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _prefetch(desc, keys_buf, rope_buf, bars, block_row, i, num_tiles, start, end,
-              BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr,
-              STAGES: gl.constexpr):  # fmt: skip
-    """At tile i: issue tile i + STAGES - 1's copies, into the stage tile i - 1 used."""
-    ahead = i + STAGES - 1
-    stage = ahead % STAGES
-    _issue_tile(desc, keys_buf.index(stage), rope_buf.index(stage), bars.index(stage),
-                block_row, start + ahead * BLOCK_N, end, ahead < num_tiles, BLOCK_SIZE, BLOCK_N,
-                ROWS)  # fmt: skip
+def _tiles_landed(NUM_OUTSTANDING: gl.constexpr):
+    """This thread's copies done but the newest NUM_OUTSTANDING groups, then every thread's,
+    visible to the tensor cores' proxy. NOTE: the barrier also retires the products issued
+    before it, so a buffer they read may be overwritten by the copies issued after it."""
+    async_copy.wait_group(NUM_OUTSTANDING)
+    _cta_barrier()
+    fence_async_shared()
+
+
+@gluon.jit
+def _prefetch(keys_buf, rope_buf, cache, stride_cs, block_row, blocks_n, blocks_r, i, start,
+              end, block_size, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              LOAD_N: gl.constexpr, LOAD_R: gl.constexpr):  # fmt: skip
+    """At tile i: issue tile i + STAGES - 1's copies (into tile i - 1's buffer; its block ids
+    given) and load the block ids of the tile after it."""
+    ahead = start + (i + STAGES - 1) * BLOCK_N
+    stage = (i + STAGES - 1) % STAGES
+    _issue_tile(keys_buf.index(stage), rope_buf.index(stage), cache, stride_cs, blocks_n,
+                blocks_r, ahead, end, block_size, BLOCK_N, LOAD_N, LOAD_R)  # fmt: skip
+    blocks_n = _block_ids(block_row, ahead + BLOCK_N, end, block_size, BLOCK_N, LOAD_N)
+    blocks_r = _block_ids(block_row, ahead + BLOCK_N, end, block_size, BLOCK_N, LOAD_R)
+    return blocks_n, blocks_r
 
 
 @gluon.jit
@@ -185,22 +179,23 @@ def _accumulate(acc, p, alpha, p_smem, values, O_LAYOUT: gl.constexpr):
                               "stride_lh", "num_splits"))  # fmt: skip
 def _mla_split_kernel(
     q,
-    cache_desc,
+    cache,
     block_table,
     kv_len,
     part_out,
     part_lse,
     stride_qb,
     stride_qh,
+    stride_cs,
     stride_bt,
     stride_pb,
     stride_ph,
     stride_ps,
     stride_lb,
     stride_lh,
+    block_size,
     qk_scale,
     num_splits,
-    BLOCK_SIZE: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
     OVERLAP: gl.constexpr,
@@ -209,7 +204,6 @@ def _mla_split_kernel(
     LOAD_R: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, BLOCK_N // 2, 16])
     O_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout([3, 0], [4, 2], [16, LATENT // 2, 16])
-    ROWS: gl.constexpr = BLOCK_N if BLOCK_N < BLOCK_SIZE else BLOCK_SIZE  # a TMA box's rows
     dtype: gl.constexpr = q.dtype.element_ty
     SMEM_N: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, LATENT], dtype)
     SMEM_R: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dtype)
@@ -222,19 +216,19 @@ def _mla_split_kernel(
     per_split = gl.cdiv(gl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = gl.minimum(start + per_split, n)
-    num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     block_row = block_table + b * stride_bt
 
     keys_buf = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, LATENT], SMEM_N)
     rope_buf = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, ROPE], SMEM_R)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(bars.index(s), count=1)
-    fence_async_shared()
     for s in gl.static_range(STAGES - 1):
-        _issue_tile(cache_desc, keys_buf.index(s), rope_buf.index(s), bars.index(s), block_row,
-                    start + s * BLOCK_N, end, s < num_tiles, BLOCK_SIZE, BLOCK_N,
-                    ROWS)  # fmt: skip
+        key0 = start + s * BLOCK_N
+        blocks_n = _block_ids(block_row, key0, end, block_size, BLOCK_N, LOAD_N)
+        blocks_r = _block_ids(block_row, key0, end, block_size, BLOCK_N, LOAD_R)
+        _issue_tile(keys_buf.index(s), rope_buf.index(s), cache, stride_cs, blocks_n, blocks_r,
+                    key0, end, block_size, BLOCK_N, LOAD_N, LOAD_R)  # fmt: skip
+    ahead = start + (STAGES - 1) * BLOCK_N
+    next_n = _block_ids(block_row, ahead, end, block_size, BLOCK_N, LOAD_N)
+    next_r = _block_ids(block_row, ahead, end, block_size, BLOCK_N, LOAD_R)
 
     heads = tile * BLOCK_H + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, LOAD_N))
     q_rows = q + b * stride_qb + heads[:, None] * stride_qh
@@ -249,40 +243,42 @@ def _mla_split_kernel(
     acc = gl.zeros([BLOCK_H, LATENT], gl.float32, O_LAYOUT)
     m_i = gl.full([BLOCK_H], float("-inf"), gl.float32, gl.SliceLayout(1, S_LAYOUT))
     l_i = gl.zeros([BLOCK_H], gl.float32, gl.SliceLayout(1, S_LAYOUT))
+    num_tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
     if OVERLAP:
         # NOTE: tile i + 1's scores run on the tensor cores while tile i's softmax runs: the
-        # loop enters with tile 0's scores, and each step waits for tile i + 1 (so 3 stages at
-        # least: i's buffer for P V, i + 1's for Q K^T, one loading)
-        fence_async_shared()
-        _tile_ready(keys_buf, bars, 0, num_tiles, start, end, STAGES, BLOCK_N, LOAD_N)
+        # loop enters with tile 0's scores, and each step waits for tiles up to i + 1 (so 3
+        # stages at least: i's buffer for P V, i + 1's for Q K^T, one loading)
+        _tiles_landed(STAGES - 2)
         scores_next = _scores(q_n_smem, q_r_smem, keys_buf.index(0), rope_buf.index(0),
                               BLOCK_H, BLOCK_N, S_LAYOUT)  # fmt: skip
         scores_next = warpgroup_mma_wait(0, deps=[scores_next])
         for i in range(num_tiles):
-            _tile_ready(keys_buf, bars, i + 1, num_tiles, start, end, STAGES, BLOCK_N, LOAD_N)
+            _tiles_landed(STAGES - 3)
+            next_n, next_r = _prefetch(keys_buf, rope_buf, cache, stride_cs, block_row, next_n,
+                                       next_r, i, start, end, block_size, BLOCK_N, STAGES,
+                                       LOAD_N, LOAD_R)  # fmt: skip
             scores = scores_next
             scores_next = _scores(q_n_smem, q_r_smem, keys_buf.index((i + 1) % STAGES),
                                   rope_buf.index((i + 1) % STAGES), BLOCK_H, BLOCK_N,
                                   S_LAYOUT)  # fmt: skip
-            _prefetch(cache_desc, keys_buf, rope_buf, bars, block_row, i, num_tiles, start, end,
-                      BLOCK_SIZE, BLOCK_N, ROWS, STAGES)  # fmt: skip
             p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i, start + i * BLOCK_N, end,
                                                qk_scale, BLOCK_N, S_LAYOUT)  # fmt: skip
             acc = _accumulate(acc, p, alpha, p_smem, keys_buf.index(i % STAGES), O_LAYOUT)
             scores_next, acc = warpgroup_mma_wait(0, deps=[scores_next, acc])
     else:
-        fence_async_shared()
         for i in range(num_tiles):
-            _tile_ready(keys_buf, bars, i, num_tiles, start, end, STAGES, BLOCK_N, LOAD_N)
+            _tiles_landed(STAGES - 2)  # tile i's
+            next_n, next_r = _prefetch(keys_buf, rope_buf, cache, stride_cs, block_row, next_n,
+                                       next_r, i, start, end, block_size, BLOCK_N, STAGES,
+                                       LOAD_N, LOAD_R)  # fmt: skip
             scores = _scores(q_n_smem, q_r_smem, keys_buf.index(i % STAGES),
                              rope_buf.index(i % STAGES), BLOCK_H, BLOCK_N, S_LAYOUT)  # fmt: skip
-            _prefetch(cache_desc, keys_buf, rope_buf, bars, block_row, i, num_tiles, start, end,
-                      BLOCK_SIZE, BLOCK_N, ROWS, STAGES)  # fmt: skip
             scores = warpgroup_mma_wait(0, deps=[scores])
             p, alpha, m_i, l_i = _softmax_step(scores, m_i, l_i, start + i * BLOCK_N, end,
                                                qk_scale, BLOCK_N, S_LAYOUT)  # fmt: skip
             acc = _accumulate(acc, p, alpha, p_smem, keys_buf.index(i % STAGES), O_LAYOUT)
             acc = warpgroup_mma_wait(0, deps=[acc])
+    async_copy.wait_group(0)
 
     seen = l_i > 0
     lse = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
@@ -333,19 +329,9 @@ def split_launch(
     num_splits = part_lse.shape[2]
     grid = (num_heads // HEADS_PER_PROGRAM, num_splits, batch)
     _mla_split_kernel[grid](
-        q, cache_descriptor(k_cache, block_size, block_n), block_table, kv_len, part_out,
-        part_lse, q.stride(0), q.stride(1), block_table.stride(0),
-        *part_out.stride()[:3], *part_lse.stride()[:2], qk_scale, num_splits,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, STAGES=stages, OVERLAP=stages >= 3,
-        num_warps=NUM_WARPS.value,
+        q, k_cache, block_table, kv_len, part_out, part_lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), block_table.stride(0),
+        *part_out.stride()[:3], *part_lse.stride()[:2],
+        block_size, qk_scale, num_splits,
+        BLOCK_N=block_n, STAGES=stages, OVERLAP=stages >= 3, num_warps=NUM_WARPS.value,
     )  # fmt: skip
-
-
-def cache_descriptor(k_cache: torch.Tensor, block_size: int, block_n: int) -> TensorDescriptor:
-    """The TMA descriptor of the latent cache [slots, 1, 576] as rows of 576, copied a box of
-    min(block_size, block_n) rows by 64 columns at a time."""
-    rows = k_cache[:, 0]
-    box = [min(block_size, block_n), CHUNK]
-    dtype = gl.bfloat16 if k_cache.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(box, dtype)
-    return TensorDescriptor(rows, list(rows.shape), list(rows.stride()), box, layout)
