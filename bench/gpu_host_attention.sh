@@ -36,8 +36,8 @@ if [ "$what" = mla ]; then
   cuda_tests "$out/tests-mla-hopper.log" 240 tests/gpu_service/test_mla_decode_hopper.py || rc=1
   say tests
   mla_bench() {  # TREE NAME: MLA decode's kernels from that tree, the 32k sweep among them
-    (cd "$1" && PYTHONPATH="$1:$PYTHONPATH" timeout 200 python3 bench/bench_attention.py --shapes DeepSeek --no-prefill \
-      --block-size 16 --mla-kernels triton,hopper,hopper+bf16 --layers 8 --sweep \
+    (cd "$1" && PYTHONPATH="$1:$PYTHONPATH" timeout 200 python3 bench/bench_attention.py \
+      --shapes DeepSeek --no-prefill --block-size 16 --mla-kernels triton,hopper,hopper+bf16 --layers 8 --sweep \
       --tiles "64,64,8,2;64,32,8,3;64,32,8,4") > "$out/bench-mla-decode-$2.log" 2>&1 || rc=1
     grep -v -E "^\s*$" "$out/bench-mla-decode-$2.log" | tail -40
     say "mla-decode $2"
