@@ -548,9 +548,9 @@ def _check_cache(q, k_cache, v_cache, block_table, kv_len, block_size, window) -
 
 # the Hopper MLA kernel's launch shape: 64 heads, 64 keys a step, 8 warps, 2 stages
 HOPPER_MLA_TILES = Tiles(block_h=64, block_n=64, num_warps=8, num_stages=2)
-# NOTE: off until measured on the H200: on an H100 (2026-12-05) its CUDA tests passed and it ran
-# 1.18-1.67x this module's split kernel (README), but the issue's bound is the H200's
-HOPPER_MLA_BY_DEFAULT = False
+# "auto" takes it where it serves: 1.18-1.67x this module's split kernel on an H100 and 1.19-1.63x
+# on an H200 (2026-12-05, both with its CUDA tests passing; README)
+HOPPER_MLA_BY_DEFAULT = True
 
 
 def _hopper_takes(q, k_cache, group: int, v_from_k: bool, window) -> bool:
@@ -609,8 +609,8 @@ def decode_with(
 ) -> torch.Tensor:
     """paged_decode with the launch shape chosen by the caller (benchmarks, tests). kernel:
     "auto" or "triton" (this module's split kernel), or "hopper" (mla_decode_hopper's, or a
-    ValueError where it cannot serve the call). NOTE: "auto" takes the Hopper kernel only once
-    it has been measured faster on a Hopper GPU (HOPPER_MLA_BY_DEFAULT). partial_dtype: the
+    ValueError where it cannot serve the call). "auto" takes the Hopper kernel where it serves
+    and no tiles are given (HOPPER_MLA_BY_DEFAULT), else the split kernel. partial_dtype: the
     splits' normalized partial outputs, written and read back by the merge (MLA at batch 1 and
     32k: 16.8 MB each way in float32 against 37.7 MB of cache; bf16 / fp16 halve it, adding one
     rounding of each partial); their log-sum-exps stay float32."""
