@@ -9,14 +9,16 @@
 //   real        dot_int4 as the kernel calls it (tile configuration included)
 //   all         the four parts, in the pass's order (this probe's copy of the pass)
 //   late-store  all, with a step's C stored after the next step's products
+//   packed-A    all, with the tokens' activations as [K/32][16][32] (a group's A tile one
+//               contiguous 512 bytes) instead of 16 rows K bytes apart; packed+late: both
 //   -fold, -unpack, -store, -products   the pass without that part
 //   products    tile loads and products alone (B from a block unpacked once)
 //   unpack, fold                        that part alone
 //   int8        dot_int8 over the same K at 16 tokens (one tile product a 64-wide K step)
-// Each row: ns per step (two groups of 32 by 16 tokens) and per call, with the block in cache
-// (one block reused) and streamed (blocks walked through a buffer past the L3), one thread, then
-// the streamed figure with every thread running its own copy at once.
-//   usage: probe_amx_int4 [K] [threads]
+// Each row: ns per step (two groups of 32 by 16 tokens), with the block in cache (one block
+// reused) and streamed (blocks walked through a buffer past the L3), one thread, then the streamed
+// figure with every thread running its own copy at once; the variants take turns, round by round.
+//   usage: probe_amx_int4 [K (7168)] [threads (15)] [rounds (3)]
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -42,17 +44,19 @@ using Clock = std::chrono::steady_clock;
   _tile_zero(CA);                               \
   _tile_zero(CB);                               \
   _tile_loadd(4, b, 64);                        \
-  _tile_loadd(6, x + g * 32, ldx);              \
+  _tile_loadd(6, x + g * a_step, a_stride);     \
   _tile_dpbssd(CA, 6, 4);                       \
   _tile_loadd(5, b + 512, 64);                  \
-  _tile_loadd(7, x + (g + 1) * 32, ldx);        \
+  _tile_loadd(7, x + (g + 1) * a_step, a_stride); \
   _tile_dpbssd(CB, 7, 5);
 
 // The pass of ktk_amx.cpp at 16 tokens (NC == 1), each part switched by a flag; B tiles from
 // `fixed` where UNPACK is off.
-template <bool UNPACK, bool PRODUCTS, bool STORE, bool FOLD, bool LATE = false>
+// PACKED: x as [K/32][16 tokens][32] (a group's A tile 512 contiguous bytes) instead of rows of K
+template <bool UNPACK, bool PRODUCTS, bool STORE, bool FOLD, bool LATE = false, bool PACKED = false>
 void pass(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
           const int8_t* fixed, float* out) {
+  const long a_step = PACKED ? 512 : 32, a_stride = PACKED ? 32 : ldx;
   alignas(64) int8_t bq[2][1024];
   alignas(64) int32_t c[3][2][256] = {};
   __m512 acc[16];
@@ -118,6 +122,7 @@ struct Data {
   std::vector<float> ws;       // [16]
   std::vector<int32_t> wsum;   // [16]
   std::vector<int8_t> x;       // [32][K] (16 rows past the tokens: the tile-load padding)
+  std::vector<int8_t> xp;      // x's 16 tokens as [K/32][16][32]
   std::vector<float> xs;       // [32]
   std::vector<int32_t> xg;     // [32][K/32]
   std::vector<int8_t> fixed;   // one step's B tiles
@@ -132,6 +137,9 @@ struct Data {
     wsum.assign(16, 0);
     x.resize(32 * size_t(K));
     fill(x.data(), x.size(), seed + 2);
+    xp.resize(16 * size_t(K));
+    for (int g = 0; g < K / 32; ++g)
+      for (int t = 0; t < 16; ++t) std::memcpy(&xp[(size_t(g) * 16 + t) * 32], &x[size_t(t) * K + g * 32], 32);
     xs.assign(32, 1.0f);
     xg.assign(32 * size_t(K / 32), 0);
     fixed.resize(1024);
@@ -152,9 +160,10 @@ struct Data {
   const int8_t* w8_block(size_t j) const { return w8.data() + j * size_t(K) * 16; }
 };
 
-enum Variant { kReal, kAll, kLate, kNoFold, kNoUnpack, kNoStore, kNoProducts, kProducts, kUnpack, kFold,
+enum Variant { kReal, kAll, kLate, kPacked, kPackedLate, kNoFold, kNoUnpack, kNoStore, kNoProducts, kProducts, kUnpack, kFold,
                kInt8, kVariants };
-const char* const kNames[kVariants] = {"real", "all", "late-store", "-fold", "-unpack", "-store", "-products",
+const char* const kNames[kVariants] = {"real", "all", "late-store", "packed-A", "packed+late",
+                                       "-fold", "-unpack", "-store", "-products",
                                        "products", "unpack", "fold", "int8"};
 
 void call(Variant v, const Data& d, size_t j, float* out) {
@@ -176,6 +185,8 @@ void call(Variant v, const Data& d, size_t j, float* out) {
   switch (v) {
     case kAll: pass<true, true, true, true>(w, gs, K, x, K, f, out); break;
     case kLate: pass<true, true, true, true, true>(w, gs, K, x, K, f, out); break;
+    case kPacked: pass<true, true, true, true, false, true>(w, gs, K, d.xp.data(), K, f, out); break;
+    case kPackedLate: pass<true, true, true, true, true, true>(w, gs, K, d.xp.data(), K, f, out); break;
     case kNoFold: pass<true, true, true, false>(w, gs, K, x, K, f, out); break;
     case kNoUnpack: pass<false, true, true, true>(w, gs, K, x, K, f, out); break;
     case kNoStore: pass<true, true, false, true>(w, gs, K, x, K, f, out); break;
@@ -211,8 +222,9 @@ int main(int argc, char** argv) {
   using namespace probe;
   const int K = argc > 1 ? std::atoi(argv[1]) : 7168;
   const int threads = argc > 2 ? std::atoi(argv[2]) : 15;
-  if (K <= 0 || K % 64) {
-    std::fprintf(stderr, "K must be a positive multiple of 64\n");
+  const int rounds = argc > 3 ? std::atoi(argv[3]) : 3;
+  if (K <= 0 || K % 64 || threads <= 0 || rounds <= 0) {
+    std::fprintf(stderr, "usage: probe_amx_int4 [K: a multiple of 64] [threads > 0] [rounds > 0]\n");
     return 2;
   }
   if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) {
@@ -233,31 +245,51 @@ int main(int argc, char** argv) {
     for (auto& th : init) th.join();
   }
   const Data& one = *per_thread[threads];
-  std::printf("%-10s | %12s | %12s | %12s | %12s | %14s\n", "variant", "cache ns/step",
-              "cache us/call", "stream ns/st", "stream us/c", "x threads ns/st");
+  // rounds: every variant once a round, in turn, so a machine's drift hits them alike; medians
+  struct Cell {
+    double cache, stream, all;
+  };
+  std::vector<std::vector<Cell>> cells(kVariants);
+  for (int round = 0; round < rounds; ++round)
+    for (int v = 0; v < kVariants; ++v) {
+      const Variant var = Variant(v);
+      Cell c;
+      c.cache = time_calls(var, one, false, 200, 5) / steps;
+      c.stream = time_calls(var, one, true, 1000, 3) / steps;
+      std::vector<double> each(threads);
+      std::atomic<int> ready{0};
+      std::vector<std::thread> pool;
+      for (int t = 0; t < threads; ++t)
+        pool.emplace_back([&, t] {
+          syscall(SYS_arch_prctl, 0x1023, 18);
+          ready.fetch_add(1);
+          while (ready.load() < threads) {
+          }
+          each[t] = time_calls(var, *per_thread[t], true, 1000, 3);
+        });
+      for (auto& th : pool) th.join();
+      std::sort(each.begin(), each.end());
+      c.all = each[threads / 2] / steps;
+      cells[v].push_back(c);
+    }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  std::printf("%-11s | %13s | %13s | %15s | %15s\n", "variant", "cache ns/step", "stream ns/st",
+              "threads ns/step", "threads min-max");
   for (int v = 0; v < kVariants; ++v) {
-    const Variant var = Variant(v);
-    const double cache = time_calls(var, one, false, 200, 7);
-    const double stream = time_calls(var, one, true, 1000, 5);
-    std::vector<double> each(threads);
-    std::atomic<int> ready{0};
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] {
-        syscall(SYS_arch_prctl, 0x1023, 18);
-        ready.fetch_add(1);
-        while (ready.load() < threads) {
-        }
-        each[t] = time_calls(var, *per_thread[t], true, 1000, 5);
-      });
-    for (auto& th : pool) th.join();
-    std::sort(each.begin(), each.end());
-    std::printf("%-10s | %12.1f | %12.2f | %12.1f | %12.2f | %14.1f\n", kNames[v], cache / steps,
-                cache / 1e3, stream / steps, stream / 1e3, each[threads / 2] / steps);
+    std::vector<double> cache, stream, all;
+    for (const Cell& c : cells[v]) cache.push_back(c.cache), stream.push_back(c.stream),
+        all.push_back(c.all);
+    std::printf("%-11s | %13.1f | %13.1f | %15.1f | %7.1f-%-7.1f\n", kNames[v], median(cache),
+                median(stream), median(all), *std::min_element(all.begin(), all.end()),
+                *std::max_element(all.begin(), all.end()));
   }
   std::printf("ns/step: a call's time over its K/64 steps (two groups of 32 by 16 tokens; int8: "
-              "one 64-wide tile product); x threads: the median thread's streamed figure with %d "
-              "threads at once\n", threads);
+              "one 64-wide tile product), the median of %d rounds; threads: the median thread's "
+              "streamed figure with %d threads at once, and its range over the rounds\n", rounds,
+              threads);
   for (auto* d : per_thread) delete d;
   return 0;
 }

@@ -2,7 +2,7 @@
 # Builds bench/probe_amx_int4.cpp against this tree's ktk_amx.cpp (setup.py's flags for it) and
 # runs it at DeepSeek-V3's gate/up and down K (7168, 2048) and Qwen3-30B-A3B's (2048, 768): where
 # an int4 AMX pass's time goes, part by part. Needs AMX (the GPU host).
-#   usage: bash bench/probe_amx_int4.sh [THREADS (15)] [K ...]
+#   usage: [ROUNDS=3] bash bench/probe_amx_int4.sh [THREADS (15)] [K ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 flags=$(python3 -c 'import ast, re, sys
@@ -16,5 +16,5 @@ shift || true
 ks=("$@")
 [ ${#ks[@]} -gt 0 ] || ks=(7168 2048 768)
 for k in "${ks[@]}"; do
-  "$bin" "$k" "$threads"
+  "$bin" "$k" "$threads" "${ROUNDS:-3}"
 done
