@@ -11,7 +11,7 @@
 //   late-store  all, with a step's C stored after the next step's products
 //   packed-A    all, with the tokens' activations as [K/32][16][32] (a group's A tile one
 //               contiguous 512 bytes) instead of 16 rows K bytes apart; packed+late: both
-//   -fold, -unpack, -store, -products   the pass without that part
+//   -fold, -unpack, -store, -products   the pass without that part (-products: no C stores either)
 //   products    tile loads and products alone (B from a block unpacked once)
 //   unpack, fold                        that part alone
 //   int8        dot_int8 over the same K at 16 tokens (one tile product a 64-wide K step)
@@ -39,6 +39,9 @@ extern "C" const ktk_ops* ktk_ops_avx512(void) { return nullptr; }
 namespace probe {
 
 using Clock = std::chrono::steady_clock;
+constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl: AMX's state
+
+bool amx_permitted() { return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0; }
 
 #define PROBE_PRODUCTS(CA, CB)                  \
   _tile_zero(CA);                               \
@@ -126,7 +129,7 @@ struct Data {
   std::vector<float> xs;       // [32]
   std::vector<int32_t> xg;     // [32][K/32]
   std::vector<int8_t> fixed;   // one step's B tiles
-  std::vector<float> out;      // [32][16]
+  mutable std::vector<float> out;  // [32][16]: every call's scratch output
   Data(int k, size_t nblocks, uint64_t seed) : K(k), blocks(nblocks) {
     w4.resize(blocks * (K / 32) * 256);
     fill(w4.data(), w4.size(), seed);
@@ -139,7 +142,8 @@ struct Data {
     fill(x.data(), x.size(), seed + 2);
     xp.resize(16 * size_t(K));
     for (int g = 0; g < K / 32; ++g)
-      for (int t = 0; t < 16; ++t) std::memcpy(&xp[(size_t(g) * 16 + t) * 32], &x[size_t(t) * K + g * 32], 32);
+      for (int t = 0; t < 16; ++t)
+        std::memcpy(&xp[(size_t(g) * 16 + t) * 32], &x[size_t(t) * K + g * 32], 32);
     xs.assign(32, 1.0f);
     xg.assign(32 * size_t(K / 32), 0);
     fixed.resize(1024);
@@ -160,8 +164,8 @@ struct Data {
   const int8_t* w8_block(size_t j) const { return w8.data() + j * size_t(K) * 16; }
 };
 
-enum Variant { kReal, kAll, kLate, kPacked, kPackedLate, kNoFold, kNoUnpack, kNoStore, kNoProducts, kProducts, kUnpack, kFold,
-               kInt8, kVariants };
+enum Variant { kReal, kAll, kLate, kPacked, kPackedLate, kNoFold, kNoUnpack, kNoStore,
+               kNoProducts, kProducts, kUnpack, kFold, kInt8, kVariants };
 const char* const kNames[kVariants] = {"real", "all", "late-store", "packed-A", "packed+late",
                                        "-fold", "-unpack", "-store", "-products",
                                        "products", "unpack", "fold", "int8"};
@@ -185,8 +189,10 @@ void call(Variant v, const Data& d, size_t j, float* out) {
   switch (v) {
     case kAll: pass<true, true, true, true>(w, gs, K, x, K, f, out); break;
     case kLate: pass<true, true, true, true, true>(w, gs, K, x, K, f, out); break;
-    case kPacked: pass<true, true, true, true, false, true>(w, gs, K, d.xp.data(), K, f, out); break;
-    case kPackedLate: pass<true, true, true, true, true, true>(w, gs, K, d.xp.data(), K, f, out); break;
+    case kPacked: pass<true, true, true, true, false, true>(w, gs, K, d.xp.data(), K, f, out);
+      break;
+    case kPackedLate: pass<true, true, true, true, true, true>(w, gs, K, d.xp.data(), K, f, out);
+      break;
     case kNoFold: pass<true, true, true, false>(w, gs, K, x, K, f, out); break;
     case kNoUnpack: pass<false, true, true, true>(w, gs, K, x, K, f, out); break;
     case kNoStore: pass<true, true, false, true>(w, gs, K, x, K, f, out); break;
@@ -199,14 +205,15 @@ void call(Variant v, const Data& d, size_t j, float* out) {
   _tile_release();
 }
 
-// ns per call: median of `reps` timings of `calls` calls each, walking `stride` blocks apart
+// ns per call: the median of `reps` timings of `calls` calls each (after one more as a warm-up),
+// on one block (cache) or on the next block each call (stream)
 double time_calls(Variant v, const Data& d, bool stream, int calls, int reps) {
   std::vector<double> t;
   size_t j = 0;
   for (int r = 0; r < reps + 1; ++r) {
     auto t0 = Clock::now();
     for (int i = 0; i < calls; ++i) {
-      call(v, d, stream ? j : 0, const_cast<float*>(d.out.data()));
+      call(v, d, stream ? j : 0, d.out.data());
       if (++j == d.blocks) j = 0;
     }
     double ns = std::chrono::duration<double, std::nano>(Clock::now() - t0).count() / calls;
@@ -224,19 +231,21 @@ int main(int argc, char** argv) {
   const int threads = argc > 2 ? std::atoi(argv[2]) : 15;
   const int rounds = argc > 3 ? std::atoi(argv[3]) : 3;
   if (K <= 0 || K % 64 || threads <= 0 || rounds <= 0) {
-    std::fprintf(stderr, "usage: probe_amx_int4 [K: a multiple of 64] [threads > 0] [rounds > 0]\n");
+    std::fprintf(stderr,
+                 "usage: probe_amx_int4 [K: a multiple of 64] [threads > 0] [rounds > 0]\n");
     return 2;
   }
-  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) {
+  if (!amx_permitted()) {  // for the whole process: the pool's threads too
     std::fprintf(stderr, "AMX not permitted on this machine\n");
     return 1;
   }
-  // streamed: enough int4 blocks that one thread's walk passes the 300 MB L3 (int8: twice the bytes)
+  // streamed: enough int4 blocks that one thread's walk passes the 300 MB L3 (int8: twice that)
   const size_t stream_bytes = size_t(512) << 20;
   const size_t blocks = std::max<size_t>(64, stream_bytes / (size_t(K) * 8));
   const int steps = K / 64;
   std::printf("K = %d, 16 tokens, 16-row blocks; %zu blocks streamed (int4 %.0f MB, int8 %.0f MB)"
-              "; seeds 1..%d\n", K, blocks, blocks * K * 8.0 / 1e6, blocks * K * 16.0 / 1e6, threads + 1);
+              "; seeds 1..%d\n",
+              K, blocks, blocks * K * 8.0 / 1e6, blocks * K * 16.0 / 1e6, threads + 1);
   std::vector<Data*> per_thread(threads + 1);  // [threads]: the one-thread rows' data
   {
     std::vector<std::thread> init;
@@ -261,7 +270,6 @@ int main(int argc, char** argv) {
       std::vector<std::thread> pool;
       for (int t = 0; t < threads; ++t)
         pool.emplace_back([&, t] {
-          syscall(SYS_arch_prctl, 0x1023, 18);
           ready.fetch_add(1);
           while (ready.load() < threads) {
           }
