@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "ktk.h"
@@ -36,6 +37,20 @@ struct Buffer {
   ~Buffer() { free(ptr); }
 };
 
+// Atomic counters, zeroed for each call.
+struct Counters {
+  std::unique_ptr<std::atomic<int>[]> at;
+  size_t size = 0;
+  std::atomic<int>* zeroed(size_t n) {
+    if (n > size) {
+      at.reset(new std::atomic<int>[n]);
+      size = n;
+    }
+    for (size_t i = 0; i < n; ++i) at[i].store(0, std::memory_order_relaxed);
+    return at.get();
+  }
+};
+
 }  // namespace
 
 struct ktk_kernel {
@@ -46,6 +61,7 @@ struct ktk_kernel {
   int last_experts = 0;
   Buffer counts, group_expert, group_off, slot_token, slot_weight, token_slot;
   Buffer xt, xa, xs, xg, h, ha, hs, hg, thread_tmp, slot_out;
+  Counters group_counters;
 };
 
 namespace {
@@ -75,6 +91,8 @@ struct Call {
   size_t thread_tmp_floats;
   size_t thread_tmp_split;  // where a thread's second scratch part (up results / acc) starts
   float* slot_out;  // few tokens: [P][out_blocks * 16] weighted down output per slot; else null
+  // Few tokens, per group: gate/up items done, and whether its h is prepared for the down items.
+  std::atomic<int>*gate_done = nullptr, *h_ready = nullptr;
   // The next gate/up item and the next down item (few tokens) / output block nobody has taken.
   std::atomic<int> gateup_cursor{0}, down_cursor{0};
 };
@@ -92,6 +110,19 @@ void take_runs(std::atomic<int>& cursor, int total, int run, F body) {
   take_ranges(cursor, total, run, [&](int i0, int i1) {
     for (int i = i0; i < i1; ++i) body(i);
   });
+}
+
+// Items [0, total) from a shared cursor of tickets: runs of `run` items until about one run per
+// thread is left, then runs of a quarter of that, so that the threads finish close together.
+template <typename F>
+void take_tapered(std::atomic<int>& tickets, int total, int run, int n, F body) {
+  const int tail_run = std::max(1, run / 4);
+  const int big = std::max(0, total - n * run) / run;
+  for (int k; (k = tickets.fetch_add(1, std::memory_order_relaxed)) < total;) {
+    int i0 = k < big ? k * run : big * run + (k - big) * tail_run;
+    if (i0 >= total) return;
+    body(i0, std::min(total, i0 + (k < big ? run : tail_run)));
+  }
 }
 
 // Prepares one activation row: n_real values of src (f32 or bf16) into dst (padded to n_pad with
@@ -247,6 +278,64 @@ void down_range(Call& c, int b0, int b1, float* tmp, float* acc) {
   }
 }
 
+// Few tokens, after the activations: gate/up items, then down items, with no barrier between them:
+// the thread that finishes a group's last gate/up item prepares that group's h, and a down item
+// waits only for its own group's h. Each slot's weighted output rows go to slot_out; then each
+// thread sums its output columns over every token's slots, in slot order j (so the result does
+// not depend on which thread did what).
+void few_tokens_rest(Call& c, int tid, int n, float* tmp, float* tmp_up) {
+  const ktk_forward_args* a = c.a;
+  const int T = a->T, Ip = c.Ip, ldgh = Ip / 32, runs = n * kFewRunsPerThread;
+  const int gate_items = c.G * c.gate_blocks, gate_run = std::max(1, gate_items / runs);
+  take_tapered(c.gateup_cursor, gate_items, gate_run, n, [&](int i0, int i1) {
+    for (int i = i0; i < i1;) {
+      const int g = i / c.gate_blocks, end = std::min(i1, (g + 1) * c.gate_blocks), taken = end - i;
+      for (; i < end; ++i) gateup_item(c, i, tmp, tmp_up);
+      // NOTE: acq_rel, so the finisher sees every other thread's rows of h before preparing them.
+      if (c.gate_done[g].fetch_add(taken, std::memory_order_acq_rel) + taken != c.gate_blocks) continue;
+      for (int s = c.group_off[g]; s < c.group_off[g + 1]; ++s)
+        prep_row(c.act, c.h + size_t(s) * Ip, KTK_DT_F32, a->I, Ip, c.ha + size_t(s) * Ip * c.act_bytes,
+                 c.hs + s, c.hg + size_t(s) * ldgh);
+      c.h_ready[g].store(1, std::memory_order_release);
+    }
+  });
+  // Every gate/up item has been taken once a thread gets here, so every group's h gets ready.
+  const int width = c.out_blocks * 16;
+  const int down_items = c.G * c.out_blocks, down_run = std::max(1, down_items / runs);
+  take_tapered(c.down_cursor, down_items, down_run, n, [&](int i0, int i1) {
+    for (int i = i0; i < i1; ++i) {
+      int g = i / c.out_blocks, b = i % c.out_blocks, off = c.group_off[g];
+      for (int spins = 0; !c.h_ready[g].load(std::memory_order_acquire);) ktk_pool_relax(&spins);
+      down_dot(c, g, b, tmp);
+      for (int m = 0; m < c.group_off[g + 1] - off; ++m) {
+        float wt = c.slot_weight[off + m];
+        float* dst = c.slot_out + size_t(off + m) * width + b * 16;
+        for (int r = 0; r < 16; ++r) dst[r] = wt * tmp[m * 16 + r];
+      }
+    }
+  });
+  ktk_pool_barrier(c.pool);
+  int lo, hi;
+  split(c.out_blocks, tid, n, &lo, &hi);
+  const int w0 = lo * 16, w1 = hi * 16 < a->H ? hi * 16 : a->H;
+  float* acc = tmp;  // [w1 - w0]
+  for (int t = 0; t < T && w0 < w1; ++t) {
+    memset(acc, 0, sizeof(float) * (w1 - w0));
+    for (int j = 0; j < a->k; ++j) {
+      int s = c.token_slot[t * a->k + j];
+      if (s < 0) continue;
+      const float* src = c.slot_out + size_t(s) * width + w0;
+      for (int i = 0; i < w1 - w0; ++i) acc[i] += src[i];
+    }
+    if (a->out_dtype == KTK_DT_F32) {
+      memcpy(static_cast<float*>(a->out) + size_t(t) * a->H + w0, acc, sizeof(float) * (w1 - w0));
+    } else {
+      uint16_t* out = static_cast<uint16_t*>(a->out) + size_t(t) * a->H;
+      for (int i = 0; i < w1 - w0; ++i) out[w0 + i] = ktk_f32_to_bf16(acc[i]);
+    }
+  }
+}
+
 void forward_task(void* raw, int tid, int n) {
   Call& c = *static_cast<Call*>(raw);
   const ktk_forward_args* a = c.a;
@@ -275,7 +364,11 @@ void forward_task(void* raw, int tid, int n) {
   float* tmp = c.thread_tmp + c.thread_tmp_floats * tid;
   float* tmp_up = tmp + c.thread_tmp_split;
   const int gate_items = c.G * c.gate_blocks;
-  const int runs = n * (c.slot_out ? kFewRunsPerThread : kRunsPerThread);
+  if (c.slot_out) {
+    few_tokens_rest(c, tid, n, tmp, tmp_up);
+    return;
+  }
+  const int runs = n * kRunsPerThread;
   const int gate_run = std::max(1, gate_items / runs);
   take_runs(c.gateup_cursor, gate_items, gate_run, [&](int i) { gateup_item(c, i, tmp, tmp_up); });
   ktk_pool_barrier(c.pool);
@@ -285,46 +378,10 @@ void forward_task(void* raw, int tid, int n) {
     prep_row(act, c.h + size_t(s) * Ip, KTK_DT_F32, a->I, Ip, c.ha + size_t(s) * Ip * c.act_bytes,
              c.hs + s, c.hg + size_t(s) * ldgh);
   ktk_pool_barrier(c.pool);
-  if (!c.slot_out) {
-    // Phase 3 (many tokens): ranges of output blocks (16 rows each) from a shared cursor; a range's
-    // weighted sums go straight into out.
-    const int R = std::min(kDownChunk, std::max(2, c.out_blocks / (n * kDownRangesPerThread)));
-    take_ranges(c.down_cursor, c.out_blocks, R, [&](int b0, int b1) { down_range(c, b0, b1, tmp, tmp_up); });
-    return;
-  }
-  // Phase 3 (few tokens): (expert, block) items, each slot's weighted output rows to slot_out;
-  // then phase 4: each thread sums its output columns over every token's slots, in slot order j
-  // (so the result does not depend on which thread did what).
-  const int width = c.out_blocks * 16;
-  const int down_items = c.G * c.out_blocks, down_run = std::max(1, down_items / runs);
-  take_runs(c.down_cursor, down_items, down_run, [&](int i) {
-    int g = i / c.out_blocks, b = i % c.out_blocks, off = c.group_off[g];
-    down_dot(c, g, b, tmp);
-    for (int m = 0; m < c.group_off[g + 1] - off; ++m) {
-      float wt = c.slot_weight[off + m];
-      float* dst = c.slot_out + size_t(off + m) * width + b * 16;
-      for (int r = 0; r < 16; ++r) dst[r] = wt * tmp[m * 16 + r];
-    }
-  });
-  ktk_pool_barrier(c.pool);
-  split(c.out_blocks, tid, n, &lo, &hi);
-  const int w0 = lo * 16, w1 = hi * 16 < a->H ? hi * 16 : a->H;
-  float* acc = tmp;  // [w1 - w0]
-  for (int t = 0; t < T && w0 < w1; ++t) {
-    memset(acc, 0, sizeof(float) * (w1 - w0));
-    for (int j = 0; j < a->k; ++j) {
-      int s = c.token_slot[t * a->k + j];
-      if (s < 0) continue;
-      const float* src = c.slot_out + size_t(s) * width + w0;
-      for (int i = 0; i < w1 - w0; ++i) acc[i] += src[i];
-    }
-    if (a->out_dtype == KTK_DT_F32) {
-      memcpy(static_cast<float*>(a->out) + size_t(t) * a->H + w0, acc, sizeof(float) * (w1 - w0));
-    } else {
-      uint16_t* out = static_cast<uint16_t*>(a->out) + size_t(t) * a->H;
-      for (int i = 0; i < w1 - w0; ++i) out[w0 + i] = ktk_f32_to_bf16(acc[i]);
-    }
-  }
+  // Phase 3 (many tokens): ranges of output blocks (16 rows each) from a shared cursor; a range's
+  // weighted sums go straight into out.
+  const int R = std::min(kDownChunk, std::max(2, c.out_blocks / (n * kDownRangesPerThread)));
+  take_ranges(c.down_cursor, c.out_blocks, R, [&](int b0, int b1) { down_range(c, b0, b1, tmp, tmp_up); });
 }
 
 struct StreamRead {
@@ -445,6 +502,11 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
     tslot[i] = s;
   }
   c.G = G;
+  if (c.slot_out) {
+    std::atomic<int>* counters = k->group_counters.zeroed(size_t(2) * G);
+    c.gate_done = counters;
+    c.h_ready = counters + G;
+  }
   c.group_expert = gexp;
   c.group_off = goff;
   c.slot_token = stok;

@@ -64,15 +64,6 @@ void pin_to_nth_cpu(int nth) {
   }
 }
 
-// NOTE: waits inside a job pause-spin briefly, then yield: when the machine is oversubscribed, a
-// descheduled peer gets the core back instead of every waiter burning its time slice.
-inline void relax(int* spins) {
-  if (++*spins < 2048)
-    _mm_pause();
-  else
-    sched_yield();
-}
-
 void* worker_main(void* raw) {
   WorkerArg arg = *static_cast<WorkerArg*>(raw);
   delete static_cast<WorkerArg*>(raw);
@@ -143,7 +134,7 @@ void ktk_pool_run(ktk_pool* p, ktk_task_fn fn, void* ctx) {
   ktk_pool_wake(p);
   fn(ctx, 0, p->n);
   int spins = 0;
-  while (p->done.load(std::memory_order_acquire) != p->n - 1) relax(&spins);
+  while (p->done.load(std::memory_order_acquire) != p->n - 1) ktk_pool_relax(&spins);
 }
 
 void ktk_pool_barrier(ktk_pool* p) {
@@ -154,11 +145,20 @@ void ktk_pool_barrier(ktk_pool* p) {
     p->bar_gen.fetch_add(1, std::memory_order_release);
   } else {
     int spins = 0;
-    while (p->bar_gen.load(std::memory_order_acquire) == g) relax(&spins);
+    while (p->bar_gen.load(std::memory_order_acquire) == g) ktk_pool_relax(&spins);
   }
 }
 
 int ktk_pool_size(const ktk_pool* p) { return p->n; }
+
+// NOTE: waits inside a job pause-spin briefly, then yield: when the machine is oversubscribed, a
+// descheduled peer gets the core back instead of every waiter burning its time slice.
+void ktk_pool_relax(int* spins) {
+  if (++*spins < 2048)
+    _mm_pause();
+  else
+    sched_yield();
+}
 
 void ktk_pool_wake(ktk_pool* p) {
   if (p->n == 1 || p->sleepers.load(std::memory_order_seq_cst) == 0) return;

@@ -15,6 +15,8 @@ void ktk_pool_run(ktk_pool* pool, ktk_task_fn fn, void* ctx);
 /* A barrier among the threads of the running job; every thread must reach it. */
 void ktk_pool_barrier(ktk_pool* pool);
 int ktk_pool_size(const ktk_pool* pool);
+/* One step of a wait inside a job: pause-spin, then yield once *spins says it has been long. */
+void ktk_pool_relax(int* spins);
 /* Wakes sleeping workers without a job: they spin for spin_us again (no-op when none sleeps). */
 void ktk_pool_wake(ktk_pool* pool);
 

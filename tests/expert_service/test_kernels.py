@@ -244,6 +244,51 @@ def test_numpy_bf16_as_uint16_and_threads(seed, packed):
     np.testing.assert_array_equal(torch_out.view(torch.uint16).numpy(), outs[0])
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_few_tokens_any_thread_count_gives_the_same_bits(seed, packed, fmt):
+    """Up to 16 tokens, a group's down items start as soon as its own gate/up items are done
+    (no barrier between the phases): with more threads than cores, calls give the bits of a
+    single-threaded call, for group counts from one expert to all of them, and for one expert
+    whose 128 gate/up blocks outnumber the threads (a thread that runs out of gate/up items takes
+    that expert's down items while others still write its h; inputs alternate between calls, so
+    an h left from the previous call would show)."""
+    g = torch.Generator().manual_seed(seed)
+    wide_i = 2048
+    wide = pack_experts(
+        torch.randn(1, wide_i, 64, generator=g),
+        torch.randn(1, wide_i, 64, generator=g),
+        torch.randn(1, 64, wide_i, generator=g) * 0.05,
+        fmt,
+    )
+    cases = []
+    for T in (1, 2, 5, 16):
+        x, ids, w = (t.numpy() for t in make_inputs(seed, T))
+        if T == 2:
+            ids[:] = np.arange(K_TOP)  # every token on the same experts: groups of 2 rows
+        cases.append((packed[fmt], x, ids, w))
+    for _ in range(2):
+        cases.append(
+            (
+                wide,
+                torch.randn(1, 64, generator=g).numpy(),
+                np.zeros((1, 1), np.int32),
+                np.ones((1, 1), np.float32),
+            )
+        )
+    with MoEKernel(1) as one, MoEKernel(7) as many:
+        wants = []
+        for experts_, x, ids, w in cases:
+            wants.append(np.empty((len(x), x.shape[1]), np.float32))
+            one.forward(experts_, x, ids, w, wants[-1])
+        for _ in range(10):
+            for (experts_, x, ids, w), want in zip(cases, wants):
+                got = np.full_like(want, np.nan)
+                many.forward(experts_, x, ids, w, got)
+                np.testing.assert_array_equal(
+                    got, want, err_msg=f"T={len(x)}, E={experts_.num_experts}"
+                )
+
+
 def test_all_ids_skipped_zeroes_output(packed, kernels):
     out = np.full((5, H), 7.0, np.float32)
     ids = np.full((5, K_TOP), -1, np.int32)
