@@ -91,8 +91,8 @@ struct Call {
   size_t thread_tmp_floats;
   size_t thread_tmp_split;  // where a thread's second scratch part (up results / acc) starts
   float* slot_out;  // few tokens: [P][out_blocks * 16] weighted down output per slot; else null
-  // Few tokens, per group: gate/up items done, and whether its h is prepared for the down items.
-  std::atomic<int>*gate_done = nullptr, *h_ready = nullptr;
+  // Few tokens, per group: its gate/up items done, plus 1 once its h is prepared for the down items.
+  std::atomic<int>* group_progress = nullptr;
   // The next gate/up item and the next down item (few tokens) / output block nobody has taken.
   std::atomic<int> gateup_cursor{0}, down_cursor{0};
 };
@@ -210,6 +210,12 @@ void gateup_item(Call& c, int item, float* tg, float* tu) {
   c.ops->silu_mul16(tg, tu, M, c.h + size_t(off) * c.Ip + 16 * b, c.Ip);
 }
 
+// Slot s's intermediate h (fp32) prepared for the down projection, as the activations were.
+void prep_h_row(const Call& c, int s) {
+  prep_row(c.act, c.h + size_t(s) * c.Ip, KTK_DT_F32, c.a->I, c.Ip,
+           c.ha + size_t(s) * c.Ip * c.act_bytes, c.hs + s, c.hg + size_t(s) * (c.Ip / 32));
+}
+
 // tmp[m][r] = (down block b of group g's expert) . h of the group's m-th token.
 void down_dot(const Call& c, int g, int b, float* tmp) {
   const ktk_forward_args* a = c.a;
@@ -285,18 +291,17 @@ void down_range(Call& c, int b0, int b1, float* tmp, float* acc) {
 // not depend on which thread did what).
 void few_tokens_rest(Call& c, int tid, int n, float* tmp, float* tmp_up) {
   const ktk_forward_args* a = c.a;
-  const int T = a->T, Ip = c.Ip, ldgh = Ip / 32, runs = n * kFewRunsPerThread;
+  const int T = a->T, runs = n * kFewRunsPerThread;
   const int gate_items = c.G * c.gate_blocks, gate_run = std::max(1, gate_items / runs);
   take_tapered(c.gateup_cursor, gate_items, gate_run, n, [&](int i0, int i1) {
     for (int i = i0; i < i1;) {
       const int g = i / c.gate_blocks, end = std::min(i1, (g + 1) * c.gate_blocks), taken = end - i;
       for (; i < end; ++i) gateup_item(c, i, tmp, tmp_up);
       // NOTE: acq_rel, so the finisher sees every other thread's rows of h before preparing them.
-      if (c.gate_done[g].fetch_add(taken, std::memory_order_acq_rel) + taken != c.gate_blocks) continue;
-      for (int s = c.group_off[g]; s < c.group_off[g + 1]; ++s)
-        prep_row(c.act, c.h + size_t(s) * Ip, KTK_DT_F32, a->I, Ip, c.ha + size_t(s) * Ip * c.act_bytes,
-                 c.hs + s, c.hg + size_t(s) * ldgh);
-      c.h_ready[g].store(1, std::memory_order_release);
+      std::atomic<int>& progress = c.group_progress[g];
+      if (progress.fetch_add(taken, std::memory_order_acq_rel) + taken != c.gate_blocks) continue;
+      for (int s = c.group_off[g]; s < c.group_off[g + 1]; ++s) prep_h_row(c, s);
+      progress.fetch_add(1, std::memory_order_release);
     }
   });
   // Every gate/up item has been taken once a thread gets here, so every group's h gets ready.
@@ -305,7 +310,8 @@ void few_tokens_rest(Call& c, int tid, int n, float* tmp, float* tmp_up) {
   take_tapered(c.down_cursor, down_items, down_run, n, [&](int i0, int i1) {
     for (int i = i0; i < i1; ++i) {
       int g = i / c.out_blocks, b = i % c.out_blocks, off = c.group_off[g];
-      for (int spins = 0; !c.h_ready[g].load(std::memory_order_acquire);) ktk_pool_relax(&spins);
+      for (int spins = 0; c.group_progress[g].load(std::memory_order_acquire) <= c.gate_blocks;)
+        ktk_pool_relax(&spins);
       down_dot(c, g, b, tmp);
       for (int m = 0; m < c.group_off[g + 1] - off; ++m) {
         float wt = c.slot_weight[off + m];
@@ -339,8 +345,8 @@ void few_tokens_rest(Call& c, int tid, int n, float* tmp, float* tmp_up) {
 void forward_task(void* raw, int tid, int n) {
   Call& c = *static_cast<Call*>(raw);
   const ktk_forward_args* a = c.a;
-  const int T = a->T, Hp = c.Hp, Ip = c.Ip, fmt = a->fmt, act = c.act;
-  const int ldgx = Hp / 32, ldgh = Ip / 32;
+  const int T = a->T, Hp = c.Hp, fmt = a->fmt, act = c.act;
+  const int ldgx = Hp / 32;
   size_t xelem = a->x_dtype == KTK_DT_BF16 ? 2 : 4;
   int lo, hi;
   // Phase 0a: per-token activations.
@@ -363,20 +369,18 @@ void forward_task(void* raw, int tid, int n) {
   // Phase 1: gate/up, SiLU * up -> h, by runs of (expert, 16-row block) items.
   float* tmp = c.thread_tmp + c.thread_tmp_floats * tid;
   float* tmp_up = tmp + c.thread_tmp_split;
-  const int gate_items = c.G * c.gate_blocks;
   if (c.slot_out) {
     few_tokens_rest(c, tid, n, tmp, tmp_up);
     return;
   }
+  const int gate_items = c.G * c.gate_blocks;
   const int runs = n * kRunsPerThread;
   const int gate_run = std::max(1, gate_items / runs);
   take_runs(c.gateup_cursor, gate_items, gate_run, [&](int i) { gateup_item(c, i, tmp, tmp_up); });
   ktk_pool_barrier(c.pool);
   // Phase 2: prepare h for the down projection.
   split(c.P, tid, n, &lo, &hi);
-  for (int s = lo; s < hi; ++s)
-    prep_row(act, c.h + size_t(s) * Ip, KTK_DT_F32, a->I, Ip, c.ha + size_t(s) * Ip * c.act_bytes,
-             c.hs + s, c.hg + size_t(s) * ldgh);
+  for (int s = lo; s < hi; ++s) prep_h_row(c, s);
   ktk_pool_barrier(c.pool);
   // Phase 3 (many tokens): ranges of output blocks (16 rows each) from a shared cursor; a range's
   // weighted sums go straight into out.
@@ -502,11 +506,7 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
     tslot[i] = s;
   }
   c.G = G;
-  if (c.slot_out) {
-    std::atomic<int>* counters = k->group_counters.zeroed(size_t(2) * G);
-    c.gate_done = counters;
-    c.h_ready = counters + G;
-  }
+  if (c.slot_out) c.group_progress = k->group_counters.zeroed(size_t(G));
   c.group_expert = gexp;
   c.group_off = goff;
   c.slot_token = stok;
