@@ -10,7 +10,8 @@
 # KT_KERNEL: a tar of kt-kernel's AMX extension and the libraries it links (kt_kernel/ and
 # kt_kernel.libs/ from its wheel, whose whole 101 MB is over a call's carry), unpacked onto the
 # path, and the benches time it beside ours (bench_moe_kernel.py --peer kt-kernel, PEER_FORMATS).
-# SHAPES and TOKENS narrow the bench, REPEATS sets its --repeats (3); TESTS=0 skips the tests.
+# SHAPES and TOKENS narrow the bench, REPEATS sets its --repeats (3); TESTS=0 skips the tests;
+# BENCH_TIMEOUT (s, 150) bounds each bench process (a peer or a baseline tree adds to its time).
 # Logs go to $OUT (or ./gpu-host-out).
 #   usage: BASE=.device/base.tar FORMATS=int4 ROUNDS=2 bash bench/gpu_host_kernel.sh
 #          BASE=.device/base.tar IN_PROCESS=1 REPEATS=7 ROUNDS=1 FORMATS=int4 bash bench/gpu_host_kernel.sh
@@ -51,7 +52,7 @@ fi
 for r in $(seq "$rounds"); do
   for tree in "${trees[@]}"; do
     name=$([ "$tree" = "$PWD" ] && echo this || echo base)
-    (cd "$tree" && PYTHONPATH="$tree:/tmp/site" timeout 150 python3 bench/bench_moe_kernel.py \
+    (cd "$tree" && PYTHONPATH="$tree:/tmp/site" timeout "${BENCH_TIMEOUT:-150}" python3 bench/bench_moe_kernel.py \
        --threads 15 --shapes "$shapes" --formats "$formats" --tokens "$tokens" --prefill-tokens 512 \
        --no-torch --repeats "${REPEATS:-3}" --min-seconds 0.3 "${peer[@]}" "${baseline[@]}") > "$out/kernel-$r-$name.log" 2>&1 || rc=1
     say "$name, round $r"

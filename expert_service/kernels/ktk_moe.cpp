@@ -97,21 +97,6 @@ struct Call {
   std::atomic<int> gateup_cursor{0}, down_cursor{0};
 };
 
-// Items [0, total) in runs of `run` taken from a shared cursor: body(i0, i1) for each run taken.
-template <typename F>
-void take_ranges(std::atomic<int>& cursor, int total, int run, F body) {
-  for (int i0; (i0 = cursor.fetch_add(run, std::memory_order_relaxed)) < total;)
-    body(i0, std::min(total, i0 + run));
-}
-
-// The same, body(i) for each item taken.
-template <typename F>
-void take_runs(std::atomic<int>& cursor, int total, int run, F body) {
-  take_ranges(cursor, total, run, [&](int i0, int i1) {
-    for (int i = i0; i < i1; ++i) body(i);
-  });
-}
-
 // Items [0, total) from a shared cursor of tickets: runs of `run` items until about one run per
 // thread is left, then runs of a quarter of that, so that the threads finish close together.
 template <typename F>
@@ -250,7 +235,8 @@ constexpr int kFewTokens = 16;  // up to here, the down projection goes by slot 
 constexpr int kDownChunk = 64;  // output blocks per accumulation chunk (1024 rows)
 // Threads take their work from shared cursors, in runs long enough to stream weights: the cores of
 // one machine run at different speeds (GPU host: with fixed shares, the slowest thread took 139 ms
-// of a phase whose mean was 100), and an expert's cost is not linear in its tokens.
+// of a phase whose mean was 100), and an expert's cost is not linear in its tokens. The last ~one
+// run per thread of each phase goes in quarter runs (take_tapered), so the threads finish together.
 constexpr int kRunsPerThread = 16;       // many tokens: gate/up items in ~16 runs per thread
 constexpr int kDownRangesPerThread = 6;  // many tokens: output blocks in ~6 ranges per thread
 constexpr int kFewRunsPerThread = 8;     // few tokens: gate/up and down items in ~8 runs per thread
@@ -376,7 +362,9 @@ void forward_task(void* raw, int tid, int n) {
   const int gate_items = c.G * c.gate_blocks;
   const int runs = n * kRunsPerThread;
   const int gate_run = std::max(1, gate_items / runs);
-  take_runs(c.gateup_cursor, gate_items, gate_run, [&](int i) { gateup_item(c, i, tmp, tmp_up); });
+  take_tapered(c.gateup_cursor, gate_items, gate_run, n, [&](int i0, int i1) {
+    for (int i = i0; i < i1; ++i) gateup_item(c, i, tmp, tmp_up);
+  });
   ktk_pool_barrier(c.pool);
   // Phase 2: prepare h for the down projection.
   split(c.P, tid, n, &lo, &hi);
@@ -385,7 +373,7 @@ void forward_task(void* raw, int tid, int n) {
   // Phase 3 (many tokens): ranges of output blocks (16 rows each) from a shared cursor; a range's
   // weighted sums go straight into out.
   const int R = std::min(kDownChunk, std::max(2, c.out_blocks / (n * kDownRangesPerThread)));
-  take_ranges(c.down_cursor, c.out_blocks, R, [&](int b0, int b1) { down_range(c, b0, b1, tmp, tmp_up); });
+  take_tapered(c.down_cursor, c.out_blocks, R, n, [&](int b0, int b1) { down_range(c, b0, b1, tmp, tmp_up); });
 }
 
 struct StreamRead {
