@@ -178,7 +178,7 @@ void call(Variant v, const Data& d, size_t j, float* out) {
   const int K = d.K;
   switch (v) {
     case kReal:
-      return kOps.dot_int4(w, gs, K, x, K, d.xs.data(), d.xg.data(), K / 32, 16, out);
+      return kOps.dot_int4(w, gs, K, x, K, d.xs.data(), d.xg.data(), K / 32, 16, 1, out, 256);
     case kInt8:
       return kOps.dot_int8(d.w8_block(j), d.ws.data(), d.wsum.data(), K, x, K, d.xs.data(), 16,
                            out);

@@ -41,7 +41,9 @@ enum { KTK_DT_F32 = 0, KTK_DT_BF16 = 1, KTK_DT_F16 = 2, KTK_DT_F8E4M3 = 3 /* pac
  * dot_bf16_f32: fp32 activations (the exact mode): each bf16 weight widened to fp32 (exact), fp32
  * FMA, fp32 accumulation. AMX has no fp32 tile product: its table points to the AVX-512 code.
  * int8/int4: X holds int8 activations with per-row scale xs[m]; the result is dequantized.
- * int4: xg[m*ldg + g] = sum of X[m][32g .. 32g+31].
+ * int4: xg[m*ldg + g] = sum of X[m][32g .. 32g+31]; nb consecutive blocks in one call (their
+ * nibbles and group scales contiguous, as packed), block b's [M][16] result at out + b * ldo (AMX
+ * runs them as one pipelined pass).
  * read_xor: the xor of the 64-bit words of p[0, bytes) (bytes a multiple of KTK_READ_STEP), read
  * with the ISA's widest loads: a plain streaming read, for measuring the read bandwidth the kernel
  * gets.
@@ -55,7 +57,8 @@ typedef struct {
   void (*dot_int8)(const int8_t* w, const float* ws, const int32_t* wsum, int K, const int8_t* x,
                    int ldx, const float* xs, int M, float* out);
   void (*dot_int4)(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
-                   const float* xs, const int32_t* xg, int ldg, int M, float* out);
+                   const float* xs, const int32_t* xg, int ldg, int M, int nb, float* out,
+                   size_t ldo);
   uint64_t (*read_xor)(const void* p, size_t bytes);
   void (*silu_mul16)(const float* gate, const float* up, int rows, float* h, int ldh);
 } ktk_ops;

@@ -194,29 +194,29 @@ constexpr int kInt4FlushLag = 2;
   _tile_zero(CA);                                       \
   _tile_zero(CB);                                       \
   _tile_loadd(4, bq, 64);                               \
-  _tile_loadd(6, x + g * 32, ldx);                      \
+  _tile_loadd(6, xg, ldx);                              \
   _tile_dpbssd(CA, 6, 4);                               \
   if (NC == 1) {                                        \
     _tile_loadd(5, bq + 512, 64);                       \
-    _tile_loadd(7, x + (g + 1) * 32, ldx);              \
+    _tile_loadd(7, xg + 32, ldx);                       \
     _tile_dpbssd(CB, 7, 5);                             \
   } else {                                              \
-    _tile_loadd(7, x + size_t(16) * ldx + g * 32, ldx); \
+    _tile_loadd(7, xg + size_t(16) * ldx, ldx);         \
     _tile_dpbssd(CB, 7, 4);                             \
   }                                                     \
   _tile_stored(CA, c[0], 64);                           \
   _tile_stored(CB, c[1], 64);
 
-// One step's tile work into C tiles 2 * SET and 2 * SET + 1, stored to c[0], c[1] (bq: its B
-// tiles).
+// One step's tile work into C tiles 2 * SET and 2 * SET + 1, stored to c[0], c[1]: wg, the
+// step's first group of nibbles; xg, the activations of that group (bq: its B tiles).
 template <int NC, int SET>
-inline void int4_step_tiles(const uint8_t* w, int g, const int8_t* x, int ldx, int8_t* bq,
+inline void int4_step_tiles(const uint8_t* wg, const int8_t* xg, int ldx, int8_t* bq,
                             int32_t (*c)[256]) {
   // Nibbles: the same byte distance ahead as the other passes.
-  const char* wpf = reinterpret_cast<const char*>(w + g * 256) + kPrefetchBytes;
+  const char* wpf = reinterpret_cast<const char*>(wg) + kPrefetchBytes;
   for (int i = 0; i < 256 * (3 - NC); i += 64) _mm_prefetch(wpf + i, _MM_HINT_T0);
-  unpack_group16(w + g * 256, bq);
-  if (NC == 1) unpack_group16(w + (g + 1) * 256, bq + 512);
+  unpack_group16(wg, bq);
+  if (NC == 1) unpack_group16(wg + 256, bq + 512);
   // The tile-load intrinsic does not tell the compiler it reads bq: this empty asm does.
   __asm__ volatile("" ::"m"(*reinterpret_cast<const int8_t(*)[1024]>(bq)));
   // Nor that the tile stores overwrite c: reads of c before this stay before them.
@@ -256,33 +256,45 @@ inline void int4_step_flush(const uint16_t* gs, int g, int32_t (*c)[256], __m512
   }
 }
 
+// nb consecutive blocks in one pipeline: the steps run on across block boundaries (a block's groups
+// follow the previous block's in memory, so the nibbles and scales of step s are at group
+// s * per_step overall; the activations at that group within the block), and the flush of a
+// block's last step writes its result and clears acc, while the next block's first steps are
+// already in the tile unit.
 template <int NC>
-void int4_pass(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
-               const float* xs, int rows, float* out) {
+void int4_pass(const uint8_t* w, const uint16_t* gs, int K, int nb, const int8_t* x, int ldx,
+               const float* xs, int rows, float* out, size_t ldo) {
   alignas(64) int8_t bq[2][1024];                    // [step parity][B tiles]
   alignas(64) int32_t c[kInt4FlushLag + 1][2][256];  // [step % (lag + 1)][C tile][16 x 16]
   __m512 acc[NC * 16];
 #pragma GCC unroll 32
   for (int i = 0; i < NC * 16; ++i) acc[i] = _mm512_setzero_ps();
   const int per_step = 3 - NC;  // groups
-  const int steps = K / 32 / per_step;
-  for (int s = 0, ring = 0; s < steps + kInt4FlushLag; ++s, ring = ring == kInt4FlushLag ? 0 : ring + 1) {
+  const int block_steps = K / 32 / per_step, steps = nb * block_steps;
+  for (int s = 0, ring = 0, local = 0; s < steps + kInt4FlushLag;
+       ++s, ring = ring == kInt4FlushLag ? 0 : ring + 1, local = local + 1 == block_steps ? 0 : local + 1) {
     if (s < steps) {
+      const uint8_t* wg = w + size_t(s) * per_step * 256;
+      const int8_t* xg = x + local * per_step * 32;
       if (s & 1)
-        int4_step_tiles<NC, 1>(w, s * per_step, x, ldx, bq[1], c[ring]);
+        int4_step_tiles<NC, 1>(wg, xg, ldx, bq[1], c[ring]);
       else
-        int4_step_tiles<NC, 0>(w, s * per_step, x, ldx, bq[0], c[ring]);
+        int4_step_tiles<NC, 0>(wg, xg, ldx, bq[0], c[ring]);
     }
-    if (s >= kInt4FlushLag) {
-      const int back = ring >= kInt4FlushLag ? ring - kInt4FlushLag : ring + 1;  // (s - lag) % (lag + 1)
-      int4_step_flush<NC>(gs, (s - kInt4FlushLag) * per_step, c[back], acc);
+    const int f = s - kInt4FlushLag;  // the step flushed now
+    if (f < 0) continue;
+    const int back = ring >= kInt4FlushLag ? ring - kInt4FlushLag : ring + 1;  // f % (lag + 1)
+    int4_step_flush<NC>(gs, f * per_step, c[back], acc);
+    if ((f + 1) % block_steps) continue;
+    float* ob = out + size_t(f / block_steps) * ldo;
+    // Constant indices (the loops unrolled) keep acc in registers.
+#pragma GCC unroll 32
+    for (int i = 0; i < NC * 16; ++i) {
+      if (i < rows)
+        _mm512_storeu_ps(ob + i * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(xs[i] * kUnpackScale)));
+      acc[i] = _mm512_setzero_ps();
     }
   }
-  // Constant indices (the loop unrolled) keep acc in registers.
-#pragma GCC unroll 32
-  for (int i = 0; i < NC * 16; ++i)
-    if (i < rows)
-      _mm512_storeu_ps(out + i * 16, _mm512_mul_ps(acc[i], _mm512_set1_ps(xs[i] * kUnpackScale)));
 }
 
 // Rows past the last full 16-row chunk go to AVX-512 VNNI when they are at most this many: a tile
@@ -292,23 +304,23 @@ void int4_pass(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int
 constexpr int kInt4VnniTail = 8;
 
 void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
-              const float* xs, const int32_t* xg, int ldg, int M, float* out) {
+              const float* xs, const int32_t* xg, int ldg, int M, int nb, float* out, size_t ldo) {
   const int tail = M % 16 <= kInt4VnniTail ? M % 16 : 0;
   const int tiled = M - tail;
-  if (tiled < kMinM) return ktk_ops_avx512()->dot_int4(w, gs, K, x, ldx, xs, xg, ldg, M, out);
+  if (tiled < kMinM) return ktk_ops_avx512()->dot_int4(w, gs, K, x, ldx, xs, xg, ldg, M, nb, out, ldo);
   configure(8, 32);
   for (int m = 0; m < tiled; m += 32) {
     int rows = tiled - m < 32 ? tiled - m : 32;
     const int8_t* xm = x + size_t(m) * ldx;
     if (rows > 16)
-      int4_pass<2>(w, gs, K, xm, ldx, xs + m, rows, out + m * 16);
+      int4_pass<2>(w, gs, K, nb, xm, ldx, xs + m, rows, out + m * 16, ldo);
     else
-      int4_pass<1>(w, gs, K, xm, ldx, xs + m, rows, out + m * 16);
+      int4_pass<1>(w, gs, K, nb, xm, ldx, xs + m, rows, out + m * 16, ldo);
   }
   _tile_release();
   if (tail)
     ktk_ops_avx512()->dot_int4(w, gs, K, x + size_t(tiled) * ldx, ldx, xs + tiled,
-                               xg + size_t(tiled) * ldg, ldg, tail, out + tiled * 16);
+                               xg + size_t(tiled) * ldg, ldg, tail, nb, out + tiled * 16, ldo);
 }
 
 // fp32 activations (the exact mode): AMX-BF16 multiplies bf16 A tiles only, so this is the AVX-512

@@ -244,8 +244,8 @@ void dot_int4_one(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, 
   _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_add_ps(f0, f1), _mm512_set1_ps(xs[0] * 0.0625f)));
 }
 
-void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
-              const float* xs, const int32_t* xg, int ldg, int M, float* out) {
+void dot_int4_block(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
+                    const float* xs, const int32_t* xg, int ldg, int M, float* out) {
   if (M == 1) return dot_int4_one(w, gs, K, x, xs, xg, out);
   int m = 0;
   for (; m + 8 <= M; m += 8)
@@ -256,6 +256,13 @@ void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int 
     dot_int4_tile<2>(w, gs, K, x + size_t(m) * ldx, ldx, xs + m, xg + size_t(m) * ldg, ldg, out + m * 16);
   for (; m < M; ++m)
     dot_int4_tile<1>(w, gs, K, x + size_t(m) * ldx, ldx, xs + m, xg + size_t(m) * ldg, ldg, out + m * 16);
+}
+
+void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
+              const float* xs, const int32_t* xg, int ldg, int M, int nb, float* out, size_t ldo) {
+  for (int b = 0; b < nb; ++b)
+    dot_int4_block(w + size_t(b) * 8 * K, gs + size_t(b) * K / 2, K, x, ldx, xs, xg, ldg, M,
+                   out + b * ldo);
 }
 
 uint64_t read_xor(const void* p, size_t bytes) {

@@ -189,8 +189,8 @@ void gateup_item(Call& c, int item, float* tg, float* tu) {
     const float* xs = c.xs + a->T + off;
     int ldg = c.Hp / 32;
     const int32_t* xg = c.xg + size_t(a->T) * ldg + size_t(off) * ldg;
-    c.ops->dot_int4(w, gs, c.Hp, x, c.Hp, xs, xg, ldg, M, tg);
-    c.ops->dot_int4(w + block_elems / 2, gs + sblock, c.Hp, x, c.Hp, xs, xg, ldg, M, tu);
+    // The gate block and the up block after it in one call.
+    c.ops->dot_int4(w, gs, c.Hp, x, c.Hp, xs, xg, ldg, M, 2, tg, size_t(tu - tg));
   }
   c.ops->silu_mul16(tg, tu, M, c.h + size_t(off) * c.Ip + 16 * b, c.Ip);
 }
@@ -201,33 +201,39 @@ void prep_h_row(const Call& c, int s) {
            c.ha + size_t(s) * c.Ip * c.act_bytes, c.hs + s, c.hg + size_t(s) * (c.Ip / 32));
 }
 
-// tmp[m][r] = (down block b of group g's expert) . h of the group's m-th token.
-void down_dot(const Call& c, int g, int b, float* tmp) {
+// tmp[i][m][r] = (down block b + i of group g's expert) . h of the group's m-th token, i < nb.
+void down_dot(const Call& c, int g, int b, int nb, float* tmp) {
   const ktk_forward_args* a = c.a;
   const int Ip = c.Ip;
   int e = c.group_expert[g], off = c.group_off[g], M = c.group_off[g + 1] - off;
   size_t block_elems = size_t(16) * Ip;
   size_t j = size_t(e) * (size_t(c.Hp) / 16) + b;
-  if (c.act == kActF32) {
-    const uint16_t* w = static_cast<const uint16_t*>(a->w2) + j * block_elems;
-    const float* x = reinterpret_cast<const float*>(c.ha) + size_t(off) * Ip;
-    c.ops->dot_bf16_f32(w, Ip, x, Ip, M, tmp);
-  } else if (a->fmt == KTK_FMT_BF16) {
-    const uint16_t* w = static_cast<const uint16_t*>(a->w2) + j * block_elems;
-    const uint16_t* x = reinterpret_cast<const uint16_t*>(c.ha) + size_t(off) * Ip;
-    c.ops->dot_bf16(w, Ip, x, Ip, M, tmp);
-  } else if (a->fmt == KTK_FMT_INT8) {
-    const int8_t* w = static_cast<const int8_t*>(a->w2) + j * block_elems;
-    const float* ws = static_cast<const float*>(a->s2) + j * 16;
-    const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
-    c.ops->dot_int8(w, ws, a->r2 + j * 16, Ip, x, Ip, c.hs + off, M, tmp);
-  } else {
+  if (a->fmt == KTK_FMT_INT4) {  // one call: the AMX pass runs the blocks as one pipeline
     const uint8_t* w = static_cast<const uint8_t*>(a->w2) + j * block_elems / 2;
     size_t sblock = size_t(Ip / 32) * 16;
     const uint16_t* gs = static_cast<const uint16_t*>(a->s2) + j * sblock;
     const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
     int ldg = Ip / 32;
-    c.ops->dot_int4(w, gs, Ip, x, Ip, c.hs + off, c.hg + size_t(off) * ldg, ldg, M, tmp);
+    c.ops->dot_int4(w, gs, Ip, x, Ip, c.hs + off, c.hg + size_t(off) * ldg, ldg, M, nb, tmp,
+                    size_t(M) * 16);
+    return;
+  }
+  for (int i = 0; i < nb; ++i, ++j) {
+    float* out = tmp + size_t(i) * M * 16;
+    if (c.act == kActF32) {
+      const uint16_t* w = static_cast<const uint16_t*>(a->w2) + j * block_elems;
+      const float* x = reinterpret_cast<const float*>(c.ha) + size_t(off) * Ip;
+      c.ops->dot_bf16_f32(w, Ip, x, Ip, M, out);
+    } else if (a->fmt == KTK_FMT_BF16) {
+      const uint16_t* w = static_cast<const uint16_t*>(a->w2) + j * block_elems;
+      const uint16_t* x = reinterpret_cast<const uint16_t*>(c.ha) + size_t(off) * Ip;
+      c.ops->dot_bf16(w, Ip, x, Ip, M, out);
+    } else {
+      const int8_t* w = static_cast<const int8_t*>(a->w2) + j * block_elems;
+      const float* ws = static_cast<const float*>(a->s2) + j * 16;
+      const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
+      c.ops->dot_int8(w, ws, a->r2 + j * 16, Ip, x, Ip, c.hs + off, M, out);
+    }
   }
 }
 
@@ -249,13 +255,17 @@ void down_range(Call& c, int b0, int b1, float* tmp, float* acc) {
   memset(acc, 0, sizeof(float) * width * T);
   for (int g = 0; g < c.G; ++g) {
     int off = c.group_off[g], M = c.group_off[g + 1] - off;
-    for (int b = b0; b < b1; ++b) {
-      down_dot(c, g, b, tmp);
-      for (int m = 0; m < M; ++m) {
-        float wt = c.slot_weight[off + m];
-        float* dst = acc + size_t(c.slot_token[off + m]) * width + (b - b0) * 16;
-        for (int r = 0; r < 16; ++r) dst[r] += wt * tmp[m * 16 + r];
-      }
+    const int fit = std::max(1, int(c.thread_tmp_split / (size_t(16) * M)));  // blocks tmp holds
+    for (int b = b0; b < b1; b += fit) {
+      const int nb = std::min(fit, b1 - b);
+      down_dot(c, g, b, nb, tmp);
+      for (int i = 0; i < nb; ++i)
+        for (int m = 0; m < M; ++m) {
+          float wt = c.slot_weight[off + m];
+          float* dst = acc + size_t(c.slot_token[off + m]) * width + (b + i - b0) * 16;
+          const float* src = tmp + (size_t(i) * M + m) * 16;
+          for (int r = 0; r < 16; ++r) dst[r] += wt * src[r];
+        }
     }
   }
   int row0 = 16 * b0, rows = a->H - row0 < width ? a->H - row0 : width;
@@ -298,7 +308,7 @@ void few_tokens_rest(Call& c, int tid, int n, float* tmp, float* tmp_up) {
       int g = i / c.out_blocks, b = i % c.out_blocks, off = c.group_off[g];
       for (int spins = 0; c.group_progress[g].load(std::memory_order_acquire) <= c.gate_blocks;)
         ktk_pool_relax(&spins);
-      down_dot(c, g, b, tmp);
+      down_dot(c, g, b, 1, tmp);
       for (int m = 0; m < c.group_off[g + 1] - off; ++m) {
         float wt = c.slot_weight[off + m];
         float* dst = c.slot_out + size_t(off + m) * width + b * 16;
