@@ -271,8 +271,10 @@ void int4_pass(const uint8_t* w, const uint16_t* gs, int K, int nb, const int8_t
   for (int i = 0; i < NC * 16; ++i) acc[i] = _mm512_setzero_ps();
   const int per_step = 3 - NC;  // groups
   const int block_steps = K / 32 / per_step, steps = nb * block_steps;
+  // ring: s % (lag + 1); local: s's step within its block
   for (int s = 0, ring = 0, local = 0; s < steps + kInt4FlushLag;
-       ++s, ring = ring == kInt4FlushLag ? 0 : ring + 1, local = local + 1 == block_steps ? 0 : local + 1) {
+       ++s, ring = ring == kInt4FlushLag ? 0 : ring + 1,
+           local = local + 1 == block_steps ? 0 : local + 1) {
     if (s < steps) {
       const uint8_t* wg = w + size_t(s) * per_step * 256;
       const int8_t* xg = x + local * per_step * 32;
@@ -307,7 +309,8 @@ void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int 
               const float* xs, const int32_t* xg, int ldg, int M, int nb, float* out, size_t ldo) {
   const int tail = M % 16 <= kInt4VnniTail ? M % 16 : 0;
   const int tiled = M - tail;
-  if (tiled < kMinM) return ktk_ops_avx512()->dot_int4(w, gs, K, x, ldx, xs, xg, ldg, M, nb, out, ldo);
+  if (tiled < kMinM)
+    return ktk_ops_avx512()->dot_int4(w, gs, K, x, ldx, xs, xg, ldg, M, nb, out, ldo);
   configure(8, 32);
   for (int m = 0; m < tiled; m += 32) {
     int rows = tiled - m < 32 ? tiled - m : 32;
