@@ -32,6 +32,10 @@ enum {
 };
 
 enum { KTK_FMT_BF16 = 0, KTK_FMT_INT8 = 1, KTK_FMT_INT4 = 2 };
+
+/* int4, one block (16 rows over K): its bytes of nibbles and its bf16 group scales. */
+static inline size_t ktk_int4_block_bytes(int K) { return (size_t)K * 8; }
+static inline size_t ktk_int4_block_scales(int K) { return (size_t)(K / 32) * 16; }
 enum { KTK_ISA_AVX2 = 0, KTK_ISA_AVX512 = 1, KTK_ISA_AMX = 2 };
 enum { KTK_DT_F32 = 0, KTK_DT_BF16 = 1, KTK_DT_F16 = 2, KTK_DT_F8E4M3 = 3 /* packing only */ };
 

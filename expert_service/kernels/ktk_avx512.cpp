@@ -261,8 +261,8 @@ void dot_int4_block(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x
 void dot_int4(const uint8_t* w, const uint16_t* gs, int K, const int8_t* x, int ldx,
               const float* xs, const int32_t* xg, int ldg, int M, int nb, float* out, size_t ldo) {
   for (int b = 0; b < nb; ++b)
-    dot_int4_block(w + size_t(b) * 8 * K, gs + size_t(b) * K / 2, K, x, ldx, xs, xg, ldg, M,
-                   out + b * ldo);
+    dot_int4_block(w + b * ktk_int4_block_bytes(K), gs + b * ktk_int4_block_scales(K), K, x, ldx,
+                   xs, xg, ldg, M, out + b * ldo);
 }
 
 uint64_t read_xor(const void* p, size_t bytes) {

@@ -182,9 +182,8 @@ void gateup_item(Call& c, int item, float* tg, float* tu) {
     c.ops->dot_int8(w, ws, wsum, c.Hp, x, c.Hp, xs, M, tg);
     c.ops->dot_int8(w + block_elems, ws + 16, wsum + 16, c.Hp, x, c.Hp, xs, M, tu);
   } else {
-    const uint8_t* w = static_cast<const uint8_t*>(a->w13) + jg * block_elems / 2;
-    size_t sblock = size_t(c.Hp / 32) * 16;
-    const uint16_t* gs = static_cast<const uint16_t*>(a->s13) + jg * sblock;
+    const uint8_t* w = static_cast<const uint8_t*>(a->w13) + jg * ktk_int4_block_bytes(c.Hp);
+    const uint16_t* gs = static_cast<const uint16_t*>(a->s13) + jg * ktk_int4_block_scales(c.Hp);
     const int8_t* x = reinterpret_cast<const int8_t*>(c.xa) + size_t(off) * c.Hp;
     const float* xs = c.xs + a->T + off;
     int ldg = c.Hp / 32;
@@ -209,9 +208,8 @@ void down_dot(const Call& c, int g, int b, int nb, float* tmp) {
   size_t block_elems = size_t(16) * Ip;
   size_t j = size_t(e) * (size_t(c.Hp) / 16) + b;
   if (a->fmt == KTK_FMT_INT4) {  // one call: the AMX pass runs the blocks as one pipeline
-    const uint8_t* w = static_cast<const uint8_t*>(a->w2) + j * block_elems / 2;
-    size_t sblock = size_t(Ip / 32) * 16;
-    const uint16_t* gs = static_cast<const uint16_t*>(a->s2) + j * sblock;
+    const uint8_t* w = static_cast<const uint8_t*>(a->w2) + j * ktk_int4_block_bytes(Ip);
+    const uint16_t* gs = static_cast<const uint16_t*>(a->s2) + j * ktk_int4_block_scales(Ip);
     const int8_t* x = reinterpret_cast<const int8_t*>(c.ha) + size_t(off) * Ip;
     int ldg = Ip / 32;
     c.ops->dot_int4(w, gs, Ip, x, Ip, c.hs + off, c.hg + size_t(off) * ldg, ldg, M, nb, tmp,

@@ -167,9 +167,9 @@ void pack_unit(const Job& job, int e, int which, float* rows, uint8_t* q) {
       int32_t* rs = (which == 0 ? a->r13 : a->r2) + e * expert_rows + j * 16;
       pack_block_int8(rows, Kp, w, s, rs, reinterpret_cast<int8_t*>(q));
     } else {
-      uint8_t* w = static_cast<uint8_t*>(wdst) + (e * expert_elems + j * block_elems) / 2;
-      size_t sblock = size_t(Kp / 32) * 16;
-      uint16_t* s = static_cast<uint16_t*>(sdst) + e * num_blocks * sblock + j * sblock;
+      size_t block = size_t(e) * num_blocks + j;
+      uint8_t* w = static_cast<uint8_t*>(wdst) + block * ktk_int4_block_bytes(Kp);
+      uint16_t* s = static_cast<uint16_t*>(sdst) + block * ktk_int4_block_scales(Kp);
       pack_block_int4(rows, Kp, w, s, q);
     }
   }
