@@ -23,7 +23,7 @@ imported, or lacks a format's class, one line says why and the run goes on witho
 --baseline-tree DIR adds another source tree's build of the kernel (its extensions built in
 place; bench/baseline_kernel.py), loaded in this process beside ours and timed in turn with it on
 the same packed weights, routings and inputs: rows "baseline <fmt>", "ours/them" = our time / its
-time. Its output must agree with ours (same packed layout) or its rows are dropped. Between two
+time. DIR,DIR2,... times several (variants of one change): rows "baseline:<folder name> <fmt>". Its output must agree with ours (same packed layout) or its rows are dropped. Between two
 processes the same code's timings moved 10-15% on the GPU host; within one they alternate call
 batch by call batch.
 
@@ -43,7 +43,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -115,7 +115,7 @@ class BenchConfig:
     repeats: int
     peer: str
     peer_formats: tuple[str, ...] = tuple(PEER_FORMATS)
-    baseline_tree: str = ""  # another tree's kernel build, timed beside ours in this process
+    baseline_trees: tuple[str, ...] = ()  # other trees' kernel builds, timed beside ours here
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -321,14 +321,24 @@ def baseline_agrees(
     return outputs_agree(theirs, ours, BASELINE_MAX_DIFF, what, "another packed layout?")
 
 
+def baseline_exts(trees: Sequence[str]) -> list[tuple[str, object]]:
+    """Each baseline tree's kernel extension with its rows' label: "baseline" for one tree,
+    "baseline:<folder name>" for each of several."""
+    labels = ["baseline"] if len(trees) == 1 else [f"baseline:{Path(t).name}" for t in trees]
+    if len(set(labels)) != len(labels):
+        raise SystemExit(f"baseline trees need distinct folder names: {', '.join(trees)}")
+    return [(label, load_kernel_ext(Path(t), i)) for i, (label, t) in enumerate(zip(labels, trees))]
+
+
 def bench_format(
     cfg: BenchConfig,
     shape: Shape,
     fmt: str,
     rng: torch.Generator,
     peer: KtPeer | None,
-    base_ext: object = None,
+    base_exts: Sequence[tuple[str, object]] = (),
 ) -> list[Row]:
+    """Rows for one (shape, format): ours, then each baseline (label, extension) and the peer's."""
     E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size  # noqa: E741
     g = torch.randn(SEED_EXPERTS, I, H, generator=rng) * 0.02
     u = torch.randn(SEED_EXPERTS, I, H, generator=rng) * 0.02
@@ -350,13 +360,12 @@ def bench_format(
     peer_xd = "bf16" if "bf16" in cfg.x_dtypes else cfg.x_dtypes[0]
     with contextlib.ExitStack() as stack:
         kern = stack.enter_context(MoEKernel(cfg.threads, pin=cfg.pin))
-        base = None
-        if base_ext is not None:
-            base = stack.enter_context(MoEKernel(cfg.threads, pin=cfg.pin, ext=base_ext))
+        bases = []  # (label, kernel)
+        for label, ext in base_exts:
+            base = stack.enter_context(MoEKernel(cfg.threads, pin=cfg.pin, ext=ext))
             routes, x = inputs[peer_xd, cfg.tokens[-1]]
-            what = f"baseline {fmt} {shape.name}"
-            if not baseline_agrees(base, kern, packed[0], x, routes[0], what):
-                base = None
+            if baseline_agrees(base, kern, packed[0], x, routes[0], f"{label} {fmt} {shape.name}"):
+                bases.append((label, base))
         for pf, their in list(theirs.items()):
             assert peer is not None
             routes, x = inputs[peer_xd, cfg.tokens[0]]
@@ -368,9 +377,9 @@ def bench_format(
             for xd in cfg.x_dtypes:
                 routes, x = inputs[xd, T]
                 series.append(ours_series(kern, packed, seed_packed, xd, routes, x, shape))
-                if base is not None:
+                for label, base in bases:
                     s = ours_series(base, packed, seed_packed, xd, routes, x, shape)
-                    series.append(replace(s, impl=f"baseline {s.impl}", peer=True))
+                    series.append(replace(s, impl=f"{label} {s.impl}", peer=True))
             for pf, their in theirs.items():
                 assert peer is not None
                 routes, x = inputs[peer_xd, T]
@@ -500,7 +509,8 @@ def main() -> None:
     p.add_argument(
         "--baseline-tree",
         default="",
-        help="another source tree (extensions built in place): its kernel timed beside ours",
+        help="other source trees, comma-separated (extensions built in place there): their "
+        "kernels timed beside ours",
     )
     a = p.parse_args()
     cfg = BenchConfig(
@@ -521,7 +531,7 @@ def main() -> None:
         repeats=a.repeats,
         peer=a.peer,
         peer_formats=tuple(f for f in a.peer_formats.split(",") if f),
-        baseline_tree=a.baseline_tree,
+        baseline_trees=tuple(t for t in a.baseline_tree.split(",") if t),
     )
     rng = torch.Generator().manual_seed(cfg.seed)
     print(
@@ -532,16 +542,16 @@ def main() -> None:
     dram = DramMeter(cfg.threads, cfg.dram_gb, cfg.pin)
     dram.sample("start")
     peer = load_peer(cfg)
-    base_ext = load_kernel_ext(Path(cfg.baseline_tree)) if cfg.baseline_tree else None
-    if base_ext is not None:
-        print(f"baseline: {base_ext.__file__}, timed in turn with ours", flush=True)
+    base_exts = baseline_exts(cfg.baseline_trees)
+    for label, ext in base_exts:
+        print(f"{label}: {ext.__file__}, timed in turn with ours", flush=True)
     rows: list[Row] = []
     for key in cfg.shapes:
         shape = SHAPES[key]
         if cfg.torch_baseline:
             rows.append(bench_torch_loop(cfg, shape, rng))
         for fmt in cfg.formats:
-            rows.extend(bench_format(cfg, shape, fmt, rng, peer, base_ext))
+            rows.extend(bench_format(cfg, shape, fmt, rng, peer, base_exts))
         dram.sample(f"after {shape.name}")
     dram.sample("end")
     print(dram.summary())

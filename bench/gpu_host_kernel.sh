@@ -6,7 +6,9 @@
 # pyproject.toml expert_service bench tests ktshm ktserve proto gpu_service`), that tree is built
 # beside this one and the two benches alternate, ROUNDS times each, so drift hits both alike;
 # with IN_PROCESS=1 instead, each round is one bench process that loads both kernels and times
-# them in turn on the same weights (bench_moe_kernel.py --baseline-tree: less noise).
+# them in turn on the same weights (bench_moe_kernel.py --baseline-tree: less noise). BASE may name
+# several tars, comma-separated (variants of one change: each is built in /tmp/kernel-<its stem>,
+# and its rows are "baseline:kernel-<stem>").
 # KT_KERNEL: a tar of kt-kernel's AMX extension and the libraries it links (kt_kernel/ and
 # kt_kernel.libs/ from its wheel, whose whole 101 MB is over a call's carry), unpacked onto the
 # path, and the benches time it beside ours (bench_moe_kernel.py --peer kt-kernel, PEER_FORMATS).
@@ -30,10 +32,18 @@ if [ -n "${KT_KERNEL:-}" ]; then
 fi
 say() { echo "[$(date +%H:%M:%S)] $*"; }
 build_in_place & this_build=$!
+base_dirs=()
+base_builds=()
 if [ -n "$base" ]; then
-  build_tree "$base" /tmp/kernel-base "$out/base-build.log" & base_build=$!
-  wait "$base_build" || exit 1
+  IFS=, read -ra base_tars <<< "$base"
+  for tar in "${base_tars[@]}"; do
+    if [ ${#base_tars[@]} = 1 ]; then dir=/tmp/kernel-base; else
+      stem=$(basename "$tar"); dir=/tmp/kernel-${stem%%.*}; fi
+    base_dirs+=("$dir")
+    build_tree "$tar" "$dir" "$out/$(basename "$dir")-build.log" & base_builds+=($!)
+  done
 fi
+for pid in "${base_builds[@]}"; do wait "$pid" || exit 1; done
 wait "$this_build" || exit 1
 say built
 rc=0
@@ -45,13 +55,13 @@ fi
 trees=("$PWD")
 baseline=()
 if [ -n "$base" ] && [ "${IN_PROCESS:-0}" != 0 ]; then
-  baseline=(--baseline-tree /tmp/kernel-base)
+  baseline=(--baseline-tree "$(IFS=,; echo "${base_dirs[*]}")")
 elif [ -n "$base" ]; then
-  trees=(/tmp/kernel-base "$PWD")
+  trees=("${base_dirs[@]}" "$PWD")
 fi
 for r in $(seq "$rounds"); do
   for tree in "${trees[@]}"; do
-    name=$([ "$tree" = "$PWD" ] && echo this || echo base)
+    name=$([ "$tree" = "$PWD" ] && echo this || basename "$tree")
     (cd "$tree" && PYTHONPATH="$tree:/tmp/site" timeout "${BENCH_TIMEOUT:-150}" python3 bench/bench_moe_kernel.py \
        --threads 15 --shapes "$shapes" --formats "$formats" --tokens "$tokens" --prefill-tokens 512 \
        --no-torch --repeats "${REPEATS:-3}" --min-seconds 0.3 "${peer[@]}" "${baseline[@]}") > "$out/kernel-$r-$name.log" 2>&1 || rc=1

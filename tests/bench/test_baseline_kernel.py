@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.baseline_kernel import MODULE_NAME, load_kernel_ext
-from bench.bench_moe_kernel import baseline_agrees
+from bench.bench_moe_kernel import baseline_agrees, baseline_exts
 from expert_service.kernels import MoEKernel, _ext, pack_experts
 
 E, H, I, T, K = 8, 128, 64, 24, 2  # noqa: E741
@@ -42,6 +42,34 @@ def test_another_build_runs_beside_this_one_and_gives_the_same_output(layer, tmp
         assert baseline_agrees(other, kern, packed, x, (ids, w), "this tree twice")
     assert torch.equal(ours, theirs)  # the same code on the same weights: bit for bit
     assert ours.abs().sum() > 0
+
+
+def _copy_of_this_build(tree):
+    folder = tree / "expert_service" / "kernels"
+    folder.mkdir(parents=True)
+    shutil.copy(_ext.__file__, folder)
+    return tree
+
+
+def test_several_builds_load_side_by_side_each_labelled_by_its_folder(layer, tmp_path):
+    packed, x, (ids, w) = layer
+    trees = [str(_copy_of_this_build(tmp_path / name)) for name in ("kernel-a", "kernel-b")]
+    loaded = baseline_exts(trees)
+    assert [label for label, _ in loaded] == ["baseline:kernel-a", "baseline:kernel-b"]
+    first, second = (ext for _, ext in loaded)
+    assert first is not second and first.__name__ != second.__name__
+    outs = [torch.empty(T, H) for _ in range(3)]
+    with MoEKernel(2) as kern, MoEKernel(2, ext=first) as a, MoEKernel(2, ext=second) as b:
+        for kernel, out in zip((kern, a, b), outs):
+            kernel.forward(packed, x, ids, w, out)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_one_build_keeps_the_plain_label_and_clashing_folders_are_refused(tmp_path):
+    one = _copy_of_this_build(tmp_path / "one")
+    assert [label for label, _ in baseline_exts([str(one)])] == ["baseline"]
+    with pytest.raises(SystemExit, match="distinct folder names"):
+        baseline_exts([str(one), str(tmp_path / "elsewhere" / "one")])
 
 
 class _OtherLayout:
