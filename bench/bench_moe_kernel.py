@@ -23,7 +23,8 @@ imported, or lacks a format's class, one line says why and the run goes on witho
 --baseline-tree DIR adds another source tree's build of the kernel (its extensions built in
 place; bench/baseline_kernel.py), loaded in this process beside ours and timed in turn with it on
 the same packed weights, routings and inputs: rows "baseline <fmt>", "ours/them" = our time / its
-time. DIR,DIR2,... times several (variants of one change): rows "baseline:<folder name> <fmt>". Its output must agree with ours (same packed layout) or its rows are dropped. Between two
+time. DIR,DIR2,... times several (variants of one change): rows "baseline:<folder name> <fmt>".
+Each one's output must agree with ours (same packed layout) or its rows are dropped. Between two
 processes the same code's timings moved 10-15% on the GPU host; within one they alternate call
 batch by call batch.
 
