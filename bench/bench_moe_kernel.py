@@ -28,6 +28,10 @@ Each one's output must agree with ours (same packed layout) or its rows are drop
 processes the same code's timings moved 10-15% on the GPU host; within one they alternate call
 batch by call batch.
 
+--huge-pages also times ours on a copy of the packed weights in memory advised for transparent
+huge pages (rows "<fmt> ... huge pages"; "ours/them" = time on 4 KiB pages / time on huge ones),
+and says how much of the copy huge pages back.
+
 --x-dtypes bf16,f32 also times fp32 activations (with bf16 weights: the exact fp32 path; int8/int4
 quantize x per token whatever its dtype). --prefill-tokens 0 skips the prefill row.
 
@@ -55,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's p
 
 from bench.baseline_kernel import load_kernel_ext
 from bench.common import Column, DramMeter, llc_bytes, print_table, time_calls
+from bench.huge_pages import huge_page_bytes, huge_page_empty
 from bench.peers.kt_kernel import FORMATS as PEER_FORMATS
 from bench.peers.kt_kernel import OURS as PEER_OURS
 from bench.peers.kt_kernel import (
@@ -117,6 +122,7 @@ class BenchConfig:
     peer: str
     peer_formats: tuple[str, ...] = tuple(PEER_FORMATS)
     baseline_trees: tuple[str, ...] = ()  # other trees' kernel builds, timed beside ours here
+    huge_pages: bool = False  # also ours on a copy of the weights in transparent huge pages
 
     def __post_init__(self) -> None:
         if self.threads < 1:
@@ -144,6 +150,17 @@ def routing(rng: torch.Generator, T: int, shape: Shape) -> tuple[torch.Tensor, t
     scores = torch.rand(T, shape.num_experts, generator=rng)
     w, ids = scores.topk(shape.top_k, dim=1)
     return ids.to(torch.int32).contiguous(), (w / w.sum(1, keepdim=True)).contiguous()
+
+
+def in_huge_pages(packed: PackedExperts) -> PackedExperts:
+    """A copy of packed in memory advised for transparent huge pages (huge_page_empty)."""
+    tensors = {}
+    for name, t in packed.tensors.items():
+        tensors[name] = huge_page_empty(t.shape, t.dtype)
+        torch.from_numpy(tensors[name]).copy_(torch.from_numpy(t))  # first touch on many cores
+    return PackedExperts.from_tensors(
+        packed.fmt, packed.num_experts, packed.hidden_size, packed.intermediate_size, tensors
+    )
 
 
 def replicate(seed: PackedExperts, num_experts: int) -> PackedExperts:
@@ -353,6 +370,12 @@ def bench_format(
         theirs[pf] = peer_layers(peer, cfg, shape, pf, (g, u, d), layers)
     del g, u, d
     packed = [replicate(seed_packed, E) for _ in range(layers)]
+    huge = [in_huge_pages(p) for p in packed] if cfg.huge_pages else []
+    if huge:
+        covered = sum(huge_page_bytes(t) for p in huge for t in p.tensors.values())
+        total = sum(p.nbytes for p in huge)
+        print(f"{fmt} {shape.name}: a copy in huge pages, {100 * covered / total:.0f}% of it "
+              f"backed by them ({covered / 2**30:.1f} of {total / 2**30:.1f} GiB)")  # fmt: skip
     inputs = {}
     for xd in cfg.x_dtypes:
         for T in cfg.tokens:
@@ -378,6 +401,9 @@ def bench_format(
             for xd in cfg.x_dtypes:
                 routes, x = inputs[xd, T]
                 series.append(ours_series(kern, packed, seed_packed, xd, routes, x, shape))
+                if huge:
+                    s = ours_series(kern, huge, seed_packed, xd, routes, x, shape)
+                    series.append(replace(s, impl=f"{s.impl} huge pages", peer=True))
                 for label, base in bases:
                     s = ours_series(base, packed, seed_packed, xd, routes, x, shape)
                     series.append(replace(s, impl=f"{label} {s.impl}", peer=True))
@@ -479,7 +505,8 @@ def print_results(rows: list[Row], dram: float) -> None:
         print(
             "ours/them = our median time / the row's, same shape, T and activations: kt-kernel's "
             "(against our int8 for its int8, our int4 for its int4 and int4g32) or the baseline "
-            "tree's (the same format) (< 1: ours faster)"
+            "tree's (the same format) (< 1: ours faster); for 'huge pages' rows, ours on 4 KiB "
+            "pages against ours on huge pages"
         )
 
 
@@ -513,6 +540,11 @@ def main() -> None:
         help="other source trees, comma-separated (extensions built in place there): their "
         "kernels timed beside ours",
     )
+    p.add_argument(
+        "--huge-pages",
+        action="store_true",
+        help="also time ours on a copy of the weights in transparent huge pages (2 MiB)",
+    )
     a = p.parse_args()
     cfg = BenchConfig(
         threads=a.threads,
@@ -533,6 +565,7 @@ def main() -> None:
         peer=a.peer,
         peer_formats=tuple(f for f in a.peer_formats.split(",") if f),
         baseline_trees=tuple(t for t in a.baseline_tree.split(",") if t),
+        huge_pages=a.huge_pages,
     )
     rng = torch.Generator().manual_seed(cfg.seed)
     print(

@@ -13,7 +13,8 @@
 # kt_kernel.libs/ from its wheel, whose whole 101 MB is over a call's carry), unpacked onto the
 # path, and the benches time it beside ours (bench_moe_kernel.py --peer kt-kernel, PEER_FORMATS).
 # SHAPES and TOKENS narrow the bench, REPEATS sets its --repeats (3); TESTS=0 skips the tests;
-# BENCH_TIMEOUT (s, 150) bounds each bench process (a peer or a baseline tree adds to its time).
+# BENCH_TIMEOUT (s, 150) bounds each bench process (a peer or a baseline tree adds to its time);
+# BENCH_ARGS: more bench_moe_kernel.py flags (e.g. --huge-pages).
 # Logs go to $OUT (or ./gpu-host-out).
 #   usage: BASE=.device/base.tar FORMATS=int4 ROUNDS=2 bash bench/gpu_host_kernel.sh
 #          BASE=.device/base.tar IN_PROCESS=1 REPEATS=7 ROUNDS=1 FORMATS=int4 bash bench/gpu_host_kernel.sh
@@ -64,9 +65,9 @@ for r in $(seq "$rounds"); do
     name=$([ "$tree" = "$PWD" ] && echo this || basename "$tree")
     (cd "$tree" && PYTHONPATH="$tree:/tmp/site" timeout "${BENCH_TIMEOUT:-150}" python3 bench/bench_moe_kernel.py \
        --threads 15 --shapes "$shapes" --formats "$formats" --tokens "$tokens" --prefill-tokens 512 \
-       --no-torch --repeats "${REPEATS:-3}" --min-seconds 0.3 "${peer[@]}" "${baseline[@]}") > "$out/kernel-$r-$name.log" 2>&1 || rc=1
+       --no-torch --repeats "${REPEATS:-3}" --min-seconds 0.3 "${peer[@]}" "${baseline[@]}" ${BENCH_ARGS:-}) > "$out/kernel-$r-$name.log" 2>&1 || rc=1
     say "$name, round $r"
-    grep -E "^(DeepSeek|Qwen3)|kt-kernel|^baseline" "$out/kernel-$r-$name.log"
+    grep -E "^(DeepSeek|Qwen3)|kt-kernel|^baseline|huge pages" "$out/kernel-$r-$name.log"
     grep -E "^DRAM read samples" "$out/kernel-$r-$name.log"
   done
 done
