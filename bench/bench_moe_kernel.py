@@ -72,6 +72,7 @@ from bench.peers.kt_kernel import (
 )
 from bench.peers.kt_kernel import expert_nbytes as peer_expert_nbytes
 from expert_service.kernels import MoEKernel, PackedExperts, default_isa, pack_experts
+from expert_service.kernels.kernel import MARKS
 from tests.support.reference_moe import reference_moe
 
 
@@ -190,6 +191,7 @@ class Series:
     flops_per_call: float
     call: Callable[[int], object]
     seconds: list[float] = field(default_factory=list)
+    kernel: MoEKernel | None = None  # ours: the kernel whose phase marks split a call
 
 
 @dataclass(frozen=True)
@@ -412,6 +414,7 @@ def bench_format(
                 routes, x = inputs[peer_xd, T]
                 series.append(peer_series(peer, their, pf, routes, x, shape))
         series = measure(cfg, series)
+        print_phases(shape.name, series)
     return [row_of(shape.name, s) for s in series]
 
 
@@ -437,7 +440,45 @@ def ours_series(
 
     impl = f"{seed.fmt} x{len(packed)}L" + ("" if xd == "bf16" else f" x={xd}")
     nbytes = touched_experts(routes) * seed.expert_nbytes
-    return Series(impl, seed.fmt, T, xd, False, nbytes, moe_flops(shape, T), call)
+    return Series(impl, seed.fmt, T, xd, False, nbytes, moe_flops(shape, T), call, kernel=kern)
+
+
+PHASE_CALLS = 21  # calls whose marks are split, per series
+PHASE_COLUMNS = [
+    Column("shape", 14, "<"), Column("impl", 22, "<"), Column("T", 4), Column("all in", 7),
+    Column("prepared", 8), Column("gathered", 8), Column("gate/up done", 16),
+    Column("down done", 18), Column("ended", 18), Column("returned", 9),
+]  # fmt: skip
+
+
+def phase_cells(shape: str, s: Series) -> list[str]:
+    """Where a call of s goes: microseconds from its start (medians over PHASE_CALLS calls) at
+    which the last pool thread began, the activations were prepared and gathered, the first and
+    the last thread were done with gate/up and with down work and ended, and the call returned."""
+    assert s.kernel is not None
+    samples = []  # [call][column]
+    for i in range(PHASE_CALLS):
+        s.call(i)
+        m = s.kernel.last_marks() / 1e3
+        start, end, _ = s.kernel.last_forward()
+        col = {name: m[:, j] for j, name in enumerate(MARKS)}
+        samples.append([col["started"].max(), col["prepared"].max(), col["gathered"].max(),
+                        col["gate_up_done"].min(), col["gate_up_done"].max(),
+                        col["down_done"].min(), col["down_done"].max(),
+                        col["ended"].min(), col["ended"].max(), (end - start) / 1e3])  # fmt: skip
+    med = np.median(np.array(samples), axis=0)
+    span = [f"{med[a]:.1f}-{med[b]:.1f}" for a, b in ((3, 4), (5, 6), (7, 8))]
+    return [shape, s.impl, str(s.tokens), *(f"{v:.1f}" for v in med[:3]), *span, f"{med[9]:.1f}"]
+
+
+def print_phases(shape: str, series: Sequence[Series]) -> None:
+    """The phase split of each of our series (phase_cells), one table per (shape, format)."""
+    ours = [s for s in series if s.kernel is not None]
+    if not ours:
+        return
+    print(f"Where a call goes, {shape}: us from its start, medians of {PHASE_CALLS} calls; "
+          "spans: the first-last pool thread")  # fmt: skip
+    print_table(PHASE_COLUMNS, [phase_cells(shape, s) for s in ours], sep=" ")
 
 
 def peer_series(

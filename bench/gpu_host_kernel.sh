@@ -50,6 +50,7 @@ say built
 rc=0
 if [ "${TESTS:-1}" != 0 ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/expert_service/test_kernels.py \
+    tests/expert_service/test_kernel_marks.py \
     tests/expert_service/test_amx_emulated.py > "$out/kernel-tests.log" 2>&1 || rc=1
   tail -2 "$out/kernel-tests.log"
 fi

@@ -61,7 +61,13 @@ cdef extern from "ktk.h":
     void ktk_last_forward(const ktk_kernel* kern, int64_t* start_ns, int64_t* end_ns,
                           int* experts) nogil
     void ktk_kernel_wake(ktk_kernel* kern) nogil
+    enum:
+        KTK_MARKS
+    int ktk_last_marks(const ktk_kernel* kern, int64_t* out, int cap) nogil
     int ktk_stream_read(ktk_kernel* kern, const void* buf, size_t nbytes, uint64_t* xor_out) nogil
+
+
+MARKS = KTK_MARKS  # phase marks per pool thread (ktk_last_marks)
 
 
 cdef struct _Buf:
@@ -252,6 +258,13 @@ cdef class Kernel:
         if self._k != NULL:
             ktk_last_forward(self._k, &start, &end, &experts)
         return start, end, experts
+
+    def last_marks(self, uintptr_t out, int cap) -> int:
+        """Writes the last call's phase marks ([threads][MARKS] int64) to out (cap values at
+        most); returns the thread count (0 once closed)."""
+        if self._k == NULL:
+            return 0
+        return ktk_last_marks(self._k, <int64_t*>out, cap)
 
     def wake(self) -> None:
         if self._k != NULL:

@@ -26,6 +26,17 @@ from expert_service.kernels.isa import ISA_CODES, check_isa, default_isa
 from expert_service.kernels.packing import FORMAT_CODES, PackedExperts
 
 _ACT_DTYPES = {"f32": DT_F32, "bf16": DT_BF16}
+# A forward call's phase marks, per pool thread, in order (ktk.h: ktk_last_marks).
+MARKS = (
+    "started",  # the thread began its part
+    "prepared",  # the activations were quantized (every thread: after a barrier)
+    "gathered",  # ... and gathered by expert (likewise)
+    "gate_up_done",  # the thread took no more gate/up work
+    "down_started",  # many tokens: the intermediate prepared (after a barrier); few: as the last
+    "down_done",  # the thread took no more down work
+    "ended",  # its part ended (few tokens: after its columns of the output were summed)
+)
+assert len(MARKS) == _ext.MARKS, "ktk.h's marks and these agree"
 
 
 class MoEKernel:
@@ -126,6 +137,18 @@ class MoEKernel:
         if self._k is None:
             raise ValueError("MoEKernel is closed")
         return self._k.last_forward()
+
+    def last_marks(self) -> np.ndarray:
+        """Where each pool thread was in the last forward call: int64 [threads, len(MARKS)] of
+        nanoseconds since its start (last_forward's first value), one column per phase mark
+        (MARKS names them; zeros before a call)."""
+        if self._k is None:
+            raise ValueError("MoEKernel is closed")
+        out = np.zeros((self.num_threads, len(MARKS)), dtype=np.int64)
+        threads = self._k.last_marks(out.ctypes.data, out.size)
+        out = out[:threads]
+        start = self._k.last_forward()[0]
+        return out - start if start else out
 
     def wake(self) -> None:
         """Wake pool threads that sleep (they spin again for their spin time): called when a

@@ -113,6 +113,15 @@ int ktk_forward(ktk_kernel* kern, const ktk_forward_args* a);
 /* The kernel's last forward call: CLOCK_MONOTONIC ns at its start and its end, and how many
  * distinct experts it ran (all 0 before one). */
 void ktk_last_forward(const ktk_kernel* kern, int64_t* start_ns, int64_t* end_ns, int* experts);
+/* Each pool thread's phase marks in the last forward call (CLOCK_MONOTONIC ns; one clock read
+ * each): [thread][KTK_MARKS] into out (cap values at most); returns the thread count. Marks:
+ *   0 the thread started its part      1 the activations were prepared (all threads)
+ *   2 they were gathered by expert     3 the thread took no more gate/up work
+ *   4 it began down work (many tokens: the intermediate prepared by all threads; few: as 3)
+ *   5 it took no more down work        6 it ended its part (few tokens: its output columns summed)
+ * (all 0 before a call). */
+#define KTK_MARKS 7
+int ktk_last_marks(const ktk_kernel* kern, int64_t* out, int cap);
 /* Wakes pool threads that sleep, so they spin when the next forward call comes: a caller that
  * knows a call is coming (a request arrived) overlaps their wake-up with its own preparation. */
 void ktk_kernel_wake(ktk_kernel* kern);

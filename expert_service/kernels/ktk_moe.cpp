@@ -62,6 +62,7 @@ struct ktk_kernel {
   Buffer counts, group_expert, group_off, slot_token, slot_weight, token_slot;
   Buffer xt, xa, xs, xg, h, ha, hs, hg, thread_tmp, slot_out;
   Counters group_counters;
+  Buffer marks;  // int64_t [num_threads][kMarkStride] of the last forward call
 };
 
 namespace {
@@ -95,7 +96,16 @@ struct Call {
   std::atomic<int>* group_progress = nullptr;
   // The next gate/up item and the next down item (few tokens) / output block nobody has taken.
   std::atomic<int> gateup_cursor{0}, down_cursor{0};
+  int64_t* marks;  // [threads][kMarkStride]
 };
+
+// A thread's marks fill one cache line of their own (KTK_MARKS of its 8 slots), so that no two
+// threads write the same line.
+constexpr int kMarkStride = 8;
+static_assert(KTK_MARKS <= kMarkStride, "a thread's marks fit its line");
+
+enum Mark { kMarkStart, kMarkPrepared, kMarkGathered, kMarkGateUp, kMarkDownStart, kMarkDown, kMarkEnd };
+static_assert(kMarkEnd + 1 == KTK_MARKS, "ktk.h lists every mark");
 
 // Items [0, total) from a shared cursor of tickets: runs of `run` items until about one run per
 // thread is left, then runs of a quarter of that, so that the threads finish close together.
@@ -283,7 +293,7 @@ void down_range(Call& c, int b0, int b1, float* tmp, float* acc) {
 // waits only for its own group's h. Each slot's weighted output rows go to slot_out; then each
 // thread sums its output columns over every token's slots, in slot order j (so the result does
 // not depend on which thread did what).
-void few_tokens_rest(Call& c, int tid, int n, float* tmp, float* tmp_up) {
+void few_tokens_rest(Call& c, int tid, int n, float* tmp, float* tmp_up, int64_t* marks) {
   const ktk_forward_args* a = c.a;
   const int T = a->T, runs = n * kFewRunsPerThread;
   const int gate_items = c.G * c.gate_blocks, gate_run = std::max(1, gate_items / runs);
@@ -298,6 +308,7 @@ void few_tokens_rest(Call& c, int tid, int n, float* tmp, float* tmp_up) {
       progress.fetch_add(1, std::memory_order_release);
     }
   });
+  marks[kMarkGateUp] = marks[kMarkDownStart] = ktk_now_ns();
   // Every gate/up item has been taken once a thread gets here, so every group's h gets ready.
   const int width = c.out_blocks * 16;
   const int down_items = c.G * c.out_blocks, down_run = std::max(1, down_items / runs);
@@ -314,6 +325,7 @@ void few_tokens_rest(Call& c, int tid, int n, float* tmp, float* tmp_up) {
       }
     }
   });
+  marks[kMarkDown] = ktk_now_ns();
   ktk_pool_barrier(c.pool);
   int lo, hi;
   split(c.out_blocks, tid, n, &lo, &hi);
@@ -338,6 +350,8 @@ void few_tokens_rest(Call& c, int tid, int n, float* tmp, float* tmp_up) {
 
 void forward_task(void* raw, int tid, int n) {
   Call& c = *static_cast<Call*>(raw);
+  int64_t* marks = c.marks + size_t(tid) * kMarkStride;
+  marks[kMarkStart] = ktk_now_ns();
   const ktk_forward_args* a = c.a;
   const int T = a->T, Hp = c.Hp, fmt = a->fmt, act = c.act;
   const int ldgx = Hp / 32;
@@ -349,6 +363,7 @@ void forward_task(void* raw, int tid, int n) {
     prep_row(act, static_cast<const uint8_t*>(a->x) + size_t(t) * a->H * xelem, a->x_dtype, a->H,
              Hp, c.xt + size_t(t) * Hp * c.act_bytes, c.xs + t, c.xg + size_t(t) * ldgx);
   ktk_pool_barrier(c.pool);
+  marks[kMarkPrepared] = ktk_now_ns();
   // Phase 0b: gather them by slot (expert-major), so each expert's tokens are contiguous rows.
   split(c.P, tid, n, &lo, &hi);
   for (int s = lo; s < hi; ++s) {
@@ -360,11 +375,13 @@ void forward_task(void* raw, int tid, int n) {
       memcpy(c.xg + size_t(T + s) * ldgx, c.xg + size_t(t) * ldgx, sizeof(int32_t) * ldgx);
   }
   ktk_pool_barrier(c.pool);
+  marks[kMarkGathered] = ktk_now_ns();
   // Phase 1: gate/up, SiLU * up -> h, by runs of (expert, 16-row block) items.
   float* tmp = c.thread_tmp + c.thread_tmp_floats * tid;
   float* tmp_up = tmp + c.thread_tmp_split;
   if (c.slot_out) {
-    few_tokens_rest(c, tid, n, tmp, tmp_up);
+    few_tokens_rest(c, tid, n, tmp, tmp_up, marks);
+    marks[kMarkEnd] = ktk_now_ns();
     return;
   }
   const int gate_items = c.G * c.gate_blocks;
@@ -373,15 +390,18 @@ void forward_task(void* raw, int tid, int n) {
   take_tapered(c.gateup_cursor, gate_items, gate_run, n, [&](int i0, int i1) {
     for (int i = i0; i < i1; ++i) gateup_item(c, i, tmp, tmp_up);
   });
+  marks[kMarkGateUp] = ktk_now_ns();
   ktk_pool_barrier(c.pool);
   // Phase 2: prepare h for the down projection.
   split(c.P, tid, n, &lo, &hi);
   for (int s = lo; s < hi; ++s) prep_h_row(c, s);
   ktk_pool_barrier(c.pool);
+  marks[kMarkDownStart] = ktk_now_ns();
   // Phase 3 (many tokens): ranges of output blocks (16 rows each) from a shared cursor; a range's
   // weighted sums go straight into out.
   const int R = std::min(kDownChunk, std::max(2, c.out_blocks / (n * kDownRangesPerThread)));
   take_tapered(c.down_cursor, c.out_blocks, R, n, [&](int b0, int b1) { down_range(c, b0, b1, tmp, tmp_up); });
+  marks[kMarkDown] = marks[kMarkEnd] = ktk_now_ns();
 }
 
 struct StreamRead {
@@ -409,6 +429,12 @@ ktk_kernel* ktk_kernel_create(int num_threads, int isa, int pin) {
   const char* spin = getenv("KTSERVE_KERNEL_SPIN_US");
   k->pool = ktk_pool_create(num_threads, pin, spin ? atoi(spin) : 200);
   k->num_threads = ktk_pool_size(k->pool);
+  const size_t mark_bytes = sizeof(int64_t) * kMarkStride * k->num_threads;
+  if (!k->marks.reserve(mark_bytes)) {
+    ktk_kernel_destroy(k);
+    return nullptr;
+  }
+  memset(k->marks.ptr, 0, mark_bytes);
   return k;
 }
 
@@ -517,6 +543,7 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
   c.hs = k->hs.as<float>();
   c.hg = k->hg.as<int32_t>();
   c.thread_tmp = k->thread_tmp.as<float>();
+  c.marks = k->marks.as<int64_t>();
   ktk_pool_run(k->pool, forward_task, &c);
   k->last_end_ns = ktk_now_ns();
   k->last_experts = G;
@@ -527,6 +554,12 @@ void ktk_last_forward(const ktk_kernel* k, int64_t* start_ns, int64_t* end_ns, i
   *start_ns = k->last_start_ns;
   *end_ns = k->last_end_ns;
   *experts = k->last_experts;
+}
+
+int ktk_last_marks(const ktk_kernel* k, int64_t* out, int cap) {
+  for (int i = 0; i < k->num_threads * KTK_MARKS && i < cap; ++i)
+    out[i] = k->marks.as<int64_t>()[size_t(i / KTK_MARKS) * kMarkStride + i % KTK_MARKS];
+  return k->num_threads;
 }
 
 void ktk_kernel_wake(ktk_kernel* k) { ktk_pool_wake(k->pool); }
