@@ -3,7 +3,7 @@
 
 from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_FORMAT, PyBUF_WRITABLE, PyBuffer_Release,
                              PyObject_GetBuffer)
-from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
+from libc.stdint cimport int8_t, int32_t, int64_t, uint64_t, uintptr_t
 
 
 cdef extern from "ktk.h":
@@ -64,6 +64,8 @@ cdef extern from "ktk.h":
     enum:
         KTK_MARKS
     int ktk_last_marks(const ktk_kernel* kern, int64_t* out, int cap) nogil
+    int ktk_quantize_int8(int isa, const void* src, int src_dtype, int n_real, int n_pad,
+                          int8_t* dst, float* scale, int32_t* gsum) nogil
     int ktk_stream_read(ktk_kernel* kern, const void* buf, size_t nbytes, uint64_t* xor_out) nogil
 
 
@@ -116,6 +118,17 @@ cdef int _check(int status) except -1:
 
 def isa_supported(int isa) -> bool:
     return bool(ktk_isa_supported(isa))
+
+
+def quantize_int8(int isa, uintptr_t src, int src_dtype, int n_real, int n_pad, uintptr_t dst,
+                  uintptr_t scale, uintptr_t gsum) -> None:
+    """One activation row quantized to int8 as a forward call does it (isa -1: the scalar
+    reference); raw addresses, sizes checked by the caller."""
+    cdef int status
+    with nogil:
+        status = ktk_quantize_int8(isa, <const void*>src, src_dtype, n_real, n_pad,
+                                   <int8_t*>dst, <float*>scale, <int32_t*>gsum)
+    _check(status)
 
 
 def pack(int fmt, int E, int H, int I, int src_dtype, uintptr_t gate, uintptr_t up,

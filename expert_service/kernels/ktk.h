@@ -53,7 +53,11 @@ enum { KTK_DT_F32 = 0, KTK_DT_BF16 = 1, KTK_DT_F16 = 2, KTK_DT_F8E4M3 = 3 /* pac
  * gets.
  * silu_mul16: h[m*ldh + r] = silu(gate[m*16 + r]) * up[m*16 + r] for m < rows, r < 16 (one block's
  * gate and up results), silu(v) = v / (1 + e^-v) with e^x from a polynomial within 2 ulp of expf
- * (the AVX2 code in every table). */
+ * (the AVX2 code in every table).
+ * quantize_int8: one activation row of n_real values (f32, or bf16 for src_dtype KTK_DT_BF16) to
+ * int8 with one scale (amax / 127; values rounded half to even, NaN to 0), zeros up to n_pad (a
+ * multiple of 32), and the sums of each 32 (gsum[n_pad / 32]); the same bytes as the scalar
+ * quantizer in ktk_moe.cpp (the AVX2 code in every table). */
 #define KTK_READ_STEP 256
 typedef struct {
   void (*dot_bf16)(const uint16_t* w, int K, const uint16_t* x, int ldx, int M, float* out);
@@ -65,6 +69,8 @@ typedef struct {
                    size_t ldo);
   uint64_t (*read_xor)(const void* p, size_t bytes);
   void (*silu_mul16)(const float* gate, const float* up, int rows, float* h, int ldh);
+  void (*quantize_int8)(const void* src, int src_dtype, int n_real, int n_pad, int8_t* dst,
+                        float* scale, int32_t* gsum);
 } ktk_ops;
 
 const ktk_ops* ktk_ops_avx2(void);
@@ -113,6 +119,11 @@ int ktk_forward(ktk_kernel* kern, const ktk_forward_args* a);
 /* The kernel's last forward call: CLOCK_MONOTONIC ns at its start and its end, and how many
  * distinct experts it ran (all 0 before one). */
 void ktk_last_forward(const ktk_kernel* kern, int64_t* start_ns, int64_t* end_ns, int* experts);
+/* One activation row quantized as a forward call quantizes it (ktk_ops.quantize_int8) on isa, or
+ * by the scalar code it must equal where isa is -1: for tests. KTK_ERR_BAD_ISA where isa is not
+ * supported, KTK_ERR_BAD_ARG where n_pad is not a multiple of 32 at least n_real. */
+int ktk_quantize_int8(int isa, const void* src, int src_dtype, int n_real, int n_pad, int8_t* dst,
+                      float* scale, int32_t* gsum);
 /* Each pool thread's phase marks in the last forward call (CLOCK_MONOTONIC ns; one clock read
  * each): [thread][KTK_MARKS] into out (cap values at most); returns the thread count. Marks:
  *   0 the thread started its part      1 the activations were prepared (all threads)

@@ -338,7 +338,13 @@ void silu_mul16(const float* gate, const float* up, int rows, float* h, int ldh)
   ktk_ops_avx2()->silu_mul16(gate, up, rows, h, ldh);
 }
 
-const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4, read_xor, silu_mul16};
+void quantize_int8(const void* src, int src_dtype, int n_real, int n_pad, int8_t* dst,
+                   float* scale, int32_t* gsum) {
+  ktk_ops_avx2()->quantize_int8(src, src_dtype, n_real, n_pad, dst, scale, gsum);
+}
+
+const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4, read_xor, silu_mul16,
+                      quantize_int8};
 
 }  // namespace
 

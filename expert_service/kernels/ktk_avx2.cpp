@@ -269,7 +269,77 @@ void silu_mul16(const float* gate, const float* up, int rows, float* h, int ldh)
     }
 }
 
-const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4, read_xor, silu_mul16};
+inline __m256 load8_f32(const void* src, int src_dtype, int i) {
+  if (src_dtype == KTK_DT_BF16) return bf16x8_to_f32(static_cast<const uint16_t*>(src) + i);
+  return _mm256_loadu_ps(static_cast<const float*>(src) + i);
+}
+
+inline float load1_f32(const void* src, int src_dtype, int i) {
+  if (src_dtype != KTK_DT_BF16) return static_cast<const float*>(src)[i];
+  const uint32_t u = uint32_t(static_cast<const uint16_t*>(src)[i]) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+
+// The scalar quantizer's steps (ktk_moe.cpp prep_row) eight values at a time: amax by maxps
+// (whose NaN rule, the second operand, is ktk_max_or's), one product v * inv each, rounded half to
+// even by cvtps2dq in the default rounding mode as ktk_round_even rounds; a NaN or infinite product
+// (NaN inputs; inv infinite after a subnormal amax), which the scalar conversion leaves as 0, is
+// zeroed before the saturating packs.
+void quantize_int8(const void* src, int src_dtype, int n_real, int n_pad, int8_t* dst,
+                   float* scale, int32_t* gsum) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 amax8 = _mm256_setzero_ps();
+  const int full8 = n_real / 8 * 8;
+  for (int i = 0; i < full8; i += 8)
+    amax8 = _mm256_max_ps(_mm256_and_ps(load8_f32(src, src_dtype, i), abs_mask), amax8);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, amax8);
+  float amax = 0.0f;
+  for (float v : lanes) amax = v > amax ? v : amax;
+  for (int i = full8; i < n_real; ++i) {
+    const float v = __builtin_fabsf(load1_f32(src, src_dtype, i));
+    amax = v > amax ? v : amax;
+  }
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  *scale = amax / 127.0f;
+  const __m256 inv8 = _mm256_set1_ps(inv);
+  const __m256i invalid = _mm256_set1_epi32(INT32_MIN);  // cvtps2dq's answer to NaN and infinity
+  const int full32 = n_real / 32 * 32;  // whole groups of real values
+  for (int g = 0; g < full32; g += 32) {
+    __m256i q[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(load8_f32(src, src_dtype, g + 8 * j), inv8));
+      q[j] = _mm256_andnot_si256(_mm256_cmpeq_epi32(v, invalid), v);
+    }
+    const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    gsum[g / 32] = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xb1)));
+    // packs work within 128-bit lanes: [q0 lo, q1 lo, q0 hi, q1 hi] -> the permute restores order
+    const __m256i w01 = _mm256_packs_epi32(q[0], q[1]), w23 = _mm256_packs_epi32(q[2], q[3]);
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23),
+                                                  _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + g), b);
+  }
+  for (int g = full32; g < n_pad; g += 32) {  // the last real values and the zero padding
+    int32_t sum = 0;
+    for (int i = g; i < g + 32; ++i) {
+      int8_t d = 0;
+      if (i < n_real) {
+        const int v = _mm_cvtss_si32(_mm_set_ss(load1_f32(src, src_dtype, i) * inv));
+        d = v == INT32_MIN ? 0 : int8_t(v);
+      }
+      dst[i] = d;
+      sum += d;
+    }
+    gsum[g / 32] = sum;
+  }
+}
+
+const ktk_ops kOps = {dot_bf16, dot_bf16_f32, dot_int8, dot_int4, read_xor, silu_mul16,
+                      quantize_int8};
 
 }  // namespace
 

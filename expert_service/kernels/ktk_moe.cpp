@@ -97,6 +97,7 @@ struct Call {
   // The next gate/up item and the next down item (few tokens) / output block nobody has taken.
   std::atomic<int> gateup_cursor{0}, down_cursor{0};
   int64_t* marks;  // [threads][kMarkStride]
+  bool direct;     // one token whose experts are distinct: its prepared row serves every slot
 };
 
 // A thread's marks fill one cache line of their own (KTK_MARKS of its 8 slots), so that no two
@@ -121,9 +122,10 @@ void take_tapered(std::atomic<int>& tickets, int total, int run, int n, F body) 
 }
 
 // Prepares one activation row: n_real values of src (f32 or bf16) into dst (padded to n_pad with
-// zeros) as act: f32 (src is f32 then), bf16, or int8 with a scale and group sums.
-void prep_row(int act, const void* src, int src_dtype, int n_real, int n_pad, uint8_t* dst,
-              float* scale, int32_t* gsum) {
+// zeros) as act: f32 (src is f32 then), bf16, or int8 with a scale and group sums (by the ISA's
+// quantize_int8 where ops is given; this scalar code is what it must equal byte for byte).
+void prep_row(const ktk_ops* ops, int act, const void* src, int src_dtype, int n_real, int n_pad,
+              uint8_t* dst, float* scale, int32_t* gsum) {
   const float* sf = static_cast<const float*>(src);
   const uint16_t* sb = static_cast<const uint16_t*>(src);
   if (act == kActF32) {
@@ -141,6 +143,9 @@ void prep_row(int act, const void* src, int src_dtype, int n_real, int n_pad, ui
     for (int i = n_real; i < n_pad; ++i) d[i] = 0;
     return;
   }
+  if (ops)
+    return ops->quantize_int8(src, src_dtype, n_real, n_pad, reinterpret_cast<int8_t*>(dst), scale,
+                              gsum);
   float amax = 0.0f;
   if (src_dtype == KTK_DT_BF16)
     for (int i = 0; i < n_real; ++i) amax = ktk_max_or(fabsf(ktk_bf16_to_f32(sb[i])), amax);
@@ -166,6 +171,17 @@ inline void split(int total, int tid, int n, int* begin, int* end) {
   *end = int(int64_t(total) * (tid + 1) / n);
 }
 
+// The prepared activations of the slots from off on (their rows Hp elements apart): the rows
+// gathered by slot, or token 0's own where the call is direct (one token, its experts distinct:
+// every group one slot, so no gather; xt keeps 16 rows readable past it, as xa does).
+inline const uint8_t* slot_x(const Call& c, int off) {
+  return c.direct ? c.xt : c.xa + size_t(off) * c.Hp * c.act_bytes;
+}
+inline const float* slot_xs(const Call& c, int off) { return c.direct ? c.xs : c.xs + c.a->T + off; }
+inline const int32_t* slot_xg(const Call& c, int off) {
+  return c.direct ? c.xg : c.xg + size_t(c.a->T + off) * (c.Hp / 32);
+}
+
 void gateup_item(Call& c, int item, float* tg, float* tu) {
   const ktk_forward_args* a = c.a;
   int g = item / c.gate_blocks, b = item % c.gate_blocks;
@@ -175,29 +191,29 @@ void gateup_item(Call& c, int item, float* tg, float* tu) {
   size_t jg = size_t(e) * expert_blocks + 2 * b;  // global block index of the gate block
   if (c.act == kActF32) {
     const uint16_t* w = static_cast<const uint16_t*>(a->w13) + jg * block_elems;
-    const float* x = reinterpret_cast<const float*>(c.xa) + size_t(off) * c.Hp;
+    const float* x = reinterpret_cast<const float*>(slot_x(c, off));
     c.ops->dot_bf16_f32(w, c.Hp, x, c.Hp, M, tg);
     c.ops->dot_bf16_f32(w + block_elems, c.Hp, x, c.Hp, M, tu);
   } else if (a->fmt == KTK_FMT_BF16) {
     const uint16_t* w = static_cast<const uint16_t*>(a->w13) + jg * block_elems;
-    const uint16_t* x = reinterpret_cast<const uint16_t*>(c.xa) + size_t(off) * c.Hp;
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(slot_x(c, off));
     c.ops->dot_bf16(w, c.Hp, x, c.Hp, M, tg);
     c.ops->dot_bf16(w + block_elems, c.Hp, x, c.Hp, M, tu);
   } else if (a->fmt == KTK_FMT_INT8) {
     const int8_t* w = static_cast<const int8_t*>(a->w13) + jg * block_elems;
     const float* ws = static_cast<const float*>(a->s13) + jg * 16;
     const int32_t* wsum = a->r13 + jg * 16;
-    const int8_t* x = reinterpret_cast<const int8_t*>(c.xa) + size_t(off) * c.Hp;
-    const float* xs = c.xs + a->T + off;
+    const int8_t* x = reinterpret_cast<const int8_t*>(slot_x(c, off));
+    const float* xs = slot_xs(c, off);
     c.ops->dot_int8(w, ws, wsum, c.Hp, x, c.Hp, xs, M, tg);
     c.ops->dot_int8(w + block_elems, ws + 16, wsum + 16, c.Hp, x, c.Hp, xs, M, tu);
   } else {
     const uint8_t* w = static_cast<const uint8_t*>(a->w13) + jg * ktk_int4_block_bytes(c.Hp);
     const uint16_t* gs = static_cast<const uint16_t*>(a->s13) + jg * ktk_int4_block_scales(c.Hp);
-    const int8_t* x = reinterpret_cast<const int8_t*>(c.xa) + size_t(off) * c.Hp;
-    const float* xs = c.xs + a->T + off;
+    const int8_t* x = reinterpret_cast<const int8_t*>(slot_x(c, off));
+    const float* xs = slot_xs(c, off);
     int ldg = c.Hp / 32;
-    const int32_t* xg = c.xg + size_t(a->T) * ldg + size_t(off) * ldg;
+    const int32_t* xg = slot_xg(c, off);
     // The gate block and the up block after it in one call.
     c.ops->dot_int4(w, gs, c.Hp, x, c.Hp, xs, xg, ldg, M, 2, tg, size_t(tu - tg));
   }
@@ -206,7 +222,7 @@ void gateup_item(Call& c, int item, float* tg, float* tu) {
 
 // Slot s's intermediate h (fp32) prepared for the down projection, as the activations were.
 void prep_h_row(const Call& c, int s) {
-  prep_row(c.act, c.h + size_t(s) * c.Ip, KTK_DT_F32, c.a->I, c.Ip,
+  prep_row(c.ops, c.act, c.h + size_t(s) * c.Ip, KTK_DT_F32, c.a->I, c.Ip,
            c.ha + size_t(s) * c.Ip * c.act_bytes, c.hs + s, c.hg + size_t(s) * (c.Ip / 32));
 }
 
@@ -360,21 +376,23 @@ void forward_task(void* raw, int tid, int n) {
   // Phase 0a: per-token activations.
   split(T, tid, n, &lo, &hi);
   for (int t = lo; t < hi; ++t)
-    prep_row(act, static_cast<const uint8_t*>(a->x) + size_t(t) * a->H * xelem, a->x_dtype, a->H,
+    prep_row(c.ops, act, static_cast<const uint8_t*>(a->x) + size_t(t) * a->H * xelem, a->x_dtype, a->H,
              Hp, c.xt + size_t(t) * Hp * c.act_bytes, c.xs + t, c.xg + size_t(t) * ldgx);
   ktk_pool_barrier(c.pool);
   marks[kMarkPrepared] = ktk_now_ns();
   // Phase 0b: gather them by slot (expert-major), so each expert's tokens are contiguous rows.
-  split(c.P, tid, n, &lo, &hi);
-  for (int s = lo; s < hi; ++s) {
-    int t = c.slot_token[s];
-    memcpy(c.xa + size_t(s) * Hp * c.act_bytes, c.xt + size_t(t) * Hp * c.act_bytes,
-           Hp * c.act_bytes);
-    c.xs[T + s] = c.xs[t];
-    if (fmt == KTK_FMT_INT4)
-      memcpy(c.xg + size_t(T + s) * ldgx, c.xg + size_t(t) * ldgx, sizeof(int32_t) * ldgx);
+  if (!c.direct) {
+    split(c.P, tid, n, &lo, &hi);
+    for (int s = lo; s < hi; ++s) {
+      int t = c.slot_token[s];
+      memcpy(c.xa + size_t(s) * Hp * c.act_bytes, c.xt + size_t(t) * Hp * c.act_bytes,
+             Hp * c.act_bytes);
+      c.xs[T + s] = c.xs[t];
+      if (fmt == KTK_FMT_INT4)
+        memcpy(c.xg + size_t(T + s) * ldgx, c.xg + size_t(t) * ldgx, sizeof(int32_t) * ldgx);
+    }
+    ktk_pool_barrier(c.pool);
   }
-  ktk_pool_barrier(c.pool);
   marks[kMarkGathered] = ktk_now_ns();
   // Phase 1: gate/up, SiLU * up -> h, by runs of (expert, 16-row block) items.
   float* tmp = c.thread_tmp + c.thread_tmp_floats * tid;
@@ -488,7 +506,7 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
             k->slot_token.reserve(sizeof(int32_t) * (P + 1)) &&
             k->slot_weight.reserve(sizeof(float) * (P + 1)) &&
             k->token_slot.reserve(sizeof(int32_t) * (T * K + 1)) &&
-            k->xt.reserve(size_t(T + 1) * c.Hp * c.act_bytes) &&
+            k->xt.reserve(size_t(T + 16) * c.Hp * c.act_bytes) &&
             k->xa.reserve(size_t(P + 16) * c.Hp * c.act_bytes) &&
             k->xs.reserve(sizeof(float) * (T + P + 1)) &&
             k->xg.reserve(sizeof(int32_t) * (T + P + 1) * (c.Hp / 32)) &&
@@ -528,6 +546,7 @@ int ktk_forward(ktk_kernel* k, const ktk_forward_args* a) {
     tslot[i] = s;
   }
   c.G = G;
+  c.direct = T == 1 && G == P;
   if (c.slot_out) c.group_progress = k->group_counters.zeroed(size_t(G));
   c.group_expert = gexp;
   c.group_off = goff;
@@ -554,6 +573,19 @@ void ktk_last_forward(const ktk_kernel* k, int64_t* start_ns, int64_t* end_ns, i
   *start_ns = k->last_start_ns;
   *end_ns = k->last_end_ns;
   *experts = k->last_experts;
+}
+
+int ktk_quantize_int8(int isa, const void* src, int src_dtype, int n_real, int n_pad, int8_t* dst,
+                      float* scale, int32_t* gsum) {
+  if (n_real < 0 || n_pad < n_real || n_pad % 32 || (src_dtype != KTK_DT_F32 && src_dtype != KTK_DT_BF16))
+    return KTK_ERR_BAD_ARG;
+  const ktk_ops* ops = nullptr;
+  if (isa != -1) {
+    if (!ktk_isa_supported(isa)) return KTK_ERR_BAD_ISA;
+    ops = isa == KTK_ISA_AMX ? ktk_ops_amx() : isa == KTK_ISA_AVX512 ? ktk_ops_avx512() : ktk_ops_avx2();
+  }
+  prep_row(ops, kActInt8, src, src_dtype, n_real, n_pad, reinterpret_cast<uint8_t*>(dst), scale, gsum);
+  return KTK_OK;
 }
 
 int ktk_last_marks(const ktk_kernel* k, int64_t* out, int cap) {

@@ -526,3 +526,27 @@ def test_quantizers_round_ties_to_even_and_clamp(seed, fmt, top, source) -> None
         want = np.clip(np.rint(orig.numpy()), low, top)
         want[np.isnan(want)] = low
         np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_one_token_reads_its_row_directly_with_the_gathered_bits(
+    seed, experts, packed, kernels, isa, fmt
+):
+    """One token whose experts are distinct skips the gather (its prepared row serves every
+    expert): the same bits as that token's output when a second token (all ids -1) makes the call
+    gather; with an expert twice, the call gathers and matches the reference."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K_TOP], torch.full((K_TOP,), -1)])
+    ids = ids.to(torch.int32)
+    w = torch.rand(2, K_TOP, generator=g)
+    one, two = torch.empty(1, H), torch.empty(2, H)
+    kernels[isa].forward(packed[fmt], x[:1], ids[:1], w[:1], one)
+    kernels[isa].forward(packed[fmt], x, ids, w, two)
+    assert torch.equal(one[0], two[0]) and one.abs().sum() > 0
+    twice = ids[:1].clone()
+    twice[0, 1] = twice[0, 0]
+    out = torch.empty(1, H)
+    kernels[isa].forward(packed[fmt], x[:1], twice, w[:1], out)
+    assert rel_err(out, reference(experts, x[:1], twice, w[:1])) <= SMALL_T_BOUNDS[fmt]
