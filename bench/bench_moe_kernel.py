@@ -451,15 +451,17 @@ PHASE_COLUMNS = [
 ]  # fmt: skip
 
 
-def phase_cells(shape: str, s: Series) -> list[str]:
+def phase_cells(shape: str, s: Series) -> tuple[list[str], np.ndarray]:
     """Where a call of s goes: microseconds from its start (medians over PHASE_CALLS calls) at
     which the last pool thread began, the activations were prepared and gathered, the first and
-    the last thread were done with gate/up and with down work and ended, and the call returned."""
+    the last thread were done with gate/up and with down work and ended, and the call returned;
+    and each thread's own medians ([threads, len(MARKS)] us), to tell which thread ends late."""
     assert s.kernel is not None
-    samples = []  # [call][column]
+    samples, per_thread = [], []  # [call][column], [call][thread][mark]
     for i in range(PHASE_CALLS):
         s.call(i)
         m = s.kernel.last_marks() / 1e3
+        per_thread.append(m)
         start, end, _ = s.kernel.last_forward()
         col = {name: m[:, j] for j, name in enumerate(MARKS)}
         samples.append([col["started"].max(), col["prepared"].max(), col["gathered"].max(),
@@ -468,24 +470,43 @@ def phase_cells(shape: str, s: Series) -> list[str]:
                         col["ended"].min(), col["ended"].max(), (end - start) / 1e3])  # fmt: skip
     med = np.median(np.array(samples), axis=0)
     span = [f"{med[a]:.1f}-{med[b]:.1f}" for a, b in ((3, 4), (5, 6), (7, 8))]
-    return [shape, s.impl, str(s.tokens), *(f"{v:.1f}" for v in med[:3]), *span, f"{med[9]:.1f}"]
+    cells = [shape, s.impl, str(s.tokens), *(f"{v:.1f}" for v in med[:3]), *span, f"{med[9]:.1f}"]
+    return cells, np.median(np.array(per_thread), axis=0)
+
+
+def thread_line(s: Series, per_thread: np.ndarray) -> str:
+    """Each pool thread's median gate/up-done and down-done times (us), and which thread ends
+    its down work last, by how much past the median thread."""
+    gate = per_thread[:, MARKS.index("gate_up_done")]
+    down = per_thread[:, MARKS.index("down_done")]
+    late = int(np.argmax(down))
+    cells = " ".join(f"{t}:{g:.0f}/{d:.0f}" for t, (g, d) in enumerate(zip(gate, down)))
+    return (
+        f"  {s.impl} T={s.tokens} per thread, gate/up done/down done: {cells}; last: "
+        f"thread {late}, {down[late] - np.median(down):.1f} us past the median thread"
+    )
 
 
 def print_phases(shape: str, series: Sequence[Series]) -> None:
-    """The phase split of each of our series (phase_cells), one table per (shape, format)."""
-    cells = []
+    """The phase split of each of our series (phase_cells), one table per (shape, format), then
+    each series' per-thread line (thread_line)."""
+    cells, lines = [], []
     for s in series:
         if s.kernel is None:
             continue
         try:
-            cells.append(phase_cells(shape, s))
+            row, per_thread = phase_cells(shape, s)
         except AttributeError:  # a baseline tree's kernel from before the marks
             print(f"{s.impl}: no phase marks in that build")
+            continue
+        cells.append(row)
+        lines.append(thread_line(s, per_thread))
     if not cells:
         return
     print(f"Where a call goes, {shape}: us from its start, medians of {PHASE_CALLS} calls; "
           "spans: the first-last pool thread")  # fmt: skip
     print_table(PHASE_COLUMNS, cells, sep=" ")
+    print("\n".join(lines))
 
 
 def peer_series(
