@@ -75,7 +75,9 @@ def read_ahead(kernel: MoEKernel, packed: PackedExperts, experts: list[int]) -> 
             kernel.stream_read(t[e])
 
 
-def run(cfg: PrefetchConfig) -> tuple[dict[int, Sample], float, float]:
+def run(cfg: PrefetchConfig) -> tuple[dict[int, Sample], float, float, int]:
+    """Each j's read-ahead and call times; the DRAM read rate (GB/s); an expert's MB; the
+    layer copies rotated."""
     shape: Shape = SHAPES[cfg.shape]
     E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size  # noqa: E741
     rng = torch.Generator().manual_seed(cfg.seed)
