@@ -164,6 +164,20 @@ def in_huge_pages(packed: PackedExperts) -> PackedExperts:
     )
 
 
+def seed_weights(rng: torch.Generator, shape: Shape) -> tuple[torch.Tensor, ...]:
+    """(gate [S, I, H], up [S, I, H], down [S, H, I]) of the SEED_EXPERTS really quantized experts
+    whose packed bytes a layer repeats (replicate), std 0.02."""
+    H, I = shape.hidden_size, shape.intermediate_size  # noqa: E741
+    dims = ((SEED_EXPERTS, I, H), (SEED_EXPERTS, I, H), (SEED_EXPERTS, H, I))
+    return tuple(torch.randn(*d, generator=rng) * 0.02 for d in dims)
+
+
+def layers_past_llc(seed: PackedExperts, num_experts: int, multiple: float, llc: int) -> int:
+    """How many copies of a layer of num_experts experts (seed's packed size each) hold at least
+    `multiple` times the last-level cache's `llc` bytes (at least one)."""
+    return max(1, math.ceil(multiple * llc / (seed.expert_nbytes * num_experts)))
+
+
 def replicate(seed: PackedExperts, num_experts: int) -> PackedExperts:
     """num_experts experts whose packed bytes repeat the seed experts (in distinct memory)."""
     tensors = {}
@@ -359,13 +373,10 @@ def bench_format(
     base_exts: Sequence[tuple[str, object]] = (),
 ) -> list[Row]:
     """Rows for one (shape, format): ours, then each baseline (label, extension) and the peer's."""
-    E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size  # noqa: E741
-    g = torch.randn(SEED_EXPERTS, I, H, generator=rng) * 0.02
-    u = torch.randn(SEED_EXPERTS, I, H, generator=rng) * 0.02
-    d = torch.randn(SEED_EXPERTS, H, I, generator=rng) * 0.02
+    E, H = shape.num_experts, shape.hidden_size
+    g, u, d = seed_weights(rng, shape)
     seed_packed = pack_experts(g, u, d, fmt)
-    layer_bytes = seed_packed.expert_nbytes * E
-    layers = cfg.layers or max(1, math.ceil(cfg.min_llc_multiple * cfg.llc_bytes / layer_bytes))
+    layers = cfg.layers or layers_past_llc(seed_packed, E, cfg.min_llc_multiple, cfg.llc_bytes)
     theirs: dict[str, list[KtLayer]] = {}  # peer format -> its layers
     for pf in peer_formats_for(cfg, peer, fmt):  # before ours: its build needs the most memory
         assert peer is not None

@@ -37,8 +37,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_moe_kernel import SEED_EXPERTS, SHAPES, Shape, replicate, routing  # noqa: E402
-from bench.common import Column, llc_bytes, print_table  # noqa: E402
+from bench.bench_moe_kernel import (  # noqa: E402
+    SHAPES,
+    Shape,
+    layers_past_llc,
+    replicate,
+    routing,
+    seed_weights,
+)
+from bench.common import Column, llc_bytes, print_table, stream_read_gbs  # noqa: E402
 from expert_service.kernels import MoEKernel, PackedExperts, pack_experts  # noqa: E402
 
 AGAIN = -1  # in PrefetchConfig.experts: the call itself ran just before
@@ -76,28 +83,22 @@ def read_ahead(kernel: MoEKernel, packed: PackedExperts, experts: list[int]) -> 
 
 
 def run(cfg: PrefetchConfig) -> tuple[dict[int, Sample], float, float, int]:
-    """Each j's read-ahead and call times; the DRAM read rate (GB/s); an expert's MB; the
-    layer copies rotated."""
+    """Each j's read-ahead and call times; the DRAM read rate (GB/s: the median of the pool's best
+    reads before and after the calls); an expert's MB; the layer copies rotated."""
     shape: Shape = SHAPES[cfg.shape]
-    E, H, I = shape.num_experts, shape.hidden_size, shape.intermediate_size  # noqa: E741
+    E, H = shape.num_experts, shape.hidden_size
     rng = torch.Generator().manual_seed(cfg.seed)
-    dims = ((SEED_EXPERTS, I, H), (SEED_EXPERTS, I, H), (SEED_EXPERTS, H, I))
-    seed = pack_experts(*(torch.randn(*d, generator=rng) * 0.02 for d in dims), cfg.fmt)
-    layer_bytes = seed.expert_nbytes * E
-    copies = 1 if cfg.cold == "flush" else max(1, -(-8 * llc_bytes() // layer_bytes))
+    seed = pack_experts(*seed_weights(rng, shape), cfg.fmt)
+    copies = 1 if cfg.cold == "flush" else layers_past_llc(seed, E, 8, llc_bytes())
     layers = [replicate(seed, E) for _ in range(copies)]
     routes = [routing(rng, cfg.tokens, shape) for _ in range(cfg.calls)]
     x = torch.randn(cfg.tokens, H, generator=rng).to(torch.bfloat16)
     out = torch.empty(cfg.tokens, H)
-    flush = np.ones(int(cfg.flush_gb * 1e9) // 8, dtype=np.uint64)
+    flush = np.ones(int(cfg.flush_gb * 1e9) // 8, dtype=np.uint64) if cfg.cold == "flush" else None
     samples = {j: Sample([], []) for j in cfg.experts}
-    dram = []
+    dram = [stream_read_gbs(cfg.threads, cfg.flush_gb, pin=False)]
     used = 0  # calls run: the next one goes to layers[used % copies]
     with MoEKernel(cfg.threads) as kernel:
-        for _ in range(3):  # DRAM read rate, before the calls
-            t0 = time.perf_counter()
-            kernel.stream_read(flush)
-            dram.append(flush.nbytes / (time.perf_counter() - t0) / 1e9)
         for packed in layers:  # warm-up: the pool, its buffers, first touches
             kernel.forward(packed, x, *routes[0], out)
         for c, (ids, w) in enumerate(routes):
@@ -106,8 +107,7 @@ def run(cfg: PrefetchConfig) -> tuple[dict[int, Sample], float, float, int]:
             for j in order:
                 packed = layers[used % copies]
                 used += 1
-                t0 = time.perf_counter()
-                if cfg.cold == "flush":
+                if flush is not None:
                     kernel.stream_read(flush)
                 t1 = time.perf_counter()
                 if j == AGAIN:
@@ -117,10 +117,9 @@ def run(cfg: PrefetchConfig) -> tuple[dict[int, Sample], float, float, int]:
                 t2 = time.perf_counter()
                 kernel.forward(packed, x, ids, w, out)
                 t3 = time.perf_counter()
-                if cfg.cold == "flush":
-                    dram.append(flush.nbytes / (t1 - t0) / 1e9)
                 samples[j].read_us.append((t2 - t1) * 1e6)
                 samples[j].call_us.append((t3 - t2) * 1e6)
+    dram.append(stream_read_gbs(cfg.threads, cfg.flush_gb, pin=False))
     return samples, float(np.median(dram)), seed.expert_nbytes / 1e6, copies
 
 
@@ -131,7 +130,7 @@ def report(
     cold = f"{copies} copies of the layer rotated" if cfg.cold == "rotate" else "a flush each"
     print(f"{shape.name} {cfg.fmt}, T={cfg.tokens}, {cfg.threads} threads, {cfg.calls} calls per "
           f"row, cold by {cold}; an expert {expert_mb:.2f} MB; DRAM read ({cfg.flush_gb:g} GB on "
-          f"the pool) median {dram:.1f} GB/s; seed {cfg.seed}")  # fmt: skip
+          f"a pool, before and after) median {dram:.1f} GB/s; seed {cfg.seed}")  # fmt: skip
     base = statistics.median(samples[0].call_us) if 0 in samples else None
     columns = [Column("experts read ahead", 18), Column("MB", 6), Column("read-ahead us", 13),
                Column("call us", 8), Column("p10-p90 us", 15), Column("call / j=0", 10),
@@ -171,7 +170,8 @@ def parse(argv: list[str] | None = None) -> PrefetchConfig:
         "--flush-gb",
         type=float,
         default=1.0,
-        help="GB read for the DRAM rate and, with --cold flush, before each call",
+        help="GB read for the DRAM rate (before and after the calls) and, with --cold flush, "
+        "before each call",
     )
     p.add_argument("--seed", type=int, default=1234)
     a = p.parse_args(argv)

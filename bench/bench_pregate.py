@@ -22,12 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import DEMO_MODEL, Column, print_table  # noqa: E402
-
-
-def moe_block(decoder_layer: torch.nn.Module) -> torch.nn.Module | None:
-    """A decoder layer's sparse MoE block, None where its MLP is dense."""
-    block = getattr(decoder_layer, "block_sparse_moe", None) or decoder_layer.mlp
-    return block if hasattr(block, "experts") and hasattr(block, "gate") else None
+from ktserve.checkpoint import ModelSpec  # noqa: E402
+from tests.support.checkpoints import moe_block, moe_layer_indices  # noqa: E402
 
 
 def routed(block: torch.nn.Module, norm: torch.nn.Module, residual: torch.Tensor) -> torch.Tensor:
@@ -65,13 +61,12 @@ def residuals(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[int, torc
 def pregate_hits(model: torch.nn.Module, input_ids: torch.Tensor) -> list[tuple[int, int, float]]:
     """(layer, next MoE layer, share of the next layer's experts its router names from this
     layer's residual) for each consecutive pair of MoE layers."""
-    layers = model.model.layers
-    moe = [i for i, layer in enumerate(layers) if moe_block(layer) is not None]
+    moe = moe_layer_indices(model)
     res = residuals(model, input_ids)
     out = []
     with torch.no_grad():
         for a, b in zip(moe, moe[1:]):
-            block, norm = moe_block(layers[b]), layers[b].post_attention_layernorm
+            block, norm = moe_block(model, b), model.model.layers[b].post_attention_layernorm
             out.append((a, b, hit_rate(routed(block, norm, res[a]), routed(block, norm, res[b]))))
     return out
 
@@ -87,12 +82,10 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(a.checkpoint)
     ids = tokenizer(Path(a.text).read_text(), return_tensors="pt").input_ids[:, : a.tokens]
-    cfg = model.config
-    experts = getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", None)
-    experts = experts or cfg.num_local_experts
-    chance = cfg.num_experts_per_tok / experts
-    print(f"{a.checkpoint}: {ids.shape[1]} tokens of {a.text}; top {cfg.num_experts_per_tok} of "
-          f"{experts} experts (chance {chance:.3f})")  # fmt: skip
+    spec = ModelSpec.from_config_dir(a.checkpoint)
+    k, experts = spec.num_experts_per_tok, spec.num_experts
+    print(f"{a.checkpoint}: {ids.shape[1]} tokens of {a.text}; top {k} of {experts} experts "
+          f"(chance {k / experts:.3f})")  # fmt: skip
     columns = [Column("layer", 5), Column("next MoE layer", 14), Column("experts named", 13)]
     rows = [[str(i), str(j), f"{hit:.3f}"] for i, j, hit in pregate_hits(model, ids)]
     print_table(columns, rows)

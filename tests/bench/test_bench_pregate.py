@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.bench_pregate import hit_rate, moe_block, pregate_hits, residuals, routed
-from tests.support.checkpoints import available_families, load_reference_model, make_tiny_checkpoint
+from bench.bench_pregate import hit_rate, pregate_hits, residuals, routed
+from tests.support.checkpoints import (
+    available_families,
+    load_reference_model,
+    make_tiny_checkpoint,
+    moe_block,
+    moe_layer_indices,
+)
 
 
 def test_hit_rate_counts_each_tokens_shared_ids():
@@ -22,10 +28,10 @@ def test_pairs_score_the_next_routers_guess_from_this_layers_residual(family, tm
     model = load_reference_model(make_tiny_checkpoint(family, tmp_path / "ckpt", seed=seed))
     layers = model.model.layers
     tokens = torch.randint(0, 101, (1, 24), generator=torch.Generator().manual_seed(seed))
-    moe = [i for i, layer in enumerate(layers) if moe_block(layer) is not None]
+    moe = moe_layer_indices(model)
     taken = {}  # the ids transformers' own forward routed, by layer
     hooks = [
-        moe_block(layers[i]).gate.register_forward_hook(
+        moe_block(model, i).gate.register_forward_hook(
             lambda _m, _a, out, i=i: taken.__setitem__(i, out[2].clone())
         )
         for i in moe
@@ -38,11 +44,11 @@ def test_pairs_score_the_next_routers_guess_from_this_layers_residual(family, tm
     with torch.no_grad():
         for i in moe:  # the captured residual is what the layer's router routed from
             assert torch.equal(
-                routed(moe_block(layers[i]), layers[i].post_attention_layernorm, res[i]), taken[i]
+                routed(moe_block(model, i), layers[i].post_attention_layernorm, res[i]), taken[i]
             )
         hits = pregate_hits(model, tokens)
         assert [(a, b) for a, b, _ in hits] == list(zip(moe, moe[1:]))
         for a, b, hit in hits:
             x = layers[b].post_attention_layernorm(res[a])
-            guess = moe_block(layers[b]).gate(x.reshape(-1, x.shape[-1]))[2]
+            guess = moe_block(model, b).gate(x.reshape(-1, x.shape[-1]))[2]
             assert hit == hit_rate(guess, taken[b])
