@@ -392,8 +392,9 @@ def main() -> None:
     parser.add_argument(
         "--mla-kernels",
         default="auto",
-        help="MLA decode's split kernels to time, a row each (comma-separated: auto = what "
-        "paged_decode runs, triton = attention_triton's, hopper = mla_decode_hopper's; "
+        help="MLA decode's kernels to time, a row each (comma-separated: auto = what "
+        "paged_decode runs, triton = attention_triton's, hopper = mla_decode_hopper's, "
+        "flashmla = FlashMLA's where sgl-flash-mla is installed (64-token blocks); "
         "+bf16 or +fp16 after one: its splits' partial outputs in that dtype, not fp32)",
     )
     parser.add_argument(

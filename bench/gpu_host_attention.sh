@@ -10,8 +10,12 @@
 #        split kernel (both a row each; 16-token blocks as the server's; the 32k sweep of both),
 #        then one launch of each at batch 1 and 32k under Nsight Compute; with BASE (a tar of
 #        another commit's sources) that tree's bench and this one's, twice in turn
+#   flashmla: FlashMLA (the sgl-flash-mla wheel carried in .whl/) loaded or why not, its CUDA
+#        tests and the Hopper kernel's, then MLA decode on both a row each at DeepSeek-V3 shapes
+#        (64-token blocks, FlashMLA's page; batch 1 and 16, 4k / 32k / 128k; inside a graph of 8
+#        layers too)
 # Logs go to $OUT (or ./gpu-host-out).
-#   usage: bash bench/gpu_host_attention.sh [tests|bench|mla|all]
+#   usage: bash bench/gpu_host_attention.sh [tests|bench|mla|flashmla|all]
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 what="${1:-all}"
@@ -63,5 +67,19 @@ if [ "$what" = mla ]; then
     grep -E "issue_stalled" "$out/ncu-${kernel%%:*}.log" | sort -k3 -n -r | head -8
   done
   say ncu
+fi
+if [ "$what" = flashmla ]; then
+  python3 -c "from gpu_service.models import mla_decode_flashmla as f; import torch
+print('FlashMLA:', f.library() and f.library().__version__, f.unavailable_reason() or 'loads',
+      'on', torch.cuda.get_device_name())" 2>&1 | tail -3
+  cuda_tests "$out/tests-flashmla.log" 300 tests/gpu_service/test_mla_decode_flashmla.py \
+    tests/gpu_service/test_mla_decode_hopper.py || rc=1
+  grep -q "needs a Hopper GPU with sgl-flash-mla" "$out/tests-flashmla.log" &&
+    { echo "FAILED: FlashMLA's tests skipped"; rc=1; }
+  say tests
+  timeout 300 python3 bench/bench_attention.py --shapes DeepSeek --no-prefill --block-size 64 \
+    --mla-kernels hopper,flashmla --layers 8 > "$out/bench-flashmla.log" 2>&1 || rc=1
+  grep -v -E "^\s*$" "$out/bench-flashmla.log" | tail -24
+  say flashmla
 fi
 exit $rc

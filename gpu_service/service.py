@@ -24,7 +24,7 @@ from gpu_service.models import KVCache, load_model
 from gpu_service.models.config import model_max_len
 from gpu_service.models.linear import fp8_matmul_supported
 from gpu_service.models.parallel import SINGLE, TensorParallel
-from gpu_service.models.registry import default_device
+from gpu_service.models.registry import default_device, kv_cache_block_size
 from gpu_service.models.weight_formats import LinearQuantConfig
 from gpu_service.moe_client import ShmExperts
 from gpu_service.stream_prefill.backend import StreamingExperts
@@ -108,14 +108,17 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         log.info("GPU weight format: %s%s%s", linear_quant.format,
                  " (lm_head too)" if linear_quant.quantize_lm_head else "",
                  f" (auto: {chosen_by})" if chosen_by else "")  # fmt: skip
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
+        block_size, mla_decode = kv_cache_block_size(hf, device, dtype, kv_dtype)
+        if mla_decode:
+            log.info("MLA decode: %s", mla_decode)
         model = load_model(config.model_dir, device, dtype, experts=backend,
-                           max_num_tokens_in_cache=16, hf=hf,
+                           max_num_tokens_in_cache=block_size, block_size=block_size, hf=hf,
                            max_deferred_experts_per_token=deferred,
                            linear_quant=linear_quant, tp=tp,
                            fused_kernels=config.fused_kernels)  # fmt: skip
         if leader is not None:
             leader.ready(model)  # NOTE: before the memory plan: its profiling steps are theirs too
-        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
         max_graph_batch = min(config.cuda_graph_max_batch, scheduler.max_num_seqs)
         if device.type == "cuda":
             plan = cuda_plan(model, kv_dtype, config.gpu_memory_utilization,

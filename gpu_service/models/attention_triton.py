@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gpu_service.models import mla_decode_flashmla
 from gpu_service.models.paged_attention import LOG2E
 
 try:  # Gluon (Triton's explicit-layout dialect) is newer than some Triton releases
@@ -608,16 +609,18 @@ def decode_with(
     partial_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """paged_decode with the launch shape chosen by the caller (benchmarks, tests). kernel:
-    "auto" or "triton" (this module's split kernel), or "hopper" (mla_decode_hopper's, or a
-    ValueError where it cannot serve the call). "auto" takes the Hopper kernel where it serves
-    and no tiles are given (HOPPER_MLA_BY_DEFAULT), else the split kernel. partial_dtype: the
+    "auto" or "triton" (this module's split kernel), "hopper" (mla_decode_hopper's) or
+    "flashmla" (mla_decode_flashmla's: FlashMLA, which splits and merges by itself); a named
+    kernel that cannot serve the call is a ValueError. "auto" takes FlashMLA where it serves and
+    no launch shape is given, else the Hopper kernel where it serves and no tiles are given
+    (HOPPER_MLA_BY_DEFAULT), else the split kernel. partial_dtype: the
     splits' normalized partial outputs, written and read back by the merge (MLA at batch 1 and
     32k: 16.8 MB each way in float32 against 37.7 MB of cache; bf16 / fp16 halve it, adding one
     rounding of each partial); their log-sum-exps stay float32."""
     if partial_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"partial_dtype must be float32, bfloat16 or float16, got {partial_dtype}")
-    if kernel not in ("auto", "triton", "hopper"):
-        raise ValueError(f"kernel must be auto, triton or hopper, got {kernel!r}")
+    if kernel not in ("auto", "triton", "hopper", "flashmla"):
+        raise ValueError(f"kernel must be auto, triton, hopper or flashmla, got {kernel!r}")
     num_heads, num_kv_heads = _check_cache(
         q, k_cache, v_cache, block_table, kv_len, block_size, window
     )
@@ -628,6 +631,22 @@ def decode_with(
         )
     batch, group = q.shape[0], num_heads // num_kv_heads
     dims = _HeadDims.of(q.shape[-1], v_cache.shape[-1])
+    v_from_k = _v_from_k(k_cache, v_cache, dims)  # MLA: one latent row is key and value
+    shaped = tiles is not None or num_splits is not None or partial_dtype != torch.float32
+    if kernel == "flashmla" and shaped:
+        raise ValueError("FlashMLA splits and merges by itself: tiles, num_splits and "
+                         "partial_dtype do not apply to it")  # fmt: skip
+    flashmla = kernel == "flashmla" or (kernel == "auto" and not shaped)
+    flashmla = flashmla and mla_decode_flashmla.takes(q, k_cache, v_from_k, window, block_size)
+    if flashmla and batch > 0:
+        return mla_decode_flashmla.decode(q, k_cache, block_table, kv_len, scale)
+    if kernel == "flashmla" and not flashmla:
+        raise ValueError(
+            "FlashMLA takes bf16 MLA caches of 64-token blocks (576-wide latent rows read as key "
+            "and value, no window) on a Hopper GPU (sm_90) with "
+            f"{mla_decode_flashmla.PACKAGE} installed"
+            + (f" ({why})" if (why := mla_decode_flashmla.unavailable_reason()) else "")
+        )
     given_tiles = tiles
     tiles = tiles or decode_tiles(dims.d, group, q.element_size())
     out = torch.empty((batch, num_heads, dims.dv), dtype=q.dtype, device=q.device)
@@ -636,7 +655,6 @@ def decode_with(
     tiles_per_kv = triton.cdiv(group, tiles.block_h)
     block_dv = min(tiles.block_dv or dims.dv_pad, dims.dv_pad)
     v_blocks = triton.cdiv(dims.dv, block_dv)
-    v_from_k = _v_from_k(k_cache, v_cache, dims)  # MLA: one latent row is key and value
     hopper = kernel == "hopper" or (
         kernel == "auto" and given_tiles is None and HOPPER_MLA_BY_DEFAULT
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_service.models import deepseek, mixtral, qwen_moe
+from gpu_service.models import deepseek, mixtral, mla_decode_flashmla, qwen_moe
 from gpu_service.models.experts import RoutedExperts
 from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM
@@ -28,6 +28,17 @@ SUPPORTED_MODEL_TYPES = tuple(MODEL_BUILDERS)
 # NOTE: ModelSpec refuses a model_type outside ktserve's one table of families; every family there
 # has a builder here (tests/gpu_service/test_models.py checks both lists agree).
 DEFAULT_BLOCK_SIZE = 16
+
+
+def kv_cache_block_size(hf: HFConfig, device: torch.device | str, dtype: torch.dtype,
+                        kv_dtype: torch.dtype) -> tuple[int, str]:  # fmt: skip
+    """The KV cache's block size for this model here (FlashMLA's 64 where it serves the model's
+    MLA decode, else DEFAULT_BLOCK_SIZE), and the MLA decode kernel it leads to, in words ("" for
+    a model without MLA)."""
+    mla = MODEL_BUILDERS.get(hf.model_type) is deepseek.build
+    width = hf.int("kv_lora_rank") + hf.int("qk_rope_head_dim") if mla else 0
+    return mla_decode_flashmla.cache_block_size(width, device, dtype, kv_dtype,
+                                                DEFAULT_BLOCK_SIZE)  # fmt: skip
 
 
 def default_device() -> torch.device:

@@ -75,7 +75,8 @@ def serve(stdin) -> None:
                 return
             if isinstance(message, Cache):
                 config = replace(model.kv_cache.config, max_num_tokens=message.max_num_tokens,
-                                 enable_prefix_caching=False, max_num_host_tokens=0)  # fmt: skip
+                                 block_size=message.block_size, enable_prefix_caching=False,
+                                 max_num_host_tokens=0)  # fmt: skip
                 model.kv_cache = None  # NOTE: free the old one before the new one is allocated
                 model.kv_cache = KVCache(config, message.dtype, model.device)
             elif isinstance(message, Step):

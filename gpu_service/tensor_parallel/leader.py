@@ -140,7 +140,8 @@ class TensorParallelLeader:
         """Give the followers a KV cache like model's (sizes; each holds its own heads)."""
         cache = model.kv_cache
         if cache is not self._cache_sent:
-            self._broadcast(Cache(cache.config.max_num_tokens, cache.layers[0][0].dtype))
+            self._broadcast(Cache(cache.config.max_num_tokens, cache.layers[0][0].dtype,
+                                  cache.config.block_size))  # fmt: skip
             self._cache_sent = cache
 
     def on_step(self, batch: Batch, all_positions: bool) -> None:

@@ -46,6 +46,7 @@ class Setup:
 class Cache:
     max_num_tokens: int
     dtype: torch.dtype
+    block_size: int
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,131 @@
+"""MLA decode through FlashMLA (DeepSeek's Hopper kernel; the `sgl-flash-mla` package), where it
+is installed and serves the call.
+
+FlashMLA's dense decode (the package's legacy, SM90 kernels) attends each sequence's query
+[H, 576] to a paged latent cache of 64-token pages [pages, 64, 1, 576], reads the first 512
+columns of a row as its value, and merges its own splits. It plans the splits from the sequences'
+lengths on the device inside the call, so a call captured in a CUDA graph serves every replay's
+kv_len. A warp-specialized kernel of its kind is what MLA decode needs at 128 heads, where the
+step is bound by the tensor cores as much as by HBM (mla_decode_hopper's docstring).
+
+It takes only what its kernel takes: a bf16 cache of 64-token blocks read as key and value, bf16
+queries, no window, a Hopper GPU (sm_90). The server makes its cache blocks 64 tokens where
+this serves its model (cache_block_size); everywhere else attention_triton's kernels run.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BLOCK_SIZE = 64  # FlashMLA's page: "Currently page_block_size must be 64"
+HEAD_DIM = 576  # latent 512 + rope 64
+VALUE_DIM = 512
+DTYPE = torch.bfloat16
+PACKAGE = "sgl-flash-mla"
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[ModuleType | None, str]:
+    """(flash_mla with its SM90 kernels, "") or (None, why not)."""
+    try:
+        import flash_mla
+    except ImportError:
+        return None, f"{PACKAGE} is not installed"
+    except (OSError, RuntimeError) as exc:  # installed, but its extensions do not load here
+        return None, f"{PACKAGE} does not load: {type(exc).__name__}: {exc}"
+    if not flash_mla.has_legacy():
+        return None, f"{PACKAGE} {flash_mla.__version__} was built without its SM90 kernels"
+    return flash_mla, ""
+
+
+def library() -> ModuleType | None:
+    return _load()[0]
+
+
+def unavailable_reason() -> str:
+    """Why FlashMLA cannot run in this process ("" where it can)."""
+    return _load()[1]
+
+
+@functools.lru_cache(maxsize=4)
+def supported_device(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def serves(device: torch.device, query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether an MLA model's decode on this device with these dtypes can run here (the server
+    then makes its cache blocks BLOCK_SIZE tokens)."""
+    device = torch.device(device)
+    return (
+        query_dtype == DTYPE
+        and cache_dtype == DTYPE
+        and supported_device(device)
+        and library() is not None
+    )
+
+
+def cache_block_size(latent_width: int, device, query_dtype: torch.dtype,
+                     cache_dtype: torch.dtype, default: int) -> tuple[int, str]:  # fmt: skip
+    """The KV cache's block size for a model whose MLA cache rows are latent_width wide (0: no
+    MLA), and the MLA decode kernel that leads to, in words for the start-up log ("" without
+    MLA)."""
+    if not latent_width:
+        return default, ""
+    device = torch.device(device)
+    if latent_width == HEAD_DIM and serves(device, query_dtype, cache_dtype):
+        return BLOCK_SIZE, f"FlashMLA ({PACKAGE}), {BLOCK_SIZE}-token cache blocks"
+    if latent_width != HEAD_DIM:
+        why = f"FlashMLA takes {HEAD_DIM}-wide latent rows, this model's are {latent_width}"
+    elif device.type != "cuda":
+        why = "not on a CUDA device"
+    elif not supported_device(device):
+        why = "FlashMLA's kernels here are built for Hopper (sm_90)"
+    elif query_dtype != DTYPE or cache_dtype != DTYPE:
+        why = f"FlashMLA takes a bf16 model and cache, not {query_dtype} / {cache_dtype}"
+    else:
+        why = unavailable_reason()
+    return default, f"ktserve's own kernels ({why})"
+
+
+def takes(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, window, block_size: int) -> bool:
+    """Whether this serves a decode call of attention_triton.decode_with (q [B, H, 576],
+    k_cache [S, 1, 576] read as key and value)."""
+    return (
+        v_from_k
+        and window is None
+        and block_size == BLOCK_SIZE
+        and q.shape[-1] == HEAD_DIM
+        and k_cache.shape[1] == 1
+        and k_cache.shape[0] % BLOCK_SIZE == 0
+        and k_cache.stride() == (HEAD_DIM, HEAD_DIM, 1)
+        and q.stride(-1) == 1
+        and q.dtype == DTYPE
+        and k_cache.dtype == DTYPE
+        and supported_device(q.device)
+        and library() is not None
+    )
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+           kv_len: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+    """q [B, H, 576] bf16 (each sequence's query at position kv_len - 1), k_cache [S, 1, 576]
+    of 64-token blocks, block_table [B, W] and kv_len [B] int32 -> [B, H, 512] bf16."""
+    flash_mla = library()
+    if flash_mla is None:
+        raise RuntimeError(f"FlashMLA cannot run here: {unavailable_reason()}")
+    batch, heads, _ = q.shape
+    pages = k_cache.view(-1, BLOCK_SIZE, 1, HEAD_DIM)
+    # NOTE: a fresh schedule each call: the kernel plans its splits from kv_len on the device,
+    # inside the call (and so inside a captured graph, at every replay)
+    schedule, _ = flash_mla.get_mla_metadata()
+    out, _ = flash_mla.flash_mla_with_kvcache(
+        q.reshape(batch, 1, heads, HEAD_DIM), pages, block_table, kv_len, VALUE_DIM, schedule,
+        softmax_scale=scale, causal=False, use_legacy=True,
+    )  # fmt: skip
+    return out.view(batch, heads, VALUE_DIM)
