@@ -80,12 +80,12 @@ def cache_block_size(latent_width: int, device, query_dtype: torch.dtype,
     device = torch.device(device)
     if latent_width == HEAD_DIM and serves(device, query_dtype, cache_dtype):
         return BLOCK_SIZE, f"FlashMLA ({PACKAGE}), {BLOCK_SIZE}-token cache blocks"
-    if latent_width != HEAD_DIM:
-        why = f"FlashMLA takes {HEAD_DIM}-wide latent rows, this model's are {latent_width}"
-    elif device.type != "cuda":
+    if device.type != "cuda":
         why = "not on a CUDA device"
     elif not supported_device(device):
         why = "FlashMLA's kernels here are built for Hopper (sm_90)"
+    elif latent_width != HEAD_DIM:
+        why = f"FlashMLA takes {HEAD_DIM}-wide latent rows, this model's are {latent_width}"
     elif query_dtype != DTYPE or cache_dtype != DTYPE:
         why = f"FlashMLA takes a bf16 model and cache, not {query_dtype} / {cache_dtype}"
     else:

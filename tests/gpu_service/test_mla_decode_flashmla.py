@@ -126,12 +126,14 @@ def test_the_cache_block_size_follows_the_mla_decode_kernel():
     block, said = kv_cache_block_size(deepseek, "cpu", bf16, bf16)
     assert (block, said) == (DEFAULT_BLOCK_SIZE, "ktserve's own kernels (not on a CUDA device)")
     narrow = hf_config("deepseek_v3", kv_lora_rank=32, qk_rope_head_dim=16)
-    block, said = kv_cache_block_size(narrow, "cpu", bf16, bf16)
-    assert block == DEFAULT_BLOCK_SIZE and "this model's are 48" in said
+    assert kv_cache_block_size(narrow, "cpu", bf16, bf16)[0] == DEFAULT_BLOCK_SIZE
     if torch.cuda.is_available():
         block, said = kv_cache_block_size(deepseek, CUDA, bf16, bf16)
         assert (block == BLOCK) == SERVES, said
         assert said.startswith("FlashMLA") == SERVES, said
+        block, said = kv_cache_block_size(narrow, CUDA, bf16, bf16)
+        assert block == DEFAULT_BLOCK_SIZE
+        assert not SERVES or "this model's are 48" in said, said
         fp8 = kv_cache_block_size(deepseek, CUDA, bf16, torch.float8_e4m3fn)
         assert fp8[0] == DEFAULT_BLOCK_SIZE and "ktserve's own kernels" in fp8[1]
 
