@@ -11,6 +11,7 @@ from functools import partial
 import pytest
 import torch
 
+import gpu_service.service as service_module
 from gpu_service.config import GPUServiceConfig
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.engine.errors import ExpertsUnavailable
@@ -136,6 +137,32 @@ def test_tensor_parallel_matches_transformers_and_size_one(family, checkpoints, 
     assert two[3] == one[3] and len(two[3]) == NUM_DECODE
     assert two[2] == one[2] == (1 + NUM_DECODE) * moe_layers
     assert two[4] == one[4] == NUM_DECODE * moe_layers  # the engine: prefill + NUM_DECODE - 1
+
+
+def test_followers_take_rank_zeros_cache_block_size(checkpoints, seed, monkeypatch):
+    """Rank 0's KV cache in blocks other than the default 16 (FlashMLA's 64, chosen here by
+    replacing the service's choice): the followers' caches take its block size, so rank 0's
+    block lists mean the same slots on every rank (with 16-token blocks a follower would look
+    for a second block of a sequence's first 64 tokens), and greedy decode at size 2 is size
+    1's."""
+    path = checkpoints["deepseek_v3"]
+    ps = prompts(seed + 11)
+    worker = ExpertProcess("--model", str(path), "--format", "bf16")
+    tokens = {}
+    try:
+        for size, block in ((1, 16), (2, 64)):
+            monkeypatch.setattr(service_module, "kv_cache_block_size",
+                                lambda *_, b=block: (b, f"{b}-token blocks (test)"))  # fmt: skip
+            service = service_for(path, worker, size)
+            try:
+                assert service.engine.model.kv_cache.block_size == block
+                tokens[size] = greedy_steps(service, ps, NUM_DECODE)[1]
+            finally:
+                service.close()
+    finally:
+        worker.close()
+    print(f"greedy at 16-token blocks, size 1: {tokens[1]}; 64-token blocks, size 2: {tokens[2]}")
+    assert tokens[2] == tokens[1]
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
