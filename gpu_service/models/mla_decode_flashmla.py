@@ -39,8 +39,10 @@ def _load() -> tuple[ModuleType | None, str]:
         return None, f"{PACKAGE} is not installed"
     except Exception as exc:  # installed, but it does not load here (its extensions, its torch)
         return None, f"{PACKAGE} does not load: {type(exc).__name__}: {exc}"
-    if not flash_mla.has_legacy():
-        return None, f"{PACKAGE} {flash_mla.__version__} was built without its SM90 kernels"
+    version = getattr(flash_mla, "__version__", "?")
+    has_legacy = getattr(flash_mla, "has_legacy", None)
+    if has_legacy is None or not has_legacy():
+        return None, f"{PACKAGE} {version} has no SM90 (legacy) kernels"
     return flash_mla, ""
 
 
