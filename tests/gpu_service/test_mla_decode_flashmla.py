@@ -8,6 +8,7 @@ refusals and the block-size choice are checked (on a machine without them, what 
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -145,3 +146,30 @@ def test_unavailable_library_says_why():
     assert (flashmla.library() is None) == bool(why)
     if why:
         assert flashmla.PACKAGE in why
+
+
+@pytest.mark.parametrize(
+    "init, says",
+    [
+        ("raise OSError('libcudart.so.13: cannot open shared object file')",
+         "does not load: OSError: libcudart.so.13"),
+        ("__version__ = '9.9'\ndef has_legacy():\n    return False", "9.9 has no SM90"),
+        ("__version__ = '9.8'", "9.8 has no SM90"),
+    ],
+    ids=["does-not-load", "no-legacy-kernels", "no-has-legacy"],
+)  # fmt: skip
+def test_a_package_that_cannot_serve_is_unavailable_with_its_reason(init, says, tmp_path,
+                                                                    monkeypatch):  # fmt: skip
+    """A flash_mla package that fails to import, or has no SM90 kernels, is not used, and the
+    reason (which the start-up line and decode_with's refusal give) says why."""
+    (tmp_path / "flash_mla").mkdir()
+    (tmp_path / "flash_mla" / "__init__.py").write_text(init + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_mla", raising=False)
+    flashmla._load.cache_clear()
+    try:
+        assert flashmla.library() is None
+        assert says in flashmla.unavailable_reason()
+    finally:
+        sys.modules.pop("flash_mla", None)
+        flashmla._load.cache_clear()
