@@ -248,6 +248,14 @@ class GPUServiceConfig:
         "elementwise steps (by default each is one Triton kernel computing the same float32 "
         "math; gpu_service/models/fused_ops.py)",
     )
+    flashmla: bool = flag(
+        True,
+        name="--no-flashmla",
+        help="keep ktserve's own MLA decode kernels even where FlashMLA (the sgl-flash-mla "
+        "package, on a Hopper GPU) would serve (by default an MLA model's decode attention runs "
+        "on FlashMLA where it loads, over 64-token cache blocks; gpu_service/models/"
+        "mla_decode_flashmla.py)",
+    )
     cuda_graphs: bool = flag(
         True,
         name="--no-cuda-graphs",

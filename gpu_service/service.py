@@ -109,7 +109,8 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
                  " (lm_head too)" if linear_quant.quantize_lm_head else "",
                  f" (auto: {chosen_by})" if chosen_by else "")  # fmt: skip
         kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
-        block_size, mla_decode = kv_cache_block_size(hf, device, dtype, kv_dtype)
+        block_size, mla_decode = kv_cache_block_size(hf, device, dtype, kv_dtype,
+                                                     config.flashmla)  # fmt: skip
         if mla_decode:
             log.info("MLA decode: %s", mla_decode)
         model = load_model(config.model_dir, device, dtype, experts=backend,

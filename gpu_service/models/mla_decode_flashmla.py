@@ -73,16 +73,19 @@ def serves(device: torch.device, query_dtype: torch.dtype, cache_dtype: torch.dt
 
 
 def cache_block_size(latent_width: int, device, query_dtype: torch.dtype,
-                     cache_dtype: torch.dtype, default: int) -> tuple[int, str]:  # fmt: skip
+                     cache_dtype: torch.dtype, default: int,
+                     allowed: bool = True) -> tuple[int, str]:  # fmt: skip
     """The KV cache's block size for a model whose MLA cache rows are latent_width wide (0: no
     MLA), and the MLA decode kernel that leads to, in words for the start-up log ("" without
-    MLA)."""
+    MLA). allowed=False (--no-flashmla): never FlashMLA."""
     if not latent_width:
         return default, ""
     device = torch.device(device)
-    if latent_width == HEAD_DIM and serves(device, query_dtype, cache_dtype):
+    if allowed and latent_width == HEAD_DIM and serves(device, query_dtype, cache_dtype):
         return BLOCK_SIZE, f"FlashMLA ({PACKAGE}), {BLOCK_SIZE}-token cache blocks"
-    if device.type != "cuda":
+    if not allowed:
+        why = "FlashMLA off: --no-flashmla"
+    elif device.type != "cuda":
         why = "not on a CUDA device"
     elif not supported_device(device):
         why = "FlashMLA's kernels here are built for Hopper (sm_90)"

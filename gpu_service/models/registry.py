@@ -31,14 +31,15 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 def kv_cache_block_size(hf: HFConfig, device: torch.device | str, dtype: torch.dtype,
-                        kv_dtype: torch.dtype) -> tuple[int, str]:  # fmt: skip
+                        kv_dtype: torch.dtype,
+                        flashmla: bool = True) -> tuple[int, str]:  # fmt: skip
     """The KV cache's block size for this model here (FlashMLA's 64 where it serves the model's
-    MLA decode, else DEFAULT_BLOCK_SIZE), and the MLA decode kernel it leads to, in words ("" for
-    a model without MLA)."""
+    MLA decode and flashmla allows it, else DEFAULT_BLOCK_SIZE), and the MLA decode kernel it
+    leads to, in words ("" for a model without MLA)."""
     mla = MODEL_BUILDERS.get(hf.model_type) is deepseek.build
     width = hf.int("kv_lora_rank") + hf.int("qk_rope_head_dim") if mla else 0
     return mla_decode_flashmla.cache_block_size(width, device, dtype, kv_dtype,
-                                                DEFAULT_BLOCK_SIZE)  # fmt: skip
+                                                DEFAULT_BLOCK_SIZE, flashmla)  # fmt: skip
 
 
 def default_device() -> torch.device:

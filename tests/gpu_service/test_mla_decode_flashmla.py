@@ -118,8 +118,9 @@ def hf_config(model_type: str, **fields) -> HFConfig:
 
 
 def test_the_cache_block_size_follows_the_mla_decode_kernel():
-    """64-token blocks exactly where FlashMLA serves the model's MLA decode, else the default;
-    the start-up line names the kernel and, where FlashMLA does not serve, why."""
+    """64-token blocks exactly where FlashMLA serves the model's MLA decode and --no-flashmla is
+    not given, else the default; the start-up line names the kernel and, where FlashMLA does not
+    serve, why."""
     bf16 = torch.bfloat16
     qwen = hf_config("qwen3_moe")
     assert kv_cache_block_size(qwen, "cpu", bf16, bf16) == (DEFAULT_BLOCK_SIZE, "")
@@ -128,10 +129,16 @@ def test_the_cache_block_size_follows_the_mla_decode_kernel():
     assert (block, said) == (DEFAULT_BLOCK_SIZE, "ktserve's own kernels (not on a CUDA device)")
     narrow = hf_config("deepseek_v3", kv_lora_rank=32, qk_rope_head_dim=16)
     assert kv_cache_block_size(narrow, "cpu", bf16, bf16)[0] == DEFAULT_BLOCK_SIZE
+    assert kv_cache_block_size(deepseek, "cpu", bf16, bf16, flashmla=False) == (
+        DEFAULT_BLOCK_SIZE,
+        "ktserve's own kernels (FlashMLA off: --no-flashmla)",
+    )
     if torch.cuda.is_available():
         block, said = kv_cache_block_size(deepseek, CUDA, bf16, bf16)
         assert (block == BLOCK) == SERVES, said
         assert said.startswith("FlashMLA") == SERVES, said
+        off = kv_cache_block_size(deepseek, CUDA, bf16, bf16, flashmla=False)
+        assert off == (DEFAULT_BLOCK_SIZE, "ktserve's own kernels (FlashMLA off: --no-flashmla)")
         block, said = kv_cache_block_size(narrow, CUDA, bf16, bf16)
         assert block == DEFAULT_BLOCK_SIZE
         assert not SERVES or "this model's are 48" in said, said
