@@ -636,17 +636,16 @@ def decode_with(
     if kernel == "flashmla" and shaped:
         raise ValueError("FlashMLA splits and merges by itself: tiles, num_splits and "
                          "partial_dtype do not apply to it")  # fmt: skip
-    flashmla = kernel == "flashmla" or (kernel == "auto" and not shaped)
-    flashmla = flashmla and mla_decode_flashmla.takes(q, k_cache, v_from_k, window, block_size)
-    if flashmla and batch > 0:
-        return mla_decode_flashmla.decode(q, k_cache, block_table, kv_len, scale)
-    if kernel == "flashmla" and not flashmla:
-        raise ValueError(
-            "FlashMLA takes bf16 MLA caches of 64-token blocks (576-wide latent rows read as key "
-            "and value, no window) on a Hopper GPU (sm_90) with "
-            f"{mla_decode_flashmla.PACKAGE} installed"
-            + (f" ({why})" if (why := mla_decode_flashmla.unavailable_reason()) else "")
-        )
+    if kernel == "flashmla" or (kernel == "auto" and not shaped):
+        refused = mla_decode_flashmla.call_refusal(q, k_cache, v_from_k, window, block_size)
+        if not refused and batch > 0:
+            return mla_decode_flashmla.decode(q, k_cache, block_table, kv_len, scale)
+        if refused and kernel == "flashmla":
+            raise ValueError(
+                "FlashMLA takes bf16 MLA caches of 64-token blocks (576-wide latent rows read as "
+                f"key and value, no window) on a Hopper GPU (sm_90) with "
+                f"{mla_decode_flashmla.PACKAGE} installed; here: {refused}"
+            )
     given_tiles = tiles
     tiles = tiles or decode_tiles(dims.d, group, q.element_size())
     out = torch.empty((batch, num_heads, dims.dv), dtype=q.dtype, device=q.device)

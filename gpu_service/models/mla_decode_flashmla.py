@@ -3,10 +3,12 @@ is installed and serves the call.
 
 FlashMLA's dense decode (the package's legacy, SM90 kernels) attends each sequence's query
 [H, 576] to a paged latent cache of 64-token pages [pages, 64, 1, 576], reads the first 512
-columns of a row as its value, and merges its own splits. It plans the splits from the sequences'
-lengths on the device inside the call, so a call captured in a CUDA graph serves every replay's
-kv_len. A warp-specialized kernel of its kind is what MLA decode needs at 128 heads, where the
-step is bound by the tensor cores as much as by HBM (mla_decode_hopper's docstring).
+columns of a row as its value, and merges its own splits. As the package documents it, it plans
+the splits from the sequences' lengths on the device inside the call, so a call captured in a
+CUDA graph should serve every replay's kv_len (tests/gpu_service/test_mla_decode_flashmla.py
+checks it on a Hopper GPU). A warp-specialized kernel of its kind is what MLA decode needs at
+128 heads, where the step is bound by the tensor cores as much as by HBM (mla_decode_hopper's
+docstring).
 
 It takes only what its kernel takes: a bf16 cache of 64-token blocks read as key and value, bf16
 queries, no window, a Hopper GPU (sm_90). The server makes its cache blocks 64 tokens where
@@ -16,12 +18,9 @@ this serves its model (cache_block_size); everywhere else attention_triton's ker
 from __future__ import annotations
 
 import functools
-import logging
 from types import ModuleType
 
 import torch
-
-log = logging.getLogger(__name__)
 
 BLOCK_SIZE = 64  # FlashMLA's page: "Currently page_block_size must be 64"
 HEAD_DIM = 576  # latent 512 + rope 64
@@ -60,16 +59,19 @@ def supported_device(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def serves(device: torch.device, query_dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-    """Whether an MLA model's decode on this device with these dtypes can run here (the server
-    then makes its cache blocks BLOCK_SIZE tokens)."""
+def refusal(device, query_dtype: torch.dtype, cache_dtype: torch.dtype, latent_width: int) -> str:
+    """Why FlashMLA cannot serve an MLA model's decode here, with these dtypes and cache rows
+    latent_width wide ("" where it can)."""
     device = torch.device(device)
-    return (
-        query_dtype == DTYPE
-        and cache_dtype == DTYPE
-        and supported_device(device)
-        and library() is not None
-    )
+    if device.type != "cuda":
+        return "not on a CUDA device"
+    if not supported_device(device):
+        return "FlashMLA's kernels here are built for Hopper (sm_90)"
+    if latent_width != HEAD_DIM:
+        return f"FlashMLA takes {HEAD_DIM}-wide latent rows, this model's are {latent_width}"
+    if query_dtype != DTYPE or cache_dtype != DTYPE:
+        return f"FlashMLA takes a bf16 model and cache, not {query_dtype} / {cache_dtype}"
+    return unavailable_reason()
 
 
 def cache_block_size(latent_width: int, device, query_dtype: torch.dtype,
@@ -80,41 +82,27 @@ def cache_block_size(latent_width: int, device, query_dtype: torch.dtype,
     MLA). allowed=False (--no-flashmla): never FlashMLA."""
     if not latent_width:
         return default, ""
-    device = torch.device(device)
-    if allowed and latent_width == HEAD_DIM and serves(device, query_dtype, cache_dtype):
+    why = refusal(device, query_dtype, cache_dtype, latent_width) if allowed else ""
+    if allowed and not why:
         return BLOCK_SIZE, f"FlashMLA ({PACKAGE}), {BLOCK_SIZE}-token cache blocks"
-    if not allowed:
-        why = "FlashMLA off: --no-flashmla"
-    elif device.type != "cuda":
-        why = "not on a CUDA device"
-    elif not supported_device(device):
-        why = "FlashMLA's kernels here are built for Hopper (sm_90)"
-    elif latent_width != HEAD_DIM:
-        why = f"FlashMLA takes {HEAD_DIM}-wide latent rows, this model's are {latent_width}"
-    elif query_dtype != DTYPE or cache_dtype != DTYPE:
-        why = f"FlashMLA takes a bf16 model and cache, not {query_dtype} / {cache_dtype}"
-    else:
-        why = unavailable_reason()
-    return default, f"ktserve's own kernels ({why})"
+    return default, f"ktserve's own kernels ({why or 'FlashMLA off: --no-flashmla'})"
 
 
-def takes(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, window, block_size: int) -> bool:
-    """Whether this serves a decode call of attention_triton.decode_with (q [B, H, 576],
-    k_cache [S, 1, 576] read as key and value)."""
-    return (
-        v_from_k
-        and window is None
-        and block_size == BLOCK_SIZE
-        and q.shape[-1] == HEAD_DIM
-        and k_cache.shape[1] == 1
-        and k_cache.shape[0] % BLOCK_SIZE == 0
-        and k_cache.stride() == (HEAD_DIM, HEAD_DIM, 1)
-        and q.stride(-1) == 1
-        and q.dtype == DTYPE
-        and k_cache.dtype == DTYPE
-        and supported_device(q.device)
-        and library() is not None
-    )
+def call_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, window,
+                 block_size: int) -> str:  # fmt: skip
+    """Why this does not serve a decode call of attention_triton.decode_with (q [B, H, 576],
+    k_cache [S, 1, 576] read as key and value; "" where it does)."""
+    if not v_from_k or k_cache.shape[1] != 1:
+        return "not an MLA cache (one latent row read as key and value)"
+    if window is not None:
+        return "a sliding window"
+    if block_size != BLOCK_SIZE:
+        return f"{block_size}-token blocks"
+    if k_cache.shape[0] % BLOCK_SIZE or not k_cache.is_contiguous():
+        return "a cache not laid out in whole contiguous pages"
+    if q.stride(-1) != 1:
+        return "a query with strided columns"
+    return refusal(q.device, q.dtype, k_cache.dtype, k_cache.shape[-1])
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
@@ -122,7 +110,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
     """q [B, H, 576] bf16 (each sequence's query at position kv_len - 1), k_cache [S, 1, 576]
     of 64-token blocks, block_table [B, W] and kv_len [B] int32 -> [B, H, 512] bf16."""
     flash_mla = library()
-    if flash_mla is None:
+    if flash_mla is None:  # NOTE: callers ask call_refusal first; this is for those that do not
         raise RuntimeError(f"FlashMLA cannot run here: {unavailable_reason()}")
     batch, heads, _ = q.shape
     pages = k_cache.view(-1, BLOCK_SIZE, 1, HEAD_DIM)

@@ -24,7 +24,9 @@ from tests.gpu_service.test_attention_triton import check, make_case  # noqa: E4
 from tests.support.attention_reference import reference  # noqa: E402
 
 CUDA = torch.device("cuda")
-SERVES = torch.cuda.is_available() and flashmla.serves(CUDA, torch.bfloat16, torch.bfloat16)
+SERVES = torch.cuda.is_available() and not flashmla.refusal(
+    CUDA, torch.bfloat16, torch.bfloat16, flashmla.HEAD_DIM
+)
 needs_flashmla = pytest.mark.skipif(
     not SERVES, reason=f"needs a Hopper GPU with {flashmla.PACKAGE} that loads"
 )
