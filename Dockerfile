@@ -4,8 +4,14 @@
 #   docker build --build-arg TORCH_SPEC=torch==2.13.0+cpu \
 #     --build-arg PIP_ARGS="--extra-index-url URL_OF_A_CPU_WHEEL_INDEX" -t ktserve .
 #
+#   docker build --build-arg OPTIONAL_PACKAGES=sgl-flash-mla==1.0.0 -t ktserve .
+#                                      FlashMLA for MLA decode on Hopper GPUs (README: "FlashMLA,
+#                                      where it is installed")
+#
 # BASE_IMAGE: any Debian-based image with Python >= 3.11, its headers and venv (the official
-# python:3.11-slim has them). PIP_ARGS go to both pip installs (e.g. --find-links DIR).
+# python:3.11-slim has them). PIP_ARGS go to every pip install (e.g. --find-links DIR).
+# OPTIONAL_PACKAGES: packages ktserve uses where present, installed without their dependencies
+# (sgl-flash-mla's metadata names a newer torch than the one its stable-ABI build needs).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
@@ -28,6 +34,9 @@ RUN /opt/ktserve/bin/python -c "import tomllib; p = tomllib.load(open('/src/pypr
       print('\n'.join(p['project']['dependencies'] + p['build-system']['requires']))" \
       > /tmp/requirements.txt \
  && /opt/ktserve/bin/pip install ${PIP_ARGS} -r /tmp/requirements.txt
+ARG OPTIONAL_PACKAGES=""
+RUN if [ -n "${OPTIONAL_PACKAGES}" ]; then \
+      /opt/ktserve/bin/pip install ${PIP_ARGS} --no-deps ${OPTIONAL_PACKAGES}; fi
 COPY . /src
 RUN /opt/ktserve/bin/pip install ${PIP_ARGS} --no-build-isolation --no-deps /src
 

@@ -214,10 +214,12 @@ def kernel_spec(spec: str) -> tuple[str, torch.dtype]:
 
 
 def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int,
-                     kernel: str = "auto") -> float | None:  # fmt: skip
+                     kernel: str = "auto", shared_plans: bool = True) -> float | None:  # fmt: skip
     """Seconds a decode call takes inside one CUDA graph of `layers` calls, each over a cache of
     its own (as a served step runs a model's layers): the graph's start is paid once, not per
-    call. None where the caches do not fit."""
+    call. shared_plans: the calls share one plans dict, as a step's layers share their group's
+    (FlashMLA's split schedule made once); else each call plans alone. None where the caches do
+    not fit."""
     from gpu_service.models import attention_triton as at
 
     name, partials = kernel_spec(kernel)
@@ -228,9 +230,11 @@ def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int,
     caches = [(case.k_cache, case.v_cache)] + [case.fresh_cache() for _ in range(layers - 1)]
 
     def run_all():
+        plans = {}  # NOTE: made per run, as a step's metadata is (so the capture plans inside)
         for k, v in caches:
             at.decode_with(q, k, v, case.block_table, case.kv_len, case.block_size, case.scale,
-                           kernel=name, partial_dtype=partials)  # fmt: skip
+                           kernel=name, partial_dtype=partials,
+                           plans=plans if shared_plans else None)  # fmt: skip
 
     try:
         return timer.median_graph_s(run_all) / layers
@@ -240,7 +244,7 @@ def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int,
 
 
 def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: float, reference,
-            layers: int = 0, kernel: str = "auto"):  # fmt: skip
+            layers: int = 0, kernel: str = "auto", shared_plans: bool = True):  # fmt: skip
     """One table row: times and bounds per decode step or per 1k prefill tokens; with layers, a
     decode call's time inside a graph of that many calls too. kernel: decode_with's."""
     from gpu_service.models import attention_triton as at
@@ -267,7 +271,7 @@ def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: flo
     layered_s = None
     if step == "decode":
         seconds, eager_s = timer.median_graph_s(run), timer.median_s(run)
-        layered_s = layered_decode_s(case, q, timer, layers, kernel)
+        layered_s = layered_decode_s(case, q, timer, layers, kernel, shared_plans)
     else:
         seconds, eager_s = timer.median_s(run) / b, None
     per = 1 if step == "decode" else b  # prefill: per sequence's 1k-token chunk
@@ -390,6 +394,12 @@ def main() -> None:
         "cache of its own, as a served step runs a model's layers (0: off)",
     )
     parser.add_argument(
+        "--own-plans",
+        action="store_true",
+        help="with --layers: each call plans its own splits (FlashMLA's schedule) instead of "
+        "the layers sharing one, as a served step's do",
+    )
+    parser.add_argument(
         "--mla-kernels",
         default="auto",
         help="MLA decode's kernels to time, a row each (comma-separated: auto = what "
@@ -435,7 +445,8 @@ def main() -> None:
                     for kernel in kernels:
                         try:
                             rows.append(measure(case, step, timer, copy_bw, flops_rate,
-                                                reference, args.layers, kernel))  # fmt: skip
+                                                reference, args.layers, kernel,
+                                                not args.own_plans))  # fmt: skip
                         except Exception as exc:  # a kernel this GPU cannot run: say so, go on
                             failed = (shape.name, str(batch), f"{context // 1024}k",
                                       f"{step}:{kernel}", type(exc).__name__)  # fmt: skip

@@ -589,9 +589,13 @@ def paged_decode(
     block_size: int,
     scale: float,
     window: int | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor:
-    """q [B, Hq, D] (each sequence's query at position kv_len - 1) -> [B, Hq, Dv] in q's dtype."""
-    return decode_with(q, k_cache, v_cache, block_table, kv_len, block_size, scale, window)
+    """q [B, Hq, D] (each sequence's query at position kv_len - 1) -> [B, Hq, Dv] in q's dtype.
+    plans: where a kernel keeps what it plans from kv_len for the other calls over the same
+    kv_len and block_table (AttentionGroup.plans: a step's layers); None plans each call."""
+    return decode_with(q, k_cache, v_cache, block_table, kv_len, block_size, scale, window,
+                       plans=plans)  # fmt: skip
 
 
 def decode_with(
@@ -607,6 +611,7 @@ def decode_with(
     num_splits: int | None = None,
     kernel: str = "auto",
     partial_dtype: torch.dtype = torch.float32,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """paged_decode with the launch shape chosen by the caller (benchmarks, tests). kernel:
     "auto" or "triton" (this module's split kernel), "hopper" (mla_decode_hopper's) or
@@ -639,7 +644,7 @@ def decode_with(
     if kernel == "flashmla" or (kernel == "auto" and not shaped):
         refused = mla_decode_flashmla.call_refusal(q, k_cache, v_from_k, window, block_size)
         if not refused and batch > 0:
-            return mla_decode_flashmla.decode(q, k_cache, block_table, kv_len, scale)
+            return mla_decode_flashmla.decode(q, k_cache, block_table, kv_len, scale, plans)
         if refused and kernel == "flashmla":
             raise ValueError(
                 "FlashMLA takes bf16 MLA caches of 64-token blocks (576-wide latent rows read as "

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -93,6 +93,10 @@ class AttentionGroup:
     block_table: torch.Tensor  # [b, W] int32
     cu_seqlens_q: torch.Tensor  # [b + 1] int32, into the group's own rows
     kv_len: torch.Tensor  # [b] int32
+    # NOTE: what a decode kernel plans from kv_len (FlashMLA's split schedule), made by the
+    # step's first attention layer and read by the others: a group lives for one step (or one
+    # capture, whose replays remake the plan in its first layer), so it never outlives kv_len
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

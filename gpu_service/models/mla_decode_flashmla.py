@@ -106,17 +106,26 @@ def call_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, window,
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-           kv_len: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+           kv_len: torch.Tensor, scale: float,
+           plans: dict | None = None) -> torch.Tensor:  # fmt: skip
     """q [B, H, 576] bf16 (each sequence's query at position kv_len - 1), k_cache [S, 1, 576]
-    of 64-token blocks, block_table [B, W] and kv_len [B] int32 -> [B, H, 512] bf16."""
+    of 64-token blocks, block_table [B, W] and kv_len [B] int32 -> [B, H, 512] bf16. plans:
+    where the split schedule made by the first call is kept for the others over the same kv_len
+    (a step's layers: AttentionGroup.plans); None makes one for this call alone."""
     flash_mla = library()
     if flash_mla is None:  # NOTE: callers ask call_refusal first; this is for those that do not
         raise RuntimeError(f"FlashMLA cannot run here: {unavailable_reason()}")
     batch, heads, _ = q.shape
     pages = k_cache.view(-1, BLOCK_SIZE, 1, HEAD_DIM)
-    # NOTE: a fresh schedule each call: the kernel plans its splits from kv_len on the device,
-    # inside the call (and so inside a captured graph, at every replay)
-    schedule, _ = flash_mla.get_mla_metadata()
+    # NOTE: an empty schedule is filled by the call it is given to: the kernel plans its splits
+    # from kv_len on the device, inside the call (and so inside a captured graph, at every
+    # replay); later calls given the filled one read it and plan nothing
+    key = ("flashmla", batch, heads)
+    schedule = plans.get(key) if plans is not None else None
+    if schedule is None:
+        schedule, _ = flash_mla.get_mla_metadata()
+        if plans is not None:
+            plans[key] = schedule
     out, _ = flash_mla.flash_mla_with_kvcache(
         q.reshape(batch, 1, heads, HEAD_DIM), pages, block_table, kv_len, VALUE_DIM, schedule,
         softmax_scale=scale, causal=False, use_legacy=True,

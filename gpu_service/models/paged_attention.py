@@ -53,10 +53,12 @@ def paged_decode(
     block_size: int,
     scale: float,
     window: int | None = None,
+    plans: dict | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D], caches [S, Hkv, D] / [S, Hkv, Dv], block_table [B, W] int32, kv_len [B]
     int32 (>= 1; the query sits at kv_len - 1) -> [B, Hq, Dv] in q's dtype. Every row gathers
-    block_table's whole width of keys."""
+    block_table's whole width of keys. plans: the GPU kernels' (AttentionGroup.plans); this
+    reference plans nothing."""
     b, num_heads, head_dim = q.shape
     num_kv_heads, dv = k_cache.shape[1], v_cache.shape[-1]
     pos = torch.arange(block_table.shape[1] * block_size, device=q.device)  # [K]
@@ -210,7 +212,8 @@ def group_attention(
     if prefill:
         return prefill_kernel(q, k_cache, v_cache, group.block_table, group.cu_seqlens_q,
                               group.kv_len, block_size, scale, window)  # fmt: skip
-    return decode(q, k_cache, v_cache, group.block_table, group.kv_len, block_size, scale, window)
+    return decode(q, k_cache, v_cache, group.block_table, group.kv_len, block_size, scale, window,
+                  plans=group.plans)  # fmt: skip
 
 
 def paged_attention(

@@ -95,6 +95,40 @@ def test_flashmla_replays_in_a_cuda_graph_at_new_lengths(seed):
         kv_len.copy_(torch.tensor([3, 700, 64, 65, 1], dtype=torch.int32))
 
 
+@needs_flashmla
+def test_a_steps_layers_share_one_schedule_in_a_cuda_graph(seed):
+    """Three layers' calls over caches of their own and one kv_len, given one plans dict (as a
+    step's layers get their group's): the first plans the splits inside the captured graph, the
+    others read its schedule; each replay at new lengths matches the reference in every layer,
+    and the dict holds one schedule."""
+    args, _ = mla_case("ragged-128-heads", seed)
+    q, kd, vd, table, kv_len, block_size, scale = args
+    gen = torch.Generator().manual_seed(seed + 2)
+    caches = [kd] + [torch.randn(kd.shape, generator=gen).to(kd) for _ in range(2)]
+    plans_seen = []
+
+    def step():
+        plans = {}
+        plans_seen.append(plans)
+        return [at.paged_decode(q, k, k[..., :512], table, kv_len, block_size, scale,
+                                plans=plans) for k in caches]  # fmt: skip
+
+    step()  # NOTE: loads the library before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    assert len(plans_seen[-1]) == 1
+    cu = torch.arange(6, dtype=torch.int32)
+    for lens in ([1000, 2, 129, 1, 64], [3, 700, 64, 65, 1]):
+        kv_len.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        for k, out in zip(caches, outs):
+            k_cpu = k.cpu()
+            want = reference(q.cpu(), k_cpu, k_cpu[..., :512], table.cpu(), cu, kv_len.cpu(),
+                             block_size, scale, None)  # fmt: skip
+            check(out, want, torch.bfloat16)
+
+
 def test_flashmla_refuses_what_it_cannot_serve(seed):
     """A 16-token-block cache, an fp16 query, a launch shape, or a machine without FlashMLA:
     ValueErrors that say what it takes (and, where it cannot load, why)."""

@@ -292,6 +292,35 @@ def test_decode_stays_one_group_off_the_cpu(seed) -> None:
     assert meta.decodes[0].rows.shape == (3,) and meta.prefill.block_table.shape == (1, 5)
 
 
+def test_a_steps_layers_hand_their_decode_kernel_one_plans_dict(seed, monkeypatch) -> None:
+    """Every layer's decode call of a step gets its decode group's plans (where FlashMLA keeps
+    the split schedule the step's first layer made), the same dict each time; the next step's
+    metadata brings a new, empty one, so no plan outlives the kv_len it was made from."""
+    rng, gen = random.Random(seed + 960), torch.Generator().manual_seed(seed + 960)
+    shapes = [(1, 30), (1, 29), (1, 32)]  # one width class: one decode group on the CPU too
+    batch, k_cache, v_cache = _real_step(rng, gen, shapes, kv_heads=2, dim=16, block_size=4)
+    handed = []
+
+    def decode(*args, plans=None):
+        assert plans is not None
+        plans.setdefault("made by call", len(handed))
+        handed.append(plans)
+        return pa.paged_decode(*args)
+
+    monkeypatch.setattr(pa, "attention_kernels", lambda *a, **k: (decode, pa.paged_prefill))
+    q = torch.randn(batch.num_tokens, 4, 16, generator=gen)
+    layers = 3
+    for step in range(2):
+        meta = AttentionMetadata.build(batch, "cpu")
+        assert len(meta.decodes) == 1 and meta.decodes[0].plans == {}
+        outs = [pa.paged_attention(q, k_cache, v_cache, meta, 0.25) for _ in range(layers)]
+        this_step = handed[step * layers :]
+        assert all(plans is meta.decodes[0].plans for plans in this_step)
+        assert meta.decodes[0].plans == {"made by call": step * layers}
+        assert all(torch.equal(out, outs[0]) for out in outs)
+    assert handed[0] is not handed[-1]
+
+
 def test_dispatch_without_the_gpu_kernels(monkeypatch) -> None:
     """With attention_triton absent every device gets the torch reference."""
     monkeypatch.setitem(sys.modules, pa.TRITON_MODULE, None)  # import raises ImportError
