@@ -15,6 +15,8 @@ writes them) and the GPU service in this process, once per mode:
             `auto` picks where bf16 would take over half the GPU's memory budget); every other
             mode runs the GPU part in bf16, whatever the checkpoint
   graph-int8  graph with --gpu-weight-format int8 (weight-only int8, a scale per output)
+  graph-noflashmla  graph with --no-flashmla (an MLA model where FlashMLA serves: ktserve's own
+            MLA decode kernels and 16-token cache blocks)
   graph-stamps  graph with the hand-off kernels timing themselves on the GPU's clock
             (device_kernels.py's STAMPS): per call, the GPU's wait from its request bell to the
             reply it saw, less the worker's part of it, is the two bells' latency; and the GPU's
@@ -88,6 +90,8 @@ MODES = {"graph": dict(cuda_graphs=True, graph_expert_calls=True),
                                  chain_decode_steps=False),
          "graph-unfused": dict(cuda_graphs=True, graph_expert_calls=True, fused_kernels=False),
          "graph-fp8": dict(cuda_graphs=True, graph_expert_calls=True, gpu_weight_format="fp8"),
+         # MLA models where FlashMLA serves: ktserve's own MLA decode kernels (16-token blocks)
+         "graph-noflashmla": dict(cuda_graphs=True, graph_expert_calls=True, flashmla=False),
          "graph-int8": dict(cuda_graphs=True, graph_expert_calls=True, gpu_weight_format="int8"),
          "graph-stamps": dict(cuda_graphs=True, graph_expert_calls=True,
                               experts=dict(handoff_stamps=True)),
