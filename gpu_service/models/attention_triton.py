@@ -621,7 +621,7 @@ def decode_with(
     (HOPPER_MLA_BY_DEFAULT), else the split kernel. partial_dtype: the
     splits' normalized partial outputs, written and read back by the merge (MLA at batch 1 and
     32k: 16.8 MB each way in float32 against 37.7 MB of cache; bf16 / fp16 halve it, adding one
-    rounding of each partial); their log-sum-exps stay float32."""
+    rounding of each partial); their log-sum-exps stay float32. plans: paged_decode's."""
     if partial_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"partial_dtype must be float32, bfloat16 or float16, got {partial_dtype}")
     if kernel not in ("auto", "triton", "hopper", "flashmla"):

@@ -84,10 +84,14 @@ def cache_block_size(latent_width: int, device, query_dtype: torch.dtype,
     MLA). allowed=False (--no-flashmla): never FlashMLA."""
     if not latent_width:
         return default, ""
-    why = refusal(device, query_dtype, cache_dtype, latent_width) if allowed else ""
-    if allowed and not why:
-        return BLOCK_SIZE, f"FlashMLA ({PACKAGE}), {BLOCK_SIZE}-token cache blocks"
-    return default, f"ktserve's own kernels ({why or 'FlashMLA off: --no-flashmla'})"
+    why = (
+        refusal(device, query_dtype, cache_dtype, latent_width)
+        if allowed
+        else "FlashMLA off: --no-flashmla"
+    )
+    if why:
+        return default, f"ktserve's own kernels ({why})"
+    return BLOCK_SIZE, f"FlashMLA ({PACKAGE}), {BLOCK_SIZE}-token cache blocks"
 
 
 def call_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, window,
