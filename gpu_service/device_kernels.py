@@ -44,19 +44,27 @@ class MappedArray:
         return self.address
 
 
+# NOTE: Triton runs inline asm in every thread of a program, even on a scalar; a bell takes
+# exactly one store per call (a second, late POSTED store re-posts a call the worker already
+# claimed: it runs it twice, and its second reply_bell = 1 answers the slot's next call early,
+# with this call's reply). So only thread 0 of the program stores, after its fence.
 @triton.jit
 def _store_one_sys(address):
     tl.inline_asm_elementwise(
-        "fence.sc.sys;\n\tst.volatile.global.u32 [$1], 1;\n\tmov.u32 $0, 0;", "=r,l",
-        [address], dtype=tl.int32, is_pure=False, pack=1,
+        "{\n\t.reg .pred first;\n\t.reg .u32 tid;\n\tmov.u32 tid, %tid.x;\n\t"
+        "setp.eq.u32 first, tid, 0;\n\tfence.sc.sys;\n\t"
+        "@first st.volatile.global.u32 [$1], 1;\n\tmov.u32 $0, 0;\n\t}",
+        "=r,l", [address], dtype=tl.int32, is_pure=False, pack=1,
     )  # fmt: skip
 
 
 @triton.jit
 def _store_zero_sys(address):
     tl.inline_asm_elementwise(
-        "fence.sc.sys;\n\tst.volatile.global.u32 [$1], 0;\n\tmov.u32 $0, 0;", "=r,l",
-        [address], dtype=tl.int32, is_pure=False, pack=1,
+        "{\n\t.reg .pred first;\n\t.reg .u32 tid;\n\tmov.u32 tid, %tid.x;\n\t"
+        "setp.eq.u32 first, tid, 0;\n\tfence.sc.sys;\n\t"
+        "@first st.volatile.global.u32 [$1], 0;\n\tmov.u32 $0, 0;\n\t}",
+        "=r,l", [address], dtype=tl.int32, is_pure=False, pack=1,
     )  # fmt: skip
 
 

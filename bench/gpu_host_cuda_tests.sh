@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Every CUDA test of the suite on the GPU host (CI has no GPU): each test file with a CUDA path
+# (one that names cuda, KTSERVE_TEST_DEVICE or its helpers, or takes the `device` fixture), run
+# with KTSERVE_TEST_DEVICE=cuda. Fails where a test fails, or skips for want of CUDA or of a
+# package this script was meant to have (carry .whl: posix_ipc, grpcio, grpcio-tools, protobuf,
+# grpcio-health-checking, llguidance, fastapi, uvicorn, jsonschema, openai, openai-agents and
+# their needs, sgl-flash-mla; see gpu_host_env.sh). One call's 600 s holds one part:
+#   gpu   tests/gpu_service (the kernels, graphs, hand-offs, engine, sampling, ...)
+#   rest  tests/e2e, tests/bench, tests/expert_service and the rest (servers and workers as
+#         real processes, the GPU part on CUDA)
+#   all   both, one after the other
+# The summary lines (pytest's, per part, with the commit) go to $OUT/cuda-tests-summary.txt.
+#   usage: bash bench/gpu_host_cuda_tests.sh [gpu|rest|all] [extra pytest arguments]
+set -uo pipefail
+source "$(dirname "$0")/gpu_host_env.sh" || exit 1
+part="${1:-all}"
+shift || true
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print(f'torch {torch.__version__}, triton {triton.__version__}')"
+build_in_place || exit 1
+
+files=$( (grep -rlE "cuda|TEST_DEVICE|worker_services|support\.devices" tests --include='test_*.py'
+          grep -rlE "def test_[a-z_0-9]*\([^)]*\bdevice\b" tests --include='test_*.py') | sort -u)
+case "$part" in
+  gpu) files=$(echo "$files" | grep '^tests/gpu_service/') ;;
+  rest) files=$(echo "$files" | grep -v '^tests/gpu_service/') ;;
+  all) ;;
+  *) echo "usage: gpu_host_cuda_tests.sh [gpu|rest|all]"; exit 2 ;;
+esac
+commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
+log="$out/cuda-tests-$part.log"
+echo "$(echo "$files" | wc -l) test files, part $part, at $commit"
+KTSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rs $files "$@" > "$log" 2>&1
+rc=$?
+tail -25 "$log"
+summary=$(grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" "$log" | tail -1)
+# a skip for want of CUDA, or of a package the host should have had: the run did not test it
+missing=$(grep -E "^SKIPPED" "$log" | grep -iE "CUDA|no GPU|not installed|No module named" || true)
+{
+  echo "$(date -u +%FT%TZ) commit $commit part $part: $summary (rc $rc)"
+  [ -n "$missing" ] && echo "$missing"
+} | tee -a "$out/cuda-tests-summary.txt"
+if [ -n "$missing" ]; then
+  echo "FAILED: tests skipped for want of CUDA or of a package"
+  rc=1
+fi
+exit $rc
