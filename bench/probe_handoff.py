@@ -148,10 +148,13 @@ def consumer(name: str, delay_us: float, seed: int) -> None:
         ch.reply(msg, [np.full((rows, hidden), tag + 0.5, np.float32)])
 
 
-VARIANTS = {  # name: (the bell stored by thread 0 alone, every thread fences its own stores)
-    "every thread": (False, False),
+# name: (the bell stored by thread 0 alone, every thread fences its own stores)
+# NOTE: "every thread" last: a call it re-posts can still be answered after its last step, and
+# that late reply_bell = 1 would answer a later variant's call early
+VARIANTS = {
     "one thread": (True, False),
     "one thread+fences": (True, True),
+    "every thread": (False, False),
 }
 
 

@@ -21,6 +21,7 @@ rates against each other (`read_globaltimer`).
 
 ORDERING: the bell store follows a `fence.sc.sys` after every program's stores were released
 to the counter, so a worker that sees POSTED sees the whole request (x86 reads are ordered).
+Each bell takes exactly one store per call, by thread 0 of the last program (_store_one_sys).
 Bell words live in host memory: the kernels never apply atomics to them (PCIe need not support
 those), only volatile loads and stores; the counters are device memory.
 """
