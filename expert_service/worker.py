@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ POLL_S = 0.2  # how often an idle channel thread looks at the stop flag
 IDLE_GAP_S = 0.005  # gaps between calls counted as idle (longer: between steps or requests)
 PRODUCER_GRACE_S = 10.0  # a GPU service whose heartbeat stalls this long is gone (see below)
 PRODUCER_POLL_S = 0.05
+# An experiment's switch (tests of the device hand-off under timing pressure): before each MoE
+# reply the worker spins a random 0..N microseconds, drawn from KTSERVE_WORKER_REPLY_DELAY_SEED.
+REPLY_DELAY_ENV = "KTSERVE_WORKER_REPLY_DELAY_US"
+REPLY_DELAY_SEED_ENV = "KTSERVE_WORKER_REPLY_DELAY_SEED"
 
 
 class WorkerState(enum.IntEnum):
@@ -106,6 +111,13 @@ class ExpertWorker:
         self._stats_cv = threading.Condition()
         self._stats_waiters = 0
         self.metrics.in_flight.set_function(lambda: self.in_flight)
+        self._reply_delay_s = float(os.environ.get(REPLY_DELAY_ENV) or 0) * 1e-6
+        if self._reply_delay_s < 0:
+            raise ValueError(f"{REPLY_DELAY_ENV} must be >= 0 microseconds")
+        self._reply_delay_rng = random.Random(int(os.environ.get(REPLY_DELAY_SEED_ENV) or 0))
+        if self._reply_delay_s:
+            log.warning("%s: every MoE reply is held back 0..%.0f us (an experiment)",
+                        REPLY_DELAY_ENV, self._reply_delay_s * 1e6)  # fmt: skip
         self.drained = threading.Event()
         self._parent = os.getppid()
         self.exit_requested = threading.Event()
@@ -306,6 +318,12 @@ class ExpertWorker:
             serving.calls_completed += 1
             serving.answered_at = time.perf_counter()
 
+    def _hold_reply(self) -> None:
+        """REPLY_DELAY_ENV: spin a random share of the delay (a sleep would round it up)."""
+        until = time.perf_counter() + self._reply_delay_rng.uniform(0, self._reply_delay_s)
+        while time.perf_counter() < until:
+            pass
+
     def _moe_call(
         self, channel: ktshm.Channel, req: ktshm.Message, start: float, serving: _Serving
     ) -> None:
@@ -338,6 +356,8 @@ class ExpertWorker:
                 raise
             kernel_end = time.perf_counter()
             forward = self.kernel.last_forward()  # (start ns, end ns, experts run)
+        if self._reply_delay_s:
+            self._hold_reply()
         channel.commit_reply(req)
         published = time.perf_counter()
         serving.replied += 1
