@@ -4,13 +4,15 @@
 # with KTSERVE_TEST_DEVICE=cuda. Fails where a test fails, or skips for want of CUDA or of a
 # package this script was meant to have (carry .whl: posix_ipc, grpcio, grpcio-tools, protobuf,
 # grpcio-health-checking, llguidance, fastapi, uvicorn, jsonschema, openai, openai-agents and
-# their needs, sgl-flash-mla; see gpu_host_env.sh). One call's 600 s holds one part:
-#   gpu   tests/gpu_service (the kernels, graphs, hand-offs, engine, sampling, ...)
-#   rest  tests/e2e, tests/bench, tests/expert_service and the rest (servers and workers as
-#         real processes, the GPU part on CUDA)
-#   all   both, one after the other
+# their needs, sgl-flash-mla; see gpu_host_env.sh). One call's 600 s holds one part (tests/
+# gpu_service alone took over 540 s on an H100 host, 2026-12-07):
+#   kernels  tests/gpu_service: attention, MLA, fused ops, weight formats, streamed prefill
+#   steps    tests/gpu_service: decode graphs, the device's expert calls, engine, sampling, ...
+#   serve    tests/gpu_service: the serve command, services and workers as processes
+#   rest     tests/e2e, tests/bench, tests/expert_service and the rest
+#   all      every part, one after the other
 # The summary lines (pytest's, per part, with the commit) go to $OUT/cuda-tests-summary.txt.
-#   usage: bash bench/gpu_host_cuda_tests.sh [gpu|rest|all] [extra pytest arguments]
+#   usage: bash bench/gpu_host_cuda_tests.sh [kernels|steps|serve|rest|all] [pytest arguments]
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 part="${1:-all}"
@@ -21,11 +23,16 @@ build_in_place || exit 1
 
 files=$( (grep -rlE "cuda|TEST_DEVICE|worker_services|support\.devices" tests --include='test_*.py'
           grep -rlE "def test_[a-z_0-9]*\([^)]*\bdevice\b" tests --include='test_*.py') | sort -u)
+kernels='attention|mla_|fused_ops|weight_only|gpu_weights|paged_attention|stream_prefill|device_kernels'
+serve='serve_cli|service_heap|parallel|auto_weight_format|api'
+gpu=$(echo "$files" | grep '^tests/gpu_service/')
 case "$part" in
-  gpu) files=$(echo "$files" | grep '^tests/gpu_service/') ;;
+  kernels) files=$(echo "$gpu" | grep -E "$kernels") ;;
+  serve) files=$(echo "$gpu" | grep -E "$serve") ;;
+  steps) files=$(echo "$gpu" | grep -v -E "$kernels|$serve") ;;
   rest) files=$(echo "$files" | grep -v '^tests/gpu_service/') ;;
   all) ;;
-  *) echo "usage: gpu_host_cuda_tests.sh [gpu|rest|all]"; exit 2 ;;
+  *) echo "usage: gpu_host_cuda_tests.sh [kernels|steps|serve|rest|all]"; exit 2 ;;
 esac
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
 log="$out/cuda-tests-$part.log"
