@@ -184,7 +184,7 @@ def handoff_stamps(service):
 
 def gpu_and_host_clocks(service) -> tuple[int, int]:
     """(%globaltimer, the host's perf_counter_ns) at about one moment."""
-    from gpu_service.device_kernels import read_globaltimer
+    from gpu_service.experts.device_kernels import read_globaltimer
 
     gpu = read_globaltimer(service.engine.model.device)
     return gpu, time.perf_counter_ns()
@@ -195,7 +195,7 @@ def stamp_means(before, after) -> dict[str, float] | None:
     two MoE layers of a step (a slot's collect end -> the next slot's request bell)."""
     if before is None:
         return None
-    from gpu_service.device_kernels import MIDDLE_SUM, MIDDLES, WAIT_SUM, WAITS
+    from gpu_service.experts.device_kernels import MIDDLE_SUM, MIDDLES, WAIT_SUM, WAITS
 
     d = (after - before).sum(dim=(0, 1)).tolist()
     mean = lambda total, count: total / count / 1e3 if count else float("nan")  # noqa: E731

@@ -1,4 +1,4 @@
-"""One MoE layer of prefill streamed to the GPU (gpu_service/stream_prefill) at real shapes.
+"""One MoE layer of prefill streamed to the GPU (gpu_service/experts/stream_prefill) at real shapes.
 
 Random experts are packed (a few distinct ones, their packed rows repeated to the layer's expert
 count: the bytes and the work are a real layer's), written as a worker's store into a 0700
@@ -35,10 +35,10 @@ import torch  # noqa: E402
 from bench.common import Column, default_device, print_table  # noqa: E402
 from expert_service import packed_store  # noqa: E402
 from expert_service.kernels import MoEKernel, pack_experts  # noqa: E402
-from gpu_service.stream_prefill.compute import route_rows, routed_moe  # noqa: E402
-from gpu_service.stream_prefill.cost_model import timed  # noqa: E402
-from gpu_service.stream_prefill.staging import LayerStager  # noqa: E402
-from gpu_service.stream_prefill.store import MappedStore  # noqa: E402
+from gpu_service.experts.stream_prefill.compute import route_rows, routed_moe  # noqa: E402
+from gpu_service.experts.stream_prefill.cost_model import timed  # noqa: E402
+from gpu_service.experts.stream_prefill.staging import LayerStager  # noqa: E402
+from gpu_service.experts.stream_prefill.store import MappedStore  # noqa: E402
 from ktserve.names import weight_format_to_pb  # noqa: E402
 from ktserve.protocol import expert_pb2 as pb  # noqa: E402
 

@@ -64,7 +64,7 @@ def main() -> None:
     from expert_service.kernels import MoEKernel
     from expert_service.shard import load_shard
     from gpu_service.config import ExpertClientConfig
-    from gpu_service.moe_client import ShmExperts
+    from gpu_service.experts.moe_client import ShmExperts
     from ktserve.protocol import expert_pb2 as pb
     from ktserve.protocol import expert_pb2_grpc as pb_grpc
 

@@ -20,7 +20,7 @@ say built
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
   cuda_tests "$out/tests-cuda.log" 300 tests/gpu_service/test_attention_triton.py \
-    tests/gpu_service/test_device_calls.py tests/gpu_service/test_gpu_weights.py || rc=1
+    tests/gpu_service/experts/test_device_calls.py tests/gpu_service/test_gpu_weights.py || rc=1
 fi
 if [ "$what" != tests ]; then
   timeout 100 python3 bench/real_checkpoint.py "$ckpt" --shape qwen3 --layers 16 \

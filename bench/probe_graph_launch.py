@@ -92,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("probe_graph_launch needs a CUDA GPU")
-    from gpu_service.device_calls import CudaDriver
+    from gpu_service.experts.device_calls import CudaDriver
 
     driver = CudaDriver()
     host_word = torch.zeros(16, dtype=torch.int32, pin_memory=True)  # pinned and mapped

@@ -34,7 +34,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from gpu_service import device_kernels as dk
+from gpu_service.experts import device_kernels as dk
 
 
 @triton.jit
@@ -170,7 +170,7 @@ def main() -> None:
     import torch
 
     import ktshm
-    from gpu_service.device_calls import CudaStream, region_bytes
+    from gpu_service.experts.device_calls import CudaStream, region_bytes
     from ktserve import wire
 
     seed = int.from_bytes(os.urandom(4), "little")
@@ -295,7 +295,7 @@ def with_worker(steps: int, rows: int, rows_pad: int, handoff: str, family: str)
     import torch
 
     from gpu_service.config import ExpertClientConfig
-    from gpu_service.moe_client import ShmExperts
+    from gpu_service.experts.moe_client import ShmExperts
     from ktserve.checkpoint import CheckpointReader
     from tests.support.checkpoints import make_tiny_checkpoint
     from tests.support.expert_procs import ExpertProcess

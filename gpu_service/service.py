@@ -13,12 +13,15 @@ import torch
 from gpu_service.auto_weight_format import AutoFormat, choose_auto_format
 from gpu_service.config import KV_CACHE_DTYPES, GPUServiceConfig
 from gpu_service.engine import DecodeGraphConfig, Engine, EngineMetrics
-from gpu_service.gpu_experts import (
+from gpu_service.experts.gpu_experts import (
     HotExpertRefresher,
     HybridExperts,
     choose_hot_experts,
     worker_activation_counts,
 )
+from gpu_service.experts.moe_client import ShmExperts
+from gpu_service.experts.stream_prefill.backend import StreamingExperts
+from gpu_service.experts.stream_prefill.build import build_streaming
 from gpu_service.memory_plan import MemoryPlan, cpu_plan, cuda_plan
 from gpu_service.models import KVCache, load_model
 from gpu_service.models.config import model_max_len
@@ -26,9 +29,6 @@ from gpu_service.models.linear import fp8_matmul_supported
 from gpu_service.models.parallel import SINGLE, TensorParallel
 from gpu_service.models.registry import default_device, kv_cache_block_size
 from gpu_service.models.weight_formats import LinearQuantConfig
-from gpu_service.moe_client import ShmExperts
-from gpu_service.stream_prefill.backend import StreamingExperts
-from gpu_service.stream_prefill.build import build_streaming
 from gpu_service.tensor_parallel.leader import LeaderConfig, TensorParallelLeader, check_devices
 from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec, non_expert_params
 from ktserve.names import float_dtype

@@ -32,10 +32,10 @@ from gpu_service.api.tokenizer import ServedTokenizer, load_tokenizer
 from gpu_service.api.tool_parsers import ToolParser, choose_tool_parser, tool_parser
 from gpu_service.api.worker_metrics import worker_registry
 from gpu_service.engine.grammar import GrammarCompiler
-from gpu_service.external_workers import ExternalWorkers
 from gpu_service.serve_config import ChatConfig, ServeConfig
 from gpu_service.service import GPUService, build_gpu_service, check_model_fits
-from gpu_service.supervisor import Supervisor, worker_specs
+from gpu_service.workers.external_workers import ExternalWorkers
+from gpu_service.workers.supervisor import Supervisor, worker_specs
 from ktserve.checkpoint import HFConfig
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.numa import read_topology

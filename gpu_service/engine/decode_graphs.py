@@ -21,7 +21,7 @@ combine adds, as CausalLM.forward does. With device calls a deferring layer has 
 collects m_{j-1}'s deferred reply right after m_j's immediate one.
 
 With expert calls in the graph (DecodeGraphConfig.experts_in_graph, where the experts offer
-device calls: gpu_service/device_calls.py), the device stream itself copies each MoE layer's
+device calls: gpu_service/experts/device_calls.py), the device stream itself copies each MoE layer's
 inputs to the workers, rings them and waits for their replies, so the whole step is one graph
 and no host code runs per layer:
 

@@ -21,8 +21,8 @@ from expert_service.config import WorkerConfig
 from gpu_service.api.app import ROUTES
 from gpu_service.cli import serve_config
 from gpu_service.config import DEVICE_ENV
-from gpu_service.external_workers import WorkerShard, check_coverage
 from gpu_service.serve_config import API_KEY_ENV
+from gpu_service.workers.external_workers import WorkerShard, check_coverage
 from ktserve.checkpoint import parse_expert_range
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.cli import build_parser

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_service.external_workers import ExternalWorkers
-from gpu_service.shard_coverage import ExpertCoverageError
+from gpu_service.workers.external_workers import ExternalWorkers
+from gpu_service.workers.shard_coverage import ExpertCoverageError
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.worker_token import TOKEN_ENV, new_token
 from tests.e2e.test_parity import BOUNDS, last_logits, prompts, relative_error

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_service.engine import FinishReason, SamplingParams
-from gpu_service.gpu_experts import worker_activation_counts
+from gpu_service.experts.gpu_experts import worker_activation_counts
 from gpu_service.models import Batch, SeqInput
 from gpu_service.models.moe import GroupedSigmoidRouter
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpu_service.engine import FinishReason, SamplingParams
-from gpu_service.gpu_experts import worker_activation_counts
+from gpu_service.experts.gpu_experts import worker_activation_counts
 from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
 from tests.support.worker_services import worker_service

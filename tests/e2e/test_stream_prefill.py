@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_service.experts.stream_prefill.build import AUTO_MAX_MEMORY_FRACTION
 from gpu_service.models import Batch, SeqInput
-from gpu_service.stream_prefill.build import AUTO_MAX_MEMORY_FRACTION
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.worker_token import TOKEN_ENV
 from tests.e2e.test_parity import (

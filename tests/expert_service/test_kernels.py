@@ -503,7 +503,7 @@ def test_quantizers_round_ties_to_even_and_clamp(seed, fmt, top, source) -> None
     int8, a group of 32 for int4), so the scale is exactly 1 and every other weight is a tie or
     an integer: the packed values are numpy's rint (half to even) of the weights, NaN weights
     pack as the format's lowest value, like fminf(fmaxf(rint(NaN), lo), hi) does."""
-    from gpu_service.stream_prefill.dequant import dequantize
+    from gpu_service.experts.stream_prefill.dequant import dequantize
 
     g = torch.Generator().manual_seed(seed)
     e, i, h = 2, 32, 64

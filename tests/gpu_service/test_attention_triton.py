@@ -406,7 +406,7 @@ def test_the_unspecialized_arguments_are_the_kernels_own():
     """Triton ignores a do_not_specialize name that is no parameter of the kernel (silently: the
     kernel would recompile per integer class again), so each name must be one of its arguments;
     and the per-step integers are among them."""
-    from gpu_service import device_kernels
+    from gpu_service.experts import device_kernels
     from gpu_service.models import weight_only_triton
 
     kernels = {at._prefill_kernel: {"num_seqs", "stride_bt"},

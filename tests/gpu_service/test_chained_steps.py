@@ -19,10 +19,10 @@ from gpu_service.config import ExpertClientConfig
 from gpu_service.engine import Engine, FinishReason, SamplingParams, SchedulerConfig
 from gpu_service.engine.decode_graphs import DecodeGraphConfig
 from gpu_service.engine.errors import RequestAborted
+from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.models import TorchExperts, load_model
-from gpu_service.moe_client import ShmExperts
 from ktserve.checkpoint import CheckpointReader
-from tests.gpu_service.test_device_calls import free_port, start_worker
+from tests.gpu_service.experts.test_device_calls import free_port, start_worker
 from tests.gpu_service.test_engine import (
     _count_and_sum,
     hf_greedy,

@@ -18,10 +18,10 @@ import torch.nn.functional as F
 
 from gpu_service.config import ExpertClientConfig, GPUServiceConfig
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
+from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.models import Batch, CausalLM, SeqInput, TorchExperts, load_model
 from gpu_service.models.batch import AttentionMetadata
 from gpu_service.models.moe import MoE
-from gpu_service.moe_client import ShmExperts
 from gpu_service.serve_config import ServeConfig
 from ktserve.checkpoint import CheckpointReader
 from ktserve.config_flags import add_flags, from_args

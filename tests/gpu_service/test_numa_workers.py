@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gpu_service.serve_config import WorkerPlan, WorkersConfig
-from gpu_service.shard_coverage import ExpertCoverageError, WorkerShard, check_coverage
-from gpu_service.supervisor import worker_specs
+from gpu_service.workers.shard_coverage import ExpertCoverageError, WorkerShard, check_coverage
+from gpu_service.workers.supervisor import worker_specs
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.numa import NumaNode, NumaTopology, format_cpulist, parse_cpulist, read_topology
 

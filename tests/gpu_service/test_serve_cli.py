@@ -17,8 +17,8 @@ import pytest
 
 from gpu_service.cli import DEMO_MODEL_DIR, serve_config
 from gpu_service.config import GPUServiceConfig
-from gpu_service.external_workers import ExpertCoverageError, WorkerShard, check_coverage
 from gpu_service.serve_config import HTTPConfig, ServeConfig, split_experts
+from gpu_service.workers.external_workers import ExpertCoverageError, WorkerShard, check_coverage
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.cli import COMMANDS, build_parser
 from ktserve.worker_token import TOKEN_ENV, new_token

@@ -8,16 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gpu_service.stream_prefill.backend import StreamingExperts
-from gpu_service.stream_prefill.build import (
+from gpu_service.experts.stream_prefill.backend import StreamingExperts
+from gpu_service.experts.stream_prefill.build import (
     AUTO_MAX_MEMORY_FRACTION,
     build_streaming,
     check_auto_memory,
     streaming_bytes,
 )
-from gpu_service.stream_prefill.compute import scratch_bound
-from gpu_service.stream_prefill.staging import LayerStager
-from tests.gpu_service.stream_prefill.test_store import E, H, I, make_store, open_store
+from gpu_service.experts.stream_prefill.compute import scratch_bound
+from gpu_service.experts.stream_prefill.staging import LayerStager
+from tests.gpu_service.experts.stream_prefill.test_store import E, H, I, make_store, open_store
 
 GIB = 2**30
 

@@ -13,12 +13,12 @@ import torch
 
 from expert_service.worker import REPLY_DELAY_ENV, REPLY_DELAY_SEED_ENV
 from gpu_service.config import ExpertClientConfig
-from gpu_service.device_calls import DeviceCalls
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
+from gpu_service.experts.device_calls import DeviceCalls
+from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.models import load_model
-from gpu_service.moe_client import ShmExperts
 from ktserve.checkpoint import CheckpointReader
-from tests.gpu_service.test_device_calls import Decoder
+from tests.gpu_service.experts.test_device_calls import Decoder
 from tests.support.checkpoints import available_families, make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_service.stream_prefill.store import MappedStore
+from gpu_service.experts.stream_prefill.store import MappedStore
 
 log = logging.getLogger("ktserve.gpu")
 

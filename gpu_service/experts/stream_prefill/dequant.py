@@ -96,7 +96,7 @@ def _triton_int4():
     """int4_triton.rows_int4 (one kernel on CUDA), or None without Triton."""
     if "rows_int4" not in _TRITON:
         try:
-            from gpu_service.stream_prefill.int4_triton import rows_int4
+            from gpu_service.experts.stream_prefill.int4_triton import rows_int4
         except ImportError:
             rows_int4 = None
         _TRITON["rows_int4"] = rows_int4

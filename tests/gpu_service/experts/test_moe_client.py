@@ -8,8 +8,8 @@ import ctypes
 import torch
 
 from gpu_service.config import ExpertClientConfig
+from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.models import TorchExperts
-from gpu_service.moe_client import ShmExperts
 from ktserve.checkpoint import CheckpointReader
 from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess
@@ -56,7 +56,7 @@ def test_a_corrupt_channel_is_replaced_and_calls_go_on(tmp_path, seed):
 PRODUCER = """
 import sys, torch
 from gpu_service.config import ExpertClientConfig
-from gpu_service.moe_client import ShmExperts
+from gpu_service.experts.moe_client import ShmExperts
 address, hidden, top_k, num_experts, layer, seed = sys.argv[1:7]
 hidden, top_k, num_experts, layer = int(hidden), int(top_k), int(num_experts), int(layer)
 token = sys.stdin.readline().strip()  # the worker's, never on the command line

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from gpu_service.config import ExpertClientConfig
-from gpu_service.device_calls import CudaStream, DeviceCalls, HostStream
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.engine.errors import ExpertsUnavailable
+from gpu_service.experts.device_calls import CudaStream, DeviceCalls, HostStream
+from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.models import Batch, SeqInput, TorchExperts, load_model
-from gpu_service.moe_client import ShmExperts
 from ktserve.checkpoint import CheckpointReader
 from ktserve.worker_token import TOKEN_ENV
 from tests.support.checkpoints import available_families, make_tiny_checkpoint
@@ -139,7 +139,7 @@ def check_stamps(stamps: torch.Tensor, steps: int) -> None:
     """One worker's stamps [slot, 6] after `steps` steps (device_kernels.py: STAMPS): every slot
     waited once a step (a capture's warm-up runs a step's calls once more), for a positive time;
     every slot after the first also timed the GPU's part since the one before it."""
-    from gpu_service.device_kernels import MIDDLE_SUM, MIDDLES, WAIT_SUM, WAITS
+    from gpu_service.experts.device_kernels import MIDDLE_SUM, MIDDLES, WAIT_SUM, WAITS
 
     waits = stamps[:, WAITS].tolist()
     assert len(set(waits)) == 1 and waits[0] >= steps, f"waits per slot: {waits}"

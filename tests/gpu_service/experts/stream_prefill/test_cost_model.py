@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from gpu_service.stream_prefill.cost_model import CpuCost, StreamCost, fit_cpu, linear_fit
+from gpu_service.experts.stream_prefill.cost_model import CpuCost, StreamCost, fit_cpu, linear_fit
 
 LIMIT = 4_000
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from gpu_service.child_processes import wait_or_kill
+from gpu_service.workers.child_processes import wait_or_kill
 
 IGNORES_SIGTERM = textwrap.dedent("""
     import signal, sys, time

@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gpu_service.child_processes import wait_or_kill
-from gpu_service.moe_client import RECONNECT_OPTIONS
-from gpu_service.shard_coverage import WorkerShard, check_coverage
+from gpu_service.experts.moe_client import RECONNECT_OPTIONS
+from gpu_service.workers.child_processes import wait_or_kill
+from gpu_service.workers.shard_coverage import WorkerShard, check_coverage
 from ktserve import shared_store
 from ktserve.parent_process import with_parent
 from ktserve.protocol import expert_pb2 as pb

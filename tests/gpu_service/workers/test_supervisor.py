@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gpu_service.supervisor import (
+from gpu_service.workers.supervisor import (
     HEALTH_SERVICE,
     Supervisor,
     WorkerSpec,

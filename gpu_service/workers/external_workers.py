@@ -17,13 +17,13 @@ import time
 
 import grpc
 
-from gpu_service.moe_client import RECONNECT_OPTIONS
-from gpu_service.shard_coverage import (  # noqa: F401 - ExpertCoverageError: re-exported
+from gpu_service.experts.moe_client import RECONNECT_OPTIONS
+from gpu_service.workers.shard_coverage import (  # noqa: F401 - ExpertCoverageError: re-exported
     ExpertCoverageError,
     WorkerShard,
     check_coverage,
 )
-from gpu_service.supervisor import WorkerStartError
+from gpu_service.workers.supervisor import WorkerStartError
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.protocol import expert_pb2_grpc as pb_grpc

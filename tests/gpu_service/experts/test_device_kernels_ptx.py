@@ -20,7 +20,7 @@ import pytest
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # NOTE: a process of its own: the tests' conftest turns Triton's interpreter on without a GPU,
 # and an interpreted kernel cannot be compiled
@@ -29,7 +29,7 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from gpu_service import device_kernels as dk
+from gpu_service.experts import device_kernels as dk
 
 target = GPUTarget("cuda", 90, 32)
 post = {"x_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32", "x_dst": "*bf16",

@@ -13,8 +13,8 @@ from expert_service import packed_store
 from expert_service.expert_shard import ExpertShard
 from expert_service.kernels import pack_experts
 from expert_service.server import _store_pb
-from gpu_service.stream_prefill.staging import LayerStager
-from gpu_service.stream_prefill.store import MappedStore, UntrustedStore
+from gpu_service.experts.stream_prefill.staging import LayerStager
+from gpu_service.experts.stream_prefill.store import MappedStore, UntrustedStore
 from ktserve.checkpoint import ModelSpec
 from ktserve.names import weight_format_to_pb
 from ktserve.protocol import expert_pb2 as pb

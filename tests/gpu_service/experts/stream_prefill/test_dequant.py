@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from expert_service.kernels import pack_experts
-from gpu_service.stream_prefill.dequant import dequantize
+from gpu_service.experts.stream_prefill.dequant import dequantize
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

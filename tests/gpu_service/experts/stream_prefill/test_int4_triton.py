@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from expert_service.kernels import pack_experts
-from gpu_service.stream_prefill import dequant
+from gpu_service.experts.stream_prefill import dequant
 
 triton = pytest.importorskip("triton")
 
@@ -19,7 +19,7 @@ triton = pytest.importorskip("triton")
 @pytest.fixture
 def kernel(monkeypatch):
     """The module, compiled for CUDA or interpreted on the CPU (reloaded as it was after)."""
-    from gpu_service.stream_prefill import int4_triton
+    from gpu_service.experts.stream_prefill import int4_triton
 
     cuda = torch.cuda.is_available()
     if not cuda:

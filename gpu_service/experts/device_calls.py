@@ -211,7 +211,7 @@ class DeviceCalls:
             self.stream: CudaStream | HostStream = CudaStream(channels)
             if owner.config.device_handoff == "kernels":
                 try:
-                    from gpu_service.device_kernels import KernelHandoff
+                    from gpu_service.experts.device_kernels import KernelHandoff
                 except ImportError as exc:
                     log.warning("device hand-off by kernels needs Triton (%s): using memops", exc)
                 else:

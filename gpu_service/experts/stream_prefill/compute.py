@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu_service.stream_prefill.dequant import dequantize
+from gpu_service.experts.stream_prefill.dequant import dequantize
 
 DEFAULT_SCRATCH_BYTES = 1 << 30  # dequantized weights of one group of experts
 
