@@ -44,7 +44,7 @@ from gpu_service.models import (  # noqa: E402
     deepseek,  # noqa: E402
 )
 from gpu_service.models.experts import ReadyExperts  # noqa: E402
-from gpu_service.models.parallel import SINGLE, Shard  # noqa: E402
+from gpu_service.models.sharding import SINGLE, Shard  # noqa: E402
 from gpu_service.models.weight_formats import LinearQuantConfig  # noqa: E402
 from ktserve.checkpoint import HFConfig, ModelSpec  # noqa: E402
 

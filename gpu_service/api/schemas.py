@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gpu_service.api.tool_schemas import MessageToolCall, NamedToolChoice, ResponseFormat, Tool
-from gpu_service.engine.sampling import MAX_TOP_LOGPROBS
+from gpu_service.engine.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_N = 16  # choices per request (each is a sequence of the running batch)
 

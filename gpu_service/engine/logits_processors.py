@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from gpu_service.engine.sampling import SamplingParams
+    from gpu_service.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

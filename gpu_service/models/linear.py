@@ -54,7 +54,7 @@ FP8_WEIGHT_ONLY_MAX_ROWS = 16
 
 if TYPE_CHECKING:
     from gpu_service.models.loader import WeightLoader
-    from gpu_service.models.parallel import Shard
+    from gpu_service.models.sharding import Shard
 
 
 class Linear(nn.Module):

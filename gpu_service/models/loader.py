@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from gpu_service.models.parallel import SINGLE, Shard, TensorParallel, take_shard
+from gpu_service.models.sharding import SINGLE, Shard, TensorParallel, take_shard
 from gpu_service.models.weight_formats import LinearQuantConfig
 from ktserve.checkpoint import (
     DEFAULT_FP8_BLOCK,

@@ -34,7 +34,7 @@ from torch import nn
 from gpu_service.models import fused_ops
 from gpu_service.models.experts import PendingExperts, RoutedExperts, abandon
 from gpu_service.models.layers import DenseMLP, Linear
-from gpu_service.models.parallel import SINGLE, TensorParallel
+from gpu_service.models.sharding import SINGLE, TensorParallel
 
 
 class GroupedSigmoidRouter(nn.Module):

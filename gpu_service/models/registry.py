@@ -11,7 +11,7 @@ from gpu_service.models import deepseek, mixtral, mla_decode_flashmla, qwen_moe
 from gpu_service.models.experts import RoutedExperts
 from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM
-from gpu_service.models.parallel import SINGLE, TensorParallel
+from gpu_service.models.sharding import SINGLE, TensorParallel
 from gpu_service.models.weight_formats import LinearQuantConfig
 from ktserve.checkpoint import HFConfig, ModelSpec, UnsupportedArchitecture
 

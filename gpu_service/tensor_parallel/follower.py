@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from gpu_service.models import Batch, KVCache, SeqInput, load_model
 from gpu_service.models.model import CausalLM
-from gpu_service.models.parallel import TensorParallel
+from gpu_service.models.sharding import TensorParallel
 from gpu_service.tensor_parallel.messages import Cache, Setup, Step, Stop, read_message
 from ktserve.parent_process import follow_parent
 

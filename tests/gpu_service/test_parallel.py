@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_service.models.parallel import Shard, TensorParallel, take_shard
+from gpu_service.models.sharding import Shard, TensorParallel, take_shard
 from gpu_service.tensor_parallel.leader import check_devices
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 from tests.support.tp_rank import TIMEOUT, run_rank
