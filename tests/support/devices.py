@@ -1,5 +1,5 @@
 """The device that device-taking tests run on: $KTSERVE_TEST_DEVICE (default cpu), e.g. cuda on
-the GPU host (bench/gpu_host_agents.sh); asked for where CUDA is absent, they skip with a reason."""
+the GPU host (tools/gpu_host_agents.sh); asked for where CUDA is absent, they skip with a reason."""
 
 from __future__ import annotations
 

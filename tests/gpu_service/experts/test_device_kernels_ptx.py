@@ -3,7 +3,7 @@ their PTX: each bell is stored by one thread of one program, after its fence. Tr
 asm in every thread; when every thread of the last program stored POSTED, a late store re-posted
 a call the worker had already claimed, the worker ran it twice, and its second reply_bell = 1
 answered the slot's next call early with the old reply (wrong logits on CUDA, issue 43;
-bench/probe_handoff.py counts it on a GPU). The compile needs no GPU: Triton's own ptxas."""
+tools/probe_handoff.py counts it on a GPU). The compile needs no GPU: Triton's own ptxas."""
 
 from __future__ import annotations
 

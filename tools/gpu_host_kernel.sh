@@ -16,9 +16,9 @@
 # BENCH_TIMEOUT (s, 150) bounds each bench process (a peer or a baseline tree adds to its time);
 # BENCH_ARGS: more bench_moe_kernel.py flags (e.g. --huge-pages).
 # Logs go to $OUT (or ./gpu-host-out).
-#   usage: BASE=.device/base.tar FORMATS=int4 ROUNDS=2 bash bench/gpu_host_kernel.sh
-#          BASE=.device/base.tar IN_PROCESS=1 REPEATS=7 ROUNDS=1 FORMATS=int4 bash bench/gpu_host_kernel.sh
-#          KT_KERNEL=.peer/kt_kernel_amx.tar.gz SHAPES=dsv3 TOKENS=1 bash bench/gpu_host_kernel.sh
+#   usage: BASE=.device/base.tar FORMATS=int4 ROUNDS=2 bash tools/gpu_host_kernel.sh
+#          BASE=.device/base.tar IN_PROCESS=1 REPEATS=7 ROUNDS=1 FORMATS=int4 bash tools/gpu_host_kernel.sh
+#          KT_KERNEL=.peer/kt_kernel_amx.tar.gz SHAPES=dsv3 TOKENS=1 bash tools/gpu_host_kernel.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 base="${BASE:-}"

@@ -1,4 +1,4 @@
-# Sourced by bench/gpu_host_*.sh: the GPU host starts bare every call and has no network, so
+# Sourced by tools/gpu_host_*.sh: the GPU host starts bare every call and has no network, so
 # each script installs the wheels carried in .whl/ (posix_ipc, grpcio, ...) into /tmp/site and
 # puts this tree and them on PYTHONPATH; $out is where logs go ($OUT, or ./gpu-host-out).
 #   usage (at the top of a script): source "$(dirname "$0")/gpu_host_env.sh" || exit 1

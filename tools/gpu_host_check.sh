@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU host's checks, in one go: build in place, the CPU-side tests on every instruction set
 # the host has (AVX-512, AMX), the two-process parity on the CUDA path (against references made
-# here by `python bench/parity_on_gpu_host.py make .device/parity`: the host's transformers is
+# here by `python tools/parity_on_gpu_host.py make .device/parity`: the host's transformers is
 # not the pinned one), and the benchmarks. Logs go to $OUT (or ./gpu-host-out). Wheels in .whl/
 # (posix_ipc, ...) are installed first: the GPU host has no network.
-#   usage: bash bench/gpu_host_check.sh [tests|bench|all] [PARITY_REFERENCE_DIR]
+#   usage: bash tools/gpu_host_check.sh [tests|bench|all] [PARITY_REFERENCE_DIR]
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 what="${1:-all}"
@@ -18,7 +18,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     2>&1 | tee "$out/tests-cpu.log" | tail -5
   python3 -m pytest -q -p no:cacheprovider -rs tests/gpu_service/test_paged_attention.py \
     tests/gpu_service/test_decode_graphs.py 2>&1 | tee "$out/tests-attention-cuda.log" | tail -8
-  python3 bench/parity_on_gpu_host.py check "$refs" --device cuda 2>&1 | tee "$out/parity-cuda.log" \
+  python3 tools/parity_on_gpu_host.py check "$refs" --device cuda 2>&1 | tee "$out/parity-cuda.log" \
     | grep -v -E "Loading|Writing"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -12,7 +12,7 @@
 #      captured decode graphs on CUDA); a test skipped for want of CUDA fails this script
 #   3. bench/bench_prefix_cache.py --device cuda on the demo model: its table
 # Logs go to $OUT (or ./gpu-host-out).
-#   usage: bash bench/gpu_host_agents.sh [tests|bench|all]   (REPEATS, THREADS in the environment)
+#   usage: bash tools/gpu_host_agents.sh [tests|bench|all]   (REPEATS, THREADS in the environment)
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 what="${1:-all}"

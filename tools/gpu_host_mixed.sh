@@ -8,7 +8,7 @@
 #      prompt joining 8 decodes, the time bound off and at x3, one unrecorded warm-up repeat
 #   3. bench_prefix_cache.py on the same Qwen3 checkpoint (issue 16's replay at real shapes)
 # Logs go to $OUT (or ./gpu-host-out).
-#   usage: bash bench/gpu_host_mixed.sh [tests|mixed|prefix|all]   (REPEATS in the environment)
+#   usage: bash tools/gpu_host_mixed.sh [tests|mixed|prefix|all]   (REPEATS in the environment)
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 what="${1:?usage: gpu_host_mixed.sh tests|mixed|prefix|all (all runs past one call: 10 minutes)}"

@@ -6,8 +6,8 @@ fp32 last-position logits and its 32-token greedy continuation (full forward eac
 `ktserve expert` subprocess (bf16 experts, fp32 on the wire and in the GPU part) must give those
 logits (max relative error) and the same tokens. Prints one table.
 
-    python bench/parity_on_gpu_host.py make DIR      # here
-    python bench/parity_on_gpu_host.py check DIR     # there
+    python tools/parity_on_gpu_host.py make DIR      # here
+    python tools/parity_on_gpu_host.py check DIR     # there
 """
 
 from __future__ import annotations

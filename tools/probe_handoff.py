@@ -16,9 +16,9 @@ reply). Variants of the two Triton kernels run side by side, eagerly and as one 
 worker on tiny checkpoints, each call's sum against the same call over the worker's ordinary
 channel.
 
-    usage: python bench/probe_handoff.py [--steps N] [--slots L] [--rows R] [--hidden H]
+    usage: python tools/probe_handoff.py [--steps N] [--slots L] [--rows R] [--hidden H]
            [--delay-us D]   (the consumer's random delay before it replies, 0..D)
-           python bench/probe_handoff.py --worker
+           python tools/probe_handoff.py --worker
 """
 
 from __future__ import annotations
@@ -29,12 +29,15 @@ import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import triton
 import triton.language as tl
 
-from gpu_service.experts import device_kernels as dk
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
+
+from gpu_service.experts import device_kernels as dk  # noqa: E402
 
 
 @triton.jit

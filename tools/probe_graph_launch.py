@@ -11,7 +11,7 @@ step before it ends. This captures graphs of N small kernels (N about a step's n
     triton         N Triton kernels of 8 pointer and scalar arguments (like the hand-off and
                    fused kernels), where Triton imports
 
-    python bench/probe_graph_launch.py [--nodes 200,1000,2000] [--reps 50]
+    python tools/probe_graph_launch.py [--nodes 200,1000,2000] [--reps 50]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ step (collect -> next post), on a hand-written timeline of two steps of three Mo
 
 from __future__ import annotations
 
-from bench.profile_decode_step import describe_gap, middle_gaps
+from tools.profile_decode_step import describe_gap, middle_gaps
 
 
 def event(name: str, ts: float, dur: float) -> dict:

@@ -1,4 +1,4 @@
-// Where an int4 AMX pass's time goes (GPU host; bench/probe_amx_int4.sh builds and runs it).
+// Where an int4 AMX pass's time goes (GPU host; tools/probe_amx_int4.sh builds and runs it).
 //
 // The kernel's int4 pass (ktk_amx.cpp, included whole so its internal helpers are callable here)
 // goes in steps of two tile products, each a group of 32 weights by 16 tokens, with four kinds of

@@ -17,7 +17,7 @@ collect's end to the next layer's post: the non-expert time of a layer in the mo
 no head, embedding or dense layer in it), the median such gap of the run. It counts one collect
 per MoE layer: one worker, no expert deferral.
 
-    python bench/profile_decode_step.py CHECKPOINT [--modes graph,graph-memops] [--batch 1]
+    python tools/profile_decode_step.py CHECKPOINT [--modes graph,graph-memops] [--batch 1]
                                         [--middle]
 """
 

@@ -5,7 +5,7 @@
 # .device/base.tar -- setup.py pyproject.toml expert_service bench tests ktshm ktserve proto
 # gpu_service`), both built, then run in turn ROUNDS times, so the host's drift hits both alike.
 # Carry .whl (gpu_host_env.sh) and the tar's folder. Logs and each run's JSON go to $OUT.
-#   usage: BASE=.device/base.tar MODES=graph,graph-d1 BATCH=1,4,16 ROUNDS=2 bash bench/gpu_host_ab.sh
+#   usage: BASE=.device/base.tar MODES=graph,graph-d1 BATCH=1,4,16 ROUNDS=2 bash tools/gpu_host_ab.sh
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 base="${BASE:?BASE: a tar of the baseline sources}"

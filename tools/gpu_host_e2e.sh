@@ -15,7 +15,7 @@
 #   deepseek  DeepSeek-V3 shapes, 1 dense + 2 MoE layers (FP8 experts): batch 1 and 4
 # Needs the wheels in .whl/ (posix_ipc, grpcio, ...: the host has no network) and, for llama16,
 # the llama.cpp tarball and run_peer.sh/convert_wrapper.py in .peer/ (carry .whl and .peer).
-#   usage: bash bench/gpu_host_e2e.sh llama16|q16|qwen48|deepseek   (MODES, SPIN_US in the
+#   usage: bash tools/gpu_host_e2e.sh llama16|q16|qwen48|deepseek   (MODES, SPIN_US in the
 #          environment)
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1

@@ -4,7 +4,7 @@
 # with a real worker on the CUDA path (they make tiny checkpoints with the host's transformers),
 # and bench_stream_prefill.py at Qwen3-30B-A3B and DeepSeek-V3 shapes beside the CPU kernel.
 # Logs go to $OUT (or ./gpu-host-out). Wheels in .whl/ are installed first (no network there).
-#   usage: bash bench/gpu_host_stream_prefill.sh [KERNEL_THREADS]
+#   usage: bash tools/gpu_host_stream_prefill.sh [KERNEL_THREADS]
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 threads="${1:-15}"

@@ -2,7 +2,7 @@
 # --tensor-parallel-size on the GPU host: the tensor-parallel tests with the GPU part on CUDA
 # (NCCL, 2 GPUs; NVLink multicast off, as the leader sets for its followers), then the speed per
 # size against one GPU (decode batch 16, prefill 8,192). Logs go to $OUT (or ./gpu-host-out).
-#   usage: bash bench/gpu_host_tensor_parallel.sh [tests|bench|all] [MODEL_DIR] [SIZES]
+#   usage: bash tools/gpu_host_tensor_parallel.sh [tests|bench|all] [MODEL_DIR] [SIZES]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what="${1:-all}"

@@ -13,7 +13,7 @@
 //   tstore->vload near / far   a C tile stored, then read back by vector loads: just now, or the
 //                              one stored four iterations before
 // Half: the int4 shapes (B 8 rows, A 32 bytes: K = 32); full: int8's (B 16 rows, A 64: K = 64).
-//   build: g++ -O2 -std=c++17 -mavx512f -mamx-tile -mamx-int8 -o /tmp/probe_amx_chain bench/probe_amx_chain.cpp
+//   build: g++ -O2 -std=c++17 -mavx512f -mamx-tile -mamx-int8 -o /tmp/probe_amx_chain tools/probe_amx_chain.cpp
 //   usage: /tmp/probe_amx_chain [iterations (20000)] [rounds (5)]
 #include <immintrin.h>
 #include <sys/syscall.h>

@@ -15,7 +15,7 @@
 #        (64-token blocks, FlashMLA's page; batch 1 and 16, 4k / 32k / 128k; inside a graph of 8
 #        layers too)
 # Logs go to $OUT (or ./gpu-host-out).
-#   usage: bash bench/gpu_host_attention.sh [tests|bench|mla|flashmla|all]
+#   usage: bash tools/gpu_host_attention.sh [tests|bench|mla|flashmla|all]
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 what="${1:-all}"

@@ -12,7 +12,7 @@
 #   rest     tests/e2e, tests/bench, tests/expert_service and the rest
 #   all      every part, one after the other
 # The summary lines (pytest's, per part, with the commit) go to $OUT/cuda-tests-summary.txt.
-#   usage: bash bench/gpu_host_cuda_tests.sh [kernels|steps|serve|rest|all] [pytest arguments]
+#   usage: bash tools/gpu_host_cuda_tests.sh [kernels|steps|serve|rest|all] [pytest arguments]
 set -uo pipefail
 source "$(dirname "$0")/gpu_host_env.sh" || exit 1
 part="${1:-all}"
