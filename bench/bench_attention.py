@@ -220,7 +220,7 @@ def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int,
     call. shared_plans: the calls share one plans dict, as a step's layers share their group's
     (FlashMLA's split schedule made once); else each call plans alone. None where the caches do
     not fit."""
-    from gpu_service.models import attention_triton as at
+    from gpu_service.attention import attention_triton as at
 
     name, partials = kernel_spec(kernel)
     if layers < 2 or not fits(
@@ -247,7 +247,7 @@ def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: flo
             layers: int = 0, kernel: str = "auto", shared_plans: bool = True):  # fmt: skip
     """One table row: times and bounds per decode step or per 1k prefill tokens; with layers, a
     decode call's time inside a graph of that many calls too. kernel: decode_with's."""
-    from gpu_service.models import attention_triton as at
+    from gpu_service.attention import attention_triton as at
 
     s, b, n = case.shape, case.batch, case.context
     per_seq = 1 if step == "decode" else PREFILL_CHUNK
@@ -312,7 +312,7 @@ def parse_tiles(text: str) -> list[tuple[int, ...]]:
 def sweep(case: Case, timer: Timer, copy_bw: float, only: list[tuple[int, ...]] | None) -> None:
     """Decode at a few launch shapes (or `only` those), to pick decode_tiles' defaults on this
     GPU."""
-    from gpu_service.models import attention_triton as at
+    from gpu_service.attention import attention_triton as at
 
     q = case.queries(1)
     args = (q, case.k_cache, case.v_cache, case.block_table, case.kv_len, case.block_size)
@@ -355,10 +355,10 @@ def sweep(case: Case, timer: Timer, copy_bw: float, only: list[tuple[int, ...]] 
 
 
 def paged_reference():
-    """The torch paged attention of gpu_service.models.paged_attention where this tree has it
+    """The torch paged attention of gpu_service.attention.paged_attention where this tree has it
     (same signatures), else the gathering reference above."""
     try:
-        from gpu_service.models import paged_attention as pa
+        from gpu_service.attention import paged_attention as pa
     except ImportError:
         return torch_attention, "torch gather+matmul (bench)"
 
@@ -369,7 +369,7 @@ def paged_reference():
         cu = case.cu_seqlens(per_seq)
         return pa.paged_prefill(*args, cu, case.kv_len, case.block_size, case.scale)
 
-    return reference, "gpu_service.models.paged_attention"
+    return reference, "gpu_service.attention.paged_attention"
 
 
 def main() -> None:

@@ -5,7 +5,7 @@ The path measured is bench_quality's serving one: the GPU part (this process, fp
 `ktserve expert` worker subprocess (bf16 experts, the checkpoint's own weights) over ktshm, fp32
 on the wire; the rows differ only in D. Perplexity as training/perplexity.py defines it (same
 windows). Deferral moves each token's D lowest-weight routed experts of every MoE layer but the
-last to the next MoE layer's output (gpu_service/models/moe.py).
+last to the next MoE layer's output (gpu_service/layers/moe.py).
 
     python bench/bench_deferral.py [--model demo_model] [--text training/heldout_sample.txt]
 """

@@ -1,4 +1,4 @@
-"""MLA prefill, absorbed against expanded (gpu_service/models/mla_prefill.py), side by side.
+"""MLA prefill, absorbed against expanded (gpu_service/attention/mla_prefill.py), side by side.
 
 One prompt chunk at the end of a sequence's context, random weights and latent cache (shuffled
 blocks of 64 tokens), in the model dtype (bf16): the attention part of a DeepSeek layer from the
@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's p
 import torch
 
 from bench.common import Column, default_device, print_table
-from gpu_service.models import mla_prefill
-from gpu_service.models.batch import AttentionGroup
+from gpu_service.attention import mla_prefill
+from gpu_service.attention.batch import AttentionGroup
+from gpu_service.attention.paged_attention import group_attention, paged_prefill
 from gpu_service.models.deepseek import absorbed_attention
-from gpu_service.models.paged_attention import group_attention, paged_prefill
 
 BLOCK = 64
 

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's p
 from bench.common import DEMO_MODEL, REPO, Column, default_device, print_table
 from bench.worker_process import expert_worker
 from gpu_service.config import ExpertClientConfig, GPUServiceConfig, SchedulerConfig
+from gpu_service.layers.linear import FP8Linear
 from gpu_service.models import Batch, SeqInput
-from gpu_service.models.linear import FP8Linear
 from gpu_service.service import build_gpu_service
 from training.perplexity import tokenize_file, transformers_perplexity, window_nll, windows
 

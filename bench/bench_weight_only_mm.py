@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import Column, print_table
-from gpu_service.models import weight_only_triton as wo
-from gpu_service.models.linear import fp8_scaled_mm
-from gpu_service.models.weight_formats import quantize_fp8, quantize_int8
+from gpu_service.layers import weight_only_triton as wo
+from gpu_service.layers.linear import fp8_scaled_mm
+from gpu_service.layers.weight_formats import quantize_fp8, quantize_int8
 
 # (name, N outputs, K inputs): the decode step's linear layers
 SHAPES = {

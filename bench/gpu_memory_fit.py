@@ -36,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's p
 
 from bench.common import Column, print_table  # noqa: E402
 from bench.real_checkpoint import SHAPES, config_json  # noqa: E402
+from gpu_service.experts.routed import ReadyExperts  # noqa: E402
+from gpu_service.layers.sharding import SINGLE, Shard  # noqa: E402
+from gpu_service.layers.weight_formats import LinearQuantConfig  # noqa: E402
 from gpu_service.memory_plan import GIB, cuda_plan  # noqa: E402
 from gpu_service.models import (  # noqa: E402
     Batch,
@@ -43,9 +46,6 @@ from gpu_service.models import (  # noqa: E402
     SeqInput,
     deepseek,  # noqa: E402
 )
-from gpu_service.models.experts import ReadyExperts  # noqa: E402
-from gpu_service.models.sharding import SINGLE, Shard  # noqa: E402
-from gpu_service.models.weight_formats import LinearQuantConfig  # noqa: E402
 from ktserve.checkpoint import HFConfig, ModelSpec  # noqa: E402
 
 NORM_SUFFIXES = ("layernorm.weight", "norm.weight")

@@ -246,7 +246,7 @@ class GPUServiceConfig:
         name="--no-fused-kernels",
         help="on CUDA, run RMSNorm, the rotary embedding and the MoE routers' top-k as torch's "
         "elementwise steps (by default each is one Triton kernel computing the same float32 "
-        "math; gpu_service/models/fused_ops.py)",
+        "math; gpu_service/layers/fused_ops.py)",
     )
     flashmla: bool = flag(
         True,

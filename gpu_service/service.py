@@ -22,13 +22,13 @@ from gpu_service.experts.gpu_experts import (
 from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.experts.stream_prefill.backend import StreamingExperts
 from gpu_service.experts.stream_prefill.build import build_streaming
+from gpu_service.layers.linear import fp8_matmul_supported
+from gpu_service.layers.sharding import SINGLE, TensorParallel
+from gpu_service.layers.weight_formats import LinearQuantConfig
 from gpu_service.memory_plan import MemoryPlan, cpu_plan, cuda_plan
 from gpu_service.models import KVCache, load_model
 from gpu_service.models.config import model_max_len
-from gpu_service.models.linear import fp8_matmul_supported
 from gpu_service.models.registry import default_device, kv_cache_block_size
-from gpu_service.models.sharding import SINGLE, TensorParallel
-from gpu_service.models.weight_formats import LinearQuantConfig
 from gpu_service.tensor_parallel.leader import LeaderConfig, TensorParallelLeader, check_devices
 from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec, non_expert_params
 from ktserve.names import float_dtype

@@ -13,7 +13,7 @@ each part one of the methods CausalLM.forward runs too (the layers are split the
                  the layers up to m_1's route ...
     segment n    combine(...); the layers left; logits -> [B_pad, V] float32
 
-With expert deferral (MoE.num_deferred, models/moe.py) segment j also splits m_j's routing into
+With expert deferral (MoE.num_deferred, layers/moe.py) segment j also splits m_j's routing into
 an immediate and a deferred call; the host submits both, waits for the immediate one after
 shared j and for m_{j-1}'s deferred one (into a second static buffer), which segment j + 1's
 combine adds, as CausalLM.forward does. With device calls a deferring layer has two slots
@@ -49,10 +49,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gpu_service.models.batch import AttentionGroup, AttentionMetadata, Batch, StepContext
-from gpu_service.models.experts import abandon
+from gpu_service.attention.batch import AttentionGroup, AttentionMetadata, Batch, StepContext
+from gpu_service.experts.routed import abandon
+from gpu_service.layers.moe import MoE
 from gpu_service.models.model import CausalLM
-from gpu_service.models.moe import MoE
 
 log = logging.getLogger("ktserve.gpu")
 

@@ -23,13 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_service.attention.batch import Batch, SeqInput
 from gpu_service.engine.decode_graphs import Bucket, DecodeGraphConfig, DecodeGraphs
 from gpu_service.engine.grammar import TokenMasker
 from gpu_service.engine.logits_processors import LogitsInput, TokenHistory, to_device
 from gpu_service.engine.request import Request
 from gpu_service.engine.sampling import SampledToken, Sampler
 from gpu_service.engine.scheduler import ScheduledStep
-from gpu_service.models.batch import Batch, SeqInput
 from gpu_service.models.model import CausalLM
 
 

@@ -34,9 +34,9 @@ from gpu_service.config import SchedulerConfig
 from gpu_service.engine.errors import EngineError
 from gpu_service.engine.request import FinishReason, Request, RequestState
 from gpu_service.engine.step_cost import StepCostModel, StepShape
-from gpu_service.models.block_pool import extend_block_hashes
-from gpu_service.models.host_tier import BlockCopy
-from gpu_service.models.kv_cache import KVCache
+from gpu_service.kvcache.block_pool import extend_block_hashes
+from gpu_service.kvcache.host_tier import BlockCopy
+from gpu_service.kvcache.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_service.experts.moe_client import ShmExperts
-from gpu_service.models.experts import abandon
+from gpu_service.experts.routed import abandon
 from ktserve.checkpoint import CheckpointReader
 from ktserve.protocol import expert_pb2 as pb
 

@@ -32,19 +32,19 @@ from functools import partial
 import torch
 from torch import nn
 
-from gpu_service.models import fused_ops
-from gpu_service.models.batch import StepContext, num_rows
+from gpu_service.attention.batch import StepContext, num_rows
+from gpu_service.attention.mla_prefill import expanded_kernel, expanded_prefill, worth_expanding
+from gpu_service.attention.paged_attention import group_attention, paged_attention
+from gpu_service.experts.routed import RoutedExperts
+from gpu_service.kvcache.kv_cache import KVCache, KVCacheConfig, write_cache
+from gpu_service.layers import fused_ops
+from gpu_service.layers.blocks import DenseMLP, Linear, RMSNorm
+from gpu_service.layers.loader import WeightLoader
+from gpu_service.layers.moe import GroupedSigmoidRouter, MoE, SoftmaxRouter
+from gpu_service.layers.parallel import RowParallelLinear
+from gpu_service.layers.rope import RopeConfig, Rotary, apply_rotary
 from gpu_service.models.config import BaseConfig
-from gpu_service.models.experts import RoutedExperts
-from gpu_service.models.kv_cache import KVCache, KVCacheConfig, write_cache
-from gpu_service.models.layers import DenseMLP, Linear, RMSNorm
-from gpu_service.models.loader import WeightLoader
-from gpu_service.models.mla_prefill import expanded_kernel, expanded_prefill, worth_expanding
 from gpu_service.models.model import CausalLM, DecoderLayer
-from gpu_service.models.moe import GroupedSigmoidRouter, MoE, SoftmaxRouter
-from gpu_service.models.paged_attention import group_attention, paged_attention
-from gpu_service.models.parallel import RowParallelLinear
-from gpu_service.models.rope import RopeConfig, Rotary, apply_rotary
 from ktserve.checkpoint import HFConfig, InvalidConfig, ModelSpec
 
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpu_service.experts.routed import RoutedExperts
+from gpu_service.layers.loader import WeightLoader
+from gpu_service.layers.moe import MoE, SoftmaxRouter
+from gpu_service.layers.rope import RopeConfig, Rotary
 from gpu_service.models.config import BaseConfig
-from gpu_service.models.experts import RoutedExperts
-from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM, DecoderLayer
-from gpu_service.models.moe import MoE, SoftmaxRouter
 from gpu_service.models.qwen_moe import gqa_cache, load_gqa
-from gpu_service.models.rope import RopeConfig, Rotary
 from ktserve.checkpoint import HFConfig, ModelSpec
 
 

@@ -24,15 +24,15 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from gpu_service.models.batch import AttentionMetadata, Batch, StepContext
+from gpu_service.attention.batch import AttentionMetadata, Batch, StepContext
+from gpu_service.experts.routed import abandon
+from gpu_service.kvcache.kv_cache import KVCache
+from gpu_service.layers.blocks import Linear, RMSNorm
+from gpu_service.layers.linear import make_linear
+from gpu_service.layers.loader import WeightLoader
+from gpu_service.layers.moe import MoE
+from gpu_service.layers.rope import Rotary
 from gpu_service.models.config import BaseConfig
-from gpu_service.models.experts import abandon
-from gpu_service.models.kv_cache import KVCache
-from gpu_service.models.layers import Linear, RMSNorm
-from gpu_service.models.linear import make_linear
-from gpu_service.models.loader import WeightLoader
-from gpu_service.models.moe import MoE
-from gpu_service.models.rope import Rotary
 
 
 class StepListener(Protocol):

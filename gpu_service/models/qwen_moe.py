@@ -15,16 +15,16 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from gpu_service.models.attention import GQAAttention
+from gpu_service.attention.gqa import GQAAttention
+from gpu_service.experts.routed import RoutedExperts
+from gpu_service.kvcache.kv_cache import KVCache, KVCacheConfig
+from gpu_service.layers.blocks import DenseMLP, Linear, RMSNorm
+from gpu_service.layers.loader import WeightLoader
+from gpu_service.layers.moe import MoE, SoftmaxRouter
+from gpu_service.layers.parallel import RowParallelLinear
+from gpu_service.layers.rope import RopeConfig, Rotary
 from gpu_service.models.config import BaseConfig
-from gpu_service.models.experts import RoutedExperts
-from gpu_service.models.kv_cache import KVCache, KVCacheConfig
-from gpu_service.models.layers import DenseMLP, Linear, RMSNorm
-from gpu_service.models.loader import WeightLoader
 from gpu_service.models.model import CausalLM, DecoderLayer
-from gpu_service.models.moe import MoE, SoftmaxRouter
-from gpu_service.models.parallel import RowParallelLinear
-from gpu_service.models.rope import RopeConfig, Rotary
 from ktserve.checkpoint import HFConfig, ModelSpec
 
 

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import torch
 
-from gpu_service.models import deepseek, mixtral, mla_decode_flashmla, qwen_moe
-from gpu_service.models.experts import RoutedExperts
-from gpu_service.models.loader import WeightLoader
+from gpu_service.attention import mla_decode_flashmla
+from gpu_service.experts.routed import RoutedExperts
+from gpu_service.layers.loader import WeightLoader
+from gpu_service.layers.sharding import SINGLE, TensorParallel
+from gpu_service.layers.weight_formats import LinearQuantConfig
+from gpu_service.models import deepseek, mixtral, qwen_moe
 from gpu_service.models.model import CausalLM
-from gpu_service.models.sharding import SINGLE, TensorParallel
-from gpu_service.models.weight_formats import LinearQuantConfig
 from ktserve.checkpoint import HFConfig, ModelSpec, UnsupportedArchitecture
 
 Builder = Callable[[HFConfig, ModelSpec, WeightLoader, RoutedExperts, int, int], CausalLM]
@@ -65,7 +66,7 @@ def load_model(
     hf: the checkpoint's config.json when the caller has read it already.
     max_deferred_experts_per_token: expert deferral (CausalLM.defer_experts; 0: off).
     linear_quant: the GPU weight format of the linear layers (default: the model dtype).
-    tp: this rank's share of a tensor-parallel model (models/parallel.py; default: all of it).
+    tp: this rank's share of a tensor-parallel model (layers/parallel.py; default: all of it).
     fused_kernels: fused_ops' Triton kernels where they apply (False: the torch code only)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"model dtype {dtype} is not supported; use float32, bfloat16 or float16")

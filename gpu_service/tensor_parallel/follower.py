@@ -23,9 +23,9 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from gpu_service.layers.sharding import TensorParallel
 from gpu_service.models import Batch, KVCache, SeqInput, load_model
 from gpu_service.models.model import CausalLM
-from gpu_service.models.sharding import TensorParallel
 from gpu_service.tensor_parallel.messages import Cache, Setup, Step, Stop, read_message
 from ktserve.parent_process import follow_parent
 

@@ -35,10 +35,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gpu_service.models.batch import Batch
+from gpu_service.attention.batch import Batch
+from gpu_service.layers.sharding import TensorParallel
+from gpu_service.layers.weight_formats import LinearQuantConfig
 from gpu_service.models.model import CausalLM
-from gpu_service.models.sharding import TensorParallel
-from gpu_service.models.weight_formats import LinearQuantConfig
 from gpu_service.tensor_parallel.messages import Cache, Message, Setup, Step, Stop, encode
 from gpu_service.workers.child_processes import wait_or_kill
 from ktserve.parent_process import with_parent

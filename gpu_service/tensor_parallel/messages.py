@@ -21,9 +21,9 @@ from typing import BinaryIO
 
 import torch
 
-from gpu_service.models.batch import Batch
-from gpu_service.models.kv_cache import SeqCache
-from gpu_service.models.weight_formats import LinearQuantConfig
+from gpu_service.attention.batch import Batch
+from gpu_service.kvcache.kv_cache import SeqCache
+from gpu_service.layers.weight_formats import LinearQuantConfig
 
 _LENGTH = struct.Struct("<Q")
 

@@ -9,8 +9,8 @@ import json
 import torch
 
 from bench.bench_e2e import expert_tensor_bytes, layer_view
+from gpu_service.attention.batch import Batch, SeqInput
 from gpu_service.models import TorchExperts, load_model
-from gpu_service.models.batch import Batch, SeqInput
 from ktserve.checkpoint import CheckpointReader, ModelSpec
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 

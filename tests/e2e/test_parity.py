@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.experts.gpu_experts import worker_activation_counts
+from gpu_service.layers.moe import GroupedSigmoidRouter
 from gpu_service.models import Batch, SeqInput
-from gpu_service.models.moe import GroupedSigmoidRouter
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
 from tests.support.worker_services import DEVICE, worker_service

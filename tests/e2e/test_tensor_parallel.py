@@ -15,8 +15,8 @@ import gpu_service.service as service_module
 from gpu_service.config import GPUServiceConfig
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.engine.errors import ExpertsUnavailable
+from gpu_service.layers.parallel import RowParallelLinear
 from gpu_service.models import Batch, SeqInput
-from gpu_service.models.parallel import RowParallelLinear
 from gpu_service.service import check_model_fits
 from gpu_service.tensor_parallel.leader import TensorParallelFailed
 from ktserve.checkpoint import HFConfig, ModelSpec

@@ -24,8 +24,8 @@ if importlib.util.find_spec("triton") is None:
     )
 # without CUDA, tests/conftest.py has set TRITON_INTERPRET=1: the kernels run interpreted
 
-from gpu_service.models import attention_triton as at  # noqa: E402
-from gpu_service.models.paged_attention import paged_prefill  # noqa: E402
+from gpu_service.attention import attention_triton as at  # noqa: E402
+from gpu_service.attention.paged_attention import paged_prefill  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -407,7 +407,7 @@ def test_the_unspecialized_arguments_are_the_kernels_own():
     kernel would recompile per integer class again), so each name must be one of its arguments;
     and the per-step integers are among them."""
     from gpu_service.experts import device_kernels
-    from gpu_service.models import weight_only_triton
+    from gpu_service.layers import weight_only_triton
 
     kernels = {at._prefill_kernel: {"num_seqs", "stride_bt"},
                at._decode_split_kernel: {"num_splits", "stride_bt", "stride_lh"},

@@ -257,7 +257,7 @@ def test_a_bucket_row_keeps_what_its_sequence_wrote_and_a_new_sequence_rewrites_
     left as it was), a row whose sequence changed (another one, or the same one freed and
     allocated again: a new block list) is written anew."""
     from gpu_service.engine.decode_graphs import Bucket
-    from gpu_service.models.kv_cache import SeqCache
+    from gpu_service.kvcache.kv_cache import SeqCache
 
     g = torch.Generator().manual_seed(seed)
     bucket = Bucket(4, 64, BLOCK, 8, torch.device("cpu"))

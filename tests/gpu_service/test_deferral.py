@@ -1,4 +1,4 @@
-"""Expert deferral (--max-deferred-experts-per-token, models/moe.py) against a reference written
+"""Expert deferral (--max-deferred-experts-per-token, layers/moe.py) against a reference written
 here in plain torch: per MoE layer, each token's D lowest-weight routed experts (ids and weights
 from the router, which test_models checks against transformers; expert weights read from
 transformers' own modules) are computed apart and their output added at the next MoE layer's
@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_service.attention.batch import AttentionMetadata
 from gpu_service.config import ExpertClientConfig, GPUServiceConfig
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.experts.moe_client import ShmExperts
+from gpu_service.layers.moe import MoE
 from gpu_service.models import Batch, CausalLM, SeqInput, TorchExperts, load_model
-from gpu_service.models.batch import AttentionMetadata
-from gpu_service.models.moe import MoE
 from gpu_service.serve_config import ServeConfig
 from ktserve.checkpoint import CheckpointReader
 from ktserve.config_flags import add_flags, from_args

@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from gpu_service.models import fused_ops
-from gpu_service.models.layers import RMSNorm
-from gpu_service.models.rope import apply_rotary
+from gpu_service.layers import fused_ops
+from gpu_service.layers.blocks import RMSNorm
+from gpu_service.layers.rope import apply_rotary
 
 if torch.cuda.is_available() and fused_ops.triton is not None:
     DEVICE = "cuda"
@@ -139,7 +139,7 @@ def test_softmax_router_matches_the_torch_code(seed, monkeypatch, experts, k, re
     to the model dtype), DeepSeek-V2 greedy: the fused kernel after the gate GEMM."""
     if DEVICE == "cpu" and round_weights:
         pytest.skip("Triton's interpreter casts float32 to bfloat16 by truncation, not rounding")
-    from gpu_service.models.moe import SoftmaxRouter
+    from gpu_service.layers.moe import SoftmaxRouter
 
     g = torch.Generator().manual_seed(seed)
     hidden = 64
@@ -167,7 +167,7 @@ def test_grouped_sigmoid_router_matches_the_torch_code(seed, monkeypatch, expert
                                                        topk_groups, k):  # fmt: skip
     """DeepSeek-V3's router (256 experts in 8 groups, the best 4 groups, top 8) and a small one:
     the same experts with the same weights (the torch top-k is unsorted: compared by id)."""
-    from gpu_service.models.moe import GroupedSigmoidRouter
+    from gpu_service.layers.moe import GroupedSigmoidRouter
 
     g = torch.Generator().manual_seed(seed)
     hidden = 96
@@ -196,7 +196,7 @@ def test_qk_rope_cache_matches_the_torch_code(seed, monkeypatch, norm, dtype, to
     """One kernel for GQA's q/k RMSNorm, RoPE and the cache writes: q, and both whole caches
     (slots not written included), equal the torch code's, q/k/v as views of one projection."""
     skip_interpreted_bf16(dtype)
-    from gpu_service.models.kv_cache import write_cache
+    from gpu_service.kvcache.kv_cache import write_cache
 
     g = torch.Generator().manual_seed(seed)
     width = (heads_q + 2 * heads_kv) * dim
@@ -241,7 +241,7 @@ def test_mla_rope_cache_matches_the_torch_code(seed, monkeypatch, interleaved, d
     write: q's rotary part and the whole cache (slots not written included) equal the torch
     code's, q_rot and kv_a as views of their projections, as DeepSeekV3 slices them."""
     skip_interpreted_bf16(dtype)
-    from gpu_service.models.kv_cache import write_cache
+    from gpu_service.kvcache.kv_cache import write_cache
 
     g = torch.Generator().manual_seed(seed)
     nope = 2 * rope

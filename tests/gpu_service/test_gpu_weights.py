@@ -16,9 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from gpu_service.config import GPUServiceConfig
 from gpu_service.engine import EngineMetrics
-from gpu_service.memory_plan import PARTS, cpu_plan, cuda_plan, profile_lengths, weight_bytes
-from gpu_service.models import Batch, SeqInput, TorchExperts, load_model
-from gpu_service.models.linear import (
+from gpu_service.layers.linear import (
     FP8Linear,
     Int4Linear,
     Int8Linear,
@@ -26,7 +24,7 @@ from gpu_service.models.linear import (
     fp8_scaled_mm,
     make_linear,
 )
-from gpu_service.models.weight_formats import (
+from gpu_service.layers.weight_formats import (
     LinearQuantConfig,
     dequantize_fp8,
     dequantize_int4,
@@ -36,6 +34,8 @@ from gpu_service.models.weight_formats import (
     quantize_int4,
     quantize_int8,
 )
+from gpu_service.memory_plan import PARTS, cpu_plan, cuda_plan, profile_lengths, weight_bytes
+from gpu_service.models import Batch, SeqInput, TorchExperts, load_model
 from gpu_service.service import resolve_linear_quant
 from ktserve.checkpoint import CheckpointReader
 from tests.support.checkpoints import (

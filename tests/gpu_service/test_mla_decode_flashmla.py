@@ -16,8 +16,8 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from gpu_service.models import attention_triton as at  # noqa: E402
-from gpu_service.models import mla_decode_flashmla as flashmla  # noqa: E402
+from gpu_service.attention import attention_triton as at  # noqa: E402
+from gpu_service.attention import mla_decode_flashmla as flashmla  # noqa: E402
 from gpu_service.models.registry import DEFAULT_BLOCK_SIZE, kv_cache_block_size  # noqa: E402
 from ktserve.checkpoint import HFConfig  # noqa: E402
 from tests.gpu_service.test_attention_triton import check, make_case  # noqa: E402

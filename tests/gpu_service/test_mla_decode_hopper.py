@@ -21,7 +21,7 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from gpu_service.models import attention_triton as at  # noqa: E402
+from gpu_service.attention import attention_triton as at  # noqa: E402
 from tests.gpu_service.test_attention_triton import check, make_case  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
@@ -59,7 +59,7 @@ import json, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import compile as triton_compile
 from triton.experimental.gluon._runtime import GluonASTSource
-from gpu_service.models import mla_decode_hopper
+from gpu_service.attention import mla_decode_hopper
 
 block_n, stages, partials = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 fn = mla_decode_hopper._mla_split_kernel

@@ -13,10 +13,10 @@ import torch
 
 pytest.importorskip("triton", reason="the expanded form runs in attention_triton's kernel")
 # without CUDA, tests/conftest.py has set TRITON_INTERPRET=1: the kernels run interpreted
-from gpu_service.models import attention_triton, mla_prefill  # noqa: E402
-from gpu_service.models.batch import AttentionGroup  # noqa: E402
+from gpu_service.attention import attention_triton, mla_prefill  # noqa: E402
+from gpu_service.attention.batch import AttentionGroup  # noqa: E402
+from gpu_service.attention.paged_attention import group_attention  # noqa: E402
 from gpu_service.models.deepseek import absorbed_attention  # noqa: E402
-from gpu_service.models.paged_attention import group_attention  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

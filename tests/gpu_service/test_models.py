@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpu_service.kvcache.kv_cache import InvalidSequenceCache
 from gpu_service.models import (
     SUPPORTED_MODEL_TYPES,
     Batch,
@@ -27,7 +28,6 @@ from gpu_service.models import (
     TorchExperts,
     load_model,
 )
-from gpu_service.models.kv_cache import InvalidSequenceCache
 from ktserve.checkpoint import (
     SUPPORTED_FAMILIES,
     CheckpointReader,
@@ -212,7 +212,8 @@ def test_long_prompt_chunks_expand_and_match_transformers(cases, name, monkeypat
     every position's logits are transformers'. The expanded form runs where attention_triton's
     kernel does: here, on the CPU, under its interpreter."""
     pytest.importorskip("triton", reason="the expanded form runs in attention_triton's kernel")
-    from gpu_service.models import attention_triton, deepseek
+    from gpu_service.attention import attention_triton
+    from gpu_service.models import deepseek
 
     case = cases[name]
     monkeypatch.setattr(deepseek, "expanded_kernel", lambda device: attention_triton.paged_prefill)
@@ -471,7 +472,7 @@ def test_a_model_loaded_without_fused_kernels_runs_only_the_torch_code(cases, mo
     """--no-fused-kernels reaches this model's modules at load (not the process): with every
     tensor made to look fused-capable, it never calls a fused kernel and keeps transformers'
     logits, while a model loaded with them does call them."""
-    from gpu_service.models import fused_ops
+    from gpu_service.layers import fused_ops
 
     case = cases[name]
     off, on = _load(case.path, fused_kernels=False), _load(case.path)
@@ -498,7 +499,7 @@ def _logits_through_the_fused_kernel(cases, monkeypatch, name: str, kernel: str)
     """Under Triton's interpreter, with every tensor taken by fused_ops: model `name` calls
     fused_ops.<kernel> once a layer and keeps transformers' logits at every position (the later
     positions attend to what the kernel wrote into the cache)."""
-    from gpu_service.models import fused_ops
+    from gpu_service.layers import fused_ops
 
     if fused_ops.triton is None or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1) on the CPU")

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from gpu_service.models import paged_attention as pa
-from gpu_service.models.batch import AttentionMetadata, Batch, SeqInput
-from gpu_service.models.kv_cache import KVCache, KVCacheConfig, write_cache
+from gpu_service.attention import paged_attention as pa
+from gpu_service.attention.batch import AttentionMetadata, Batch, SeqInput
+from gpu_service.kvcache.kv_cache import KVCache, KVCacheConfig, write_cache
 
 FP8 = torch.float8_e4m3fn
 

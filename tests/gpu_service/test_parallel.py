@@ -1,4 +1,4 @@
-"""models/parallel.py: the shares each rank takes, and a 4-rank gloo model (more ranks than
+"""layers/parallel.py: the shares each rank takes, and a 4-rank gloo model (more ranks than
 Mixtral's tiny 2 kv heads: each kv head replicated on 2 ranks) against transformers."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gpu_service.models.sharding import Shard, TensorParallel, take_shard
+from gpu_service.layers.sharding import Shard, TensorParallel, take_shard
 from gpu_service.tensor_parallel.leader import check_devices
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 from tests.support.tp_rank import TIMEOUT, run_rank

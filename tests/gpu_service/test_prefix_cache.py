@@ -18,8 +18,8 @@ from gpu_service.cli import DEMO_MODEL_DIR, serve_config
 from gpu_service.config import GPUServiceConfig
 from gpu_service.engine import Engine, FinishReason, SamplingParams, SchedulerConfig
 from gpu_service.engine.decode_graphs import DecodeGraphConfig
+from gpu_service.kvcache.block_pool import BlockPool, extend_block_hashes
 from gpu_service.models import KVCache, KVCacheConfig, TorchExperts, load_model
-from gpu_service.models.block_pool import BlockPool, extend_block_hashes
 from ktserve.checkpoint import CheckpointReader
 from ktserve.cli import build_parser
 from tests.support.checkpoints import available_families, make_tiny_checkpoint

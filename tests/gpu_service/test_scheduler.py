@@ -15,7 +15,7 @@ from gpu_service.engine.request import FinishReason, Request, RequestState
 from gpu_service.engine.sampling import SampledToken, SamplingParams
 from gpu_service.engine.scheduler import Scheduler
 from gpu_service.engine.step_cost import StepCostFit, StepCostModel, StepShape
-from gpu_service.models.kv_cache import KVCache, KVCacheConfig
+from gpu_service.kvcache.kv_cache import KVCache, KVCacheConfig
 
 LAW = StepCostFit(fixed_s=0.05, per_token_s=0.002, per_pair_s=2e-7)
 BLOCK = 4

@@ -13,7 +13,7 @@ import torch
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
-from gpu_service.models import weight_only_triton as wo  # noqa: E402
+from gpu_service.layers import weight_only_triton as wo  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TILES = [None, wo.MMTiles(16, 16, 32, num_warps=2, num_stages=2), wo.MMTiles(32, 64, 128),
@@ -97,7 +97,7 @@ def test_decode_rows_take_the_sweeps_tiles():
 def test_the_start_up_probe_agrees_with_dequantization(weight_dtype):
     """linear.py's check before a layer takes the kernel (weight_only_supported: CUDA only),
     its probe run here on this device: the kernel against the dequantized weight."""
-    from gpu_service.models import linear
+    from gpu_service.layers import linear
 
     probe = linear._weight_only_probe(weight_dtype)
     assert linear._kernel_agrees("weight-only probe", DEVICE, probe)

@@ -8,8 +8,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from gpu_service.layers.sharding import TensorParallel
 from gpu_service.models import Batch, SeqInput, TorchExperts, load_model
-from gpu_service.models.sharding import TensorParallel
 from ktserve.checkpoint import CheckpointReader
 
 TIMEOUT = datetime.timedelta(seconds=120)

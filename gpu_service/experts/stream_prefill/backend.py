@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_service.experts.routed import PendingExperts, RoutedExperts, abandon
 from gpu_service.experts.stream_prefill.compute import (
     DEFAULT_SCRATCH_BYTES,
     route_rows,
@@ -28,7 +29,6 @@ from gpu_service.experts.stream_prefill.compute import (
 from gpu_service.experts.stream_prefill.cost_model import StreamCost
 from gpu_service.experts.stream_prefill.staging import LayerStager
 from gpu_service.experts.stream_prefill.store import MappedStore, UntrustedStore
-from gpu_service.models.experts import PendingExperts, RoutedExperts, abandon
 
 log = logging.getLogger("ktserve.gpu")
 

@@ -9,12 +9,12 @@ import torch
 
 from gpu_service.engine.errors import ExpertsUnavailable
 from gpu_service.experts.moe_client import ShmExperts
+from gpu_service.experts.routed import RoutedExperts
 from gpu_service.experts.stream_prefill.backend import StreamingExperts
 from gpu_service.experts.stream_prefill.compute import scratch_bound, streamed_moe
 from gpu_service.experts.stream_prefill.cost_model import StreamCost, fit_cpu, linear_fit, timed
 from gpu_service.experts.stream_prefill.staging import LayerStager
 from gpu_service.experts.stream_prefill.store import MappedStore, UntrustedStore
-from gpu_service.models.experts import RoutedExperts
 from ktserve.checkpoint import ModelSpec
 
 log = logging.getLogger("ktserve.gpu")

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from gpu_service.models.sharding import SINGLE, Shard, TensorParallel, take_shard
-from gpu_service.models.weight_formats import LinearQuantConfig
+from gpu_service.layers.sharding import SINGLE, Shard, TensorParallel, take_shard
+from gpu_service.layers.weight_formats import LinearQuantConfig
 from ktserve.checkpoint import (
     DEFAULT_FP8_BLOCK,
     CheckpointError,

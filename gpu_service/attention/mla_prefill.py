@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from gpu_service.models.kv_cache import read_cache
-from gpu_service.models.paged_attention import triton_kernels
+from gpu_service.attention.paged_attention import triton_kernels
+from gpu_service.kvcache.kv_cache import read_cache
 
 if TYPE_CHECKING:
-    from gpu_service.models.batch import AttentionGroup
+    from gpu_service.attention.batch import AttentionGroup
 
 # NOTE: a block's keys and values are transient, within the memory plan's smallest headroom
 # (MIN_HEADROOM); the chunk's own block may be larger, as the plan's profile prefill measured it

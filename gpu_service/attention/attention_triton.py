@@ -34,11 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_service.models import mla_decode_flashmla
-from gpu_service.models.paged_attention import LOG2E
+from gpu_service.attention import mla_decode_flashmla
+from gpu_service.attention.paged_attention import LOG2E
 
 try:  # Gluon (Triton's explicit-layout dialect) is newer than some Triton releases
-    from gpu_service.models import mla_decode_hopper
+    from gpu_service.attention import mla_decode_hopper
 except ImportError:
     mla_decode_hopper = None
 

@@ -7,7 +7,7 @@ one group per width class) and prefills (n_i queries at positions kv_len_i - n_i
 causal over their own keys).
 
 The functions here are the plain-torch reference, the CPU path and the oracle of the GPU kernels
-(`gpu_service.models.attention_triton`, same signatures); `attention_kernels` picks which run.
+(`gpu_service.attention.attention_triton`, same signatures); `attention_kernels` picks which run.
 Their math is transformers' eager attention: (q k^T) * scale in q's dtype, masked, softmax in
 float32, cast back to q's dtype, times v. Query head h reads kv head h // (Hq / Hkv), as
 transformers' repeat_kv; kv heads are broadcast, never copied. A cache stored in another dtype
@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gpu_service.models.kv_cache import read_cache
+from gpu_service.kvcache.kv_cache import read_cache
 
 if TYPE_CHECKING:
-    from gpu_service.models.batch import AttentionGroup, AttentionMetadata
+    from gpu_service.attention.batch import AttentionGroup, AttentionMetadata
 
 log = logging.getLogger("ktserve.gpu")
 
-TRITON_MODULE = "gpu_service.models.attention_triton"
+TRITON_MODULE = "gpu_service.attention.attention_triton"
 # per query chunk: Hq x chunk x keys; on the CPU a chunk's scores stay cache-sized (8 MiB fp32)
 PREFILL_SCORE_ELEMENTS = 1 << 21
 PREFILL_SCORE_ELEMENTS_CUDA = 1 << 26

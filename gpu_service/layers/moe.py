@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_service.models import fused_ops
-from gpu_service.models.experts import PendingExperts, RoutedExperts, abandon
-from gpu_service.models.layers import DenseMLP, Linear
-from gpu_service.models.sharding import SINGLE, TensorParallel
+from gpu_service.experts.routed import PendingExperts, RoutedExperts, abandon
+from gpu_service.layers import fused_ops
+from gpu_service.layers.blocks import DenseMLP, Linear
+from gpu_service.layers.sharding import SINGLE, TensorParallel
 
 
 class GroupedSigmoidRouter(nn.Module):

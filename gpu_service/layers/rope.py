@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gpu_service.models import fused_ops
+from gpu_service.layers import fused_ops
 from ktserve.checkpoint import HFConfig, InvalidConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "yarn")

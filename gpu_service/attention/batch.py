@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_service.models.kv_cache import KVCache, SeqCache
+from gpu_service.kvcache.kv_cache import KVCache, SeqCache
 
 
 @dataclass(frozen=True)

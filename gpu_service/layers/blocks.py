@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_service.models import fused_ops
-from gpu_service.models.linear import Linear
-from gpu_service.models.loader import WeightLoader
-from gpu_service.models.parallel import RowParallelLinear
+from gpu_service.layers import fused_ops
+from gpu_service.layers.linear import Linear
+from gpu_service.layers.loader import WeightLoader
+from gpu_service.layers.parallel import RowParallelLinear
 
 __all__ = ["DenseMLP", "Linear", "RMSNorm"]
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_service.models.block_pool import BlockPool
-from gpu_service.models.host_tier import BlockCopy, HostTier
+from gpu_service.kvcache.block_pool import BlockPool
+from gpu_service.kvcache.host_tier import BlockCopy, HostTier
 
 FP8 = torch.float8_e4m3fn
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_service.models import fused_ops
-from gpu_service.models.batch import StepContext
-from gpu_service.models.kv_cache import write_cache
-from gpu_service.models.layers import Linear, RMSNorm
-from gpu_service.models.paged_attention import paged_attention
-from gpu_service.models.rope import apply_rotary
+from gpu_service.attention.batch import StepContext
+from gpu_service.attention.paged_attention import paged_attention
+from gpu_service.kvcache.kv_cache import write_cache
+from gpu_service.layers import fused_ops
+from gpu_service.layers.blocks import Linear, RMSNorm
+from gpu_service.layers.rope import apply_rotary
 
 
 class GQAAttention(nn.Module):

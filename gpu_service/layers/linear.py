@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_service.models import weight_only_triton
-from gpu_service.models.weight_formats import (
+from gpu_service.layers import weight_only_triton
+from gpu_service.layers.weight_formats import (
     FP8_MAX,
     MIN_SCALE,
     Int4Weight,
@@ -45,7 +45,7 @@ from gpu_service.models.weight_formats import (
     quantize_int4,
     quantize_int8,
 )
-from gpu_service.models.weight_only_triton import weight_only_mm
+from gpu_service.layers.weight_only_triton import weight_only_mm
 
 log = logging.getLogger("ktserve.gpu")
 TRITON_INT8_MAX_ROWS = 128  # above, dequantizing once and one cuBLAS matmul is the cheaper
@@ -53,8 +53,8 @@ TRITON_INT8_MAX_ROWS = 128  # above, dequantizing once and one cuBLAS matmul is 
 FP8_WEIGHT_ONLY_MAX_ROWS = 16
 
 if TYPE_CHECKING:
-    from gpu_service.models.loader import WeightLoader
-    from gpu_service.models.sharding import Shard
+    from gpu_service.layers.loader import WeightLoader
+    from gpu_service.layers.sharding import Shard
 
 
 class Linear(nn.Module):

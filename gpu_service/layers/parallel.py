@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from gpu_service.models.linear import Linear
-from gpu_service.models.sharding import TensorParallel
+from gpu_service.layers.linear import Linear
+from gpu_service.layers.sharding import TensorParallel
 
 if TYPE_CHECKING:
-    from gpu_service.models.loader import WeightLoader
+    from gpu_service.layers.loader import WeightLoader
 
 
 class RowParallelLinear(nn.Module):
