@@ -35,8 +35,8 @@ EOF
 build_in_place || exit 1
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  cuda_tests "$out/tests-cuda.log" 420 tests/gpu_service/test_sampling.py \
-    tests/gpu_service/test_grammar.py tests/gpu_service/test_prefix_cache.py || rc=1
+  cuda_tests "$out/tests-cuda.log" 420 tests/gpu_service/engine/test_sampling.py \
+    tests/gpu_service/engine/test_grammar.py tests/gpu_service/engine/test_prefix_cache.py || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 300 python3 bench/bench_prefix_cache.py --device cuda --threads "${THREADS:-8}" \

@@ -22,9 +22,9 @@ what="${1:-all}"
 say() { echo "[$(date +%H:%M:%S)] $*"; }
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  cuda_tests "$out/tests-attention.log" 240 tests/gpu_service/test_attention_triton.py \
-    tests/gpu_service/test_mla_prefill.py tests/gpu_service/test_paged_attention.py \
-    tests/gpu_service/test_mla_decode_hopper.py || rc=1
+  cuda_tests "$out/tests-attention.log" 240 tests/gpu_service/attention/test_attention_triton.py \
+    tests/gpu_service/attention/test_mla_prefill.py tests/gpu_service/attention/test_paged_attention.py \
+    tests/gpu_service/attention/test_mla_decode_hopper.py || rc=1
   say tests
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
@@ -37,7 +37,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   say attention
 fi
 if [ "$what" = mla ]; then
-  cuda_tests "$out/tests-mla-hopper.log" 240 tests/gpu_service/test_mla_decode_hopper.py || rc=1
+  cuda_tests "$out/tests-mla-hopper.log" 240 tests/gpu_service/attention/test_mla_decode_hopper.py || rc=1
   say tests
   mla_bench() {  # TREE NAME: MLA decode's kernels from that tree, the 32k sweep among them
     (cd "$1" && PYTHONPATH="$1:$PYTHONPATH" timeout 200 python3 bench/bench_attention.py \
@@ -72,8 +72,8 @@ if [ "$what" = flashmla ]; then
   python3 -c "from gpu_service.models import mla_decode_flashmla as f; import torch
 print('FlashMLA:', f.library() and f.library().__version__, f.unavailable_reason() or 'loads',
       'on', torch.cuda.get_device_name())" 2>&1 | tail -3
-  cuda_tests "$out/tests-flashmla.log" 300 tests/gpu_service/test_mla_decode_flashmla.py \
-    tests/gpu_service/test_mla_decode_hopper.py || rc=1
+  cuda_tests "$out/tests-flashmla.log" 300 tests/gpu_service/attention/test_mla_decode_flashmla.py \
+    tests/gpu_service/attention/test_mla_decode_hopper.py || rc=1
   grep -q "needs a Hopper GPU with sgl-flash-mla" "$out/tests-flashmla.log" &&
     { echo "FAILED: FlashMLA's tests skipped"; rc=1; }
   say tests

@@ -16,8 +16,8 @@ python3 -c "from expert_service.kernels import available_isas; print('kernel ISA
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest -q -p no:cacheprovider tests/expert_service/test_kernels.py tests/ktshm \
     2>&1 | tee "$out/tests-cpu.log" | tail -5
-  python3 -m pytest -q -p no:cacheprovider -rs tests/gpu_service/test_paged_attention.py \
-    tests/gpu_service/test_decode_graphs.py 2>&1 | tee "$out/tests-attention-cuda.log" | tail -8
+  python3 -m pytest -q -p no:cacheprovider -rs tests/gpu_service/attention/test_paged_attention.py \
+    tests/gpu_service/engine/test_decode_graphs.py 2>&1 | tee "$out/tests-attention-cuda.log" | tail -8
   python3 tools/parity_on_gpu_host.py check "$refs" --device cuda 2>&1 | tee "$out/parity-cuda.log" \
     | grep -v -E "Loading|Writing"
 fi

@@ -52,7 +52,7 @@ q16)
   build & b=$!
   timeout 200 python3 bench/real_checkpoint.py "$work/q16" --shape qwen3 --layers 16 | tail -1
   wait $b || exit 1; say built
-  cuda_tests "$out/tests-chained-cuda.log" 240 tests/gpu_service/test_chained_steps.py
+  cuda_tests "$out/tests-chained-cuda.log" 240 tests/gpu_service/engine/test_chained_steps.py
   e2e 400 "$work/q16" --format int4 --threads 15 $SPIN --batch "${BATCH:-1,4,16}" \
     --prefill "${PREFILL:-}" --prefill-reps 1 --tokens 64 --modes "$MODES" \
     --json "$out/q16.json" ;;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Mixed steps and first-use compiles on the GPU host, in one self-contained call (the host starts
 # bare every call; carry .whl, see gpu_host_env.sh):
-#   1. the Triton kernels on CUDA: tests/gpu_service/test_attention_triton.py (each kernel
+#   1. the Triton kernels on CUDA: tests/gpu_service/attention/test_attention_triton.py (each kernel
 #      compiled once over four mixes of sequences), test_device_calls.py, test_gpu_weights.py
 #   2. bench_mixed_step.py on the demo model, then on 16 Qwen3-30B-A3B layers of synthetic int4
 #      experts (bench/real_checkpoint.py --experts synthetic: no experts on disk): a 2,000-token
@@ -19,8 +19,8 @@ build_in_place || exit 1
 say built
 rc=0
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  cuda_tests "$out/tests-cuda.log" 300 tests/gpu_service/test_attention_triton.py \
-    tests/gpu_service/experts/test_device_calls.py tests/gpu_service/test_gpu_weights.py || rc=1
+  cuda_tests "$out/tests-cuda.log" 300 tests/gpu_service/attention/test_attention_triton.py \
+    tests/gpu_service/experts/test_device_calls.py tests/gpu_service/layers/test_gpu_weights.py || rc=1
 fi
 if [ "$what" != tests ]; then
   timeout 100 python3 bench/real_checkpoint.py "$ckpt" --shape qwen3 --layers 16 \

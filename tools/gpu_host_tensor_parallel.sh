@@ -17,7 +17,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   KTSERVE_TEST_DEVICE=cuda python3 -m pytest -q -s -p no:cacheprovider -rs \
     tests/e2e/test_tensor_parallel.py 2>&1 | tee "$out/tests-tp-cuda.log" | grep -E \
     "TP=2|greedy|passed|failed|skipped|Error" | grep -v -E "Loading|Writing"
-  python3 -m pytest -q -p no:cacheprovider tests/gpu_service/test_parallel.py 2>&1 \
+  python3 -m pytest -q -p no:cacheprovider tests/gpu_service/layers/test_parallel.py 2>&1 \
     | tee "$out/tests-tp-cpu.log" | tail -3
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then

@@ -6,11 +6,11 @@ FlashMLA's dense decode (the package's legacy, SM90 kernels) attends each sequen
 columns of a row as its value, and merges its own splits. It plans the splits from the
 sequences' lengths on the device, in a kernel of its own inside the call given an empty schedule,
 so a call captured in a CUDA graph serves every replay's kv_len; a step's other layers are given
-the filled schedule and plan nothing (AttentionGroup.plans; ~12 us a layer on an H100). Both are
-checked on a Hopper GPU (tests/gpu_service/test_mla_decode_flashmla.py). A warp-specialized
-kernel of its kind is what MLA decode needs at 128 heads, where the step is bound by the tensor
-cores as much as by HBM (mla_decode_hopper's docstring; README: "FlashMLA, where it is
-installed", for its figures).
+the filled schedule and plan nothing (AttentionGroup.plans; ~12 us a layer on an H100). Both
+are checked on a Hopper GPU (tests/gpu_service/attention/test_mla_decode_flashmla.py). A
+warp-specialized kernel of its kind is what MLA decode needs at 128 heads, where the step is
+bound by the tensor cores as much as by HBM (mla_decode_hopper's docstring; docs/attention.md:
+"FlashMLA, where it is installed", for its figures).
 
 It takes only what its kernel takes: a bf16 cache of 64-token blocks read as key and value, bf16
 queries, no window, a Hopper GPU (sm_90). The server makes its cache blocks 64 tokens where

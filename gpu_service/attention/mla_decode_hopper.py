@@ -47,8 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
-# (keys a step, stages) built for sm_90 (tests/gpu_service/test_mla_decode_hopper.py); 64 keys
-# at 3 stages would take 303 KB of shared memory
+# (keys a step, stages) built for sm_90 (tests/gpu_service/attention/test_mla_decode_hopper.py);
+# 64 keys at 3 stages would take 303 KB of shared memory
 LAUNCH_SHAPES = frozenset({(64, 2), (32, 2), (32, 3), (32, 4)})
 HEADS_PER_PROGRAM = 64
 HEAD_DIM = 576  # latent 512 + rope 64

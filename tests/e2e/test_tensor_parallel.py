@@ -31,7 +31,7 @@ from tests.e2e.test_parity import (
     relative_error,
     served_routing_margin,
 )
-from tests.gpu_service.test_gpu_weights import LOGITS_TOL, MODULES
+from tests.gpu_service.layers.test_gpu_weights import LOGITS_TOL, MODULES
 from tests.support.api_server import (
     TINY_FLAGS,
     ServerProcess,

@@ -444,7 +444,7 @@ def test_penalties_bias_and_min_tokens_in_a_batch_match_transformers(checkpoint,
     """Greedy requests side by side, each with its own penalties, bias or min_tokens: every
     token is the argmax of transformers' logits with the plain-torch reference of
     test_sampling applied to them (given the prompt and the tokens before it)."""
-    from tests.gpu_service.test_sampling import reference_processed
+    from tests.gpu_service.engine.test_sampling import reference_processed
 
     eos = 7
     experts = TorchExperts(CheckpointReader(checkpoint), "cpu", torch.float32)

@@ -22,7 +22,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from gpu_service.attention import attention_triton as at  # noqa: E402
-from tests.gpu_service.test_attention_triton import check, make_case  # noqa: E402
+from tests.gpu_service.attention.test_attention_triton import check, make_case  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
 if at.mla_decode_hopper is None:
@@ -31,7 +31,7 @@ if at.mla_decode_hopper is None:
 HOPPER = torch.cuda.is_available() and at.mla_decode_hopper.supported_device(torch.device("cuda"))
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs a Hopper GPU (sm_90)")
 HOPPER_SHARED_MEMORY = 232_448  # bytes a block may take on sm_90
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 CASES = {
     # name: kv_lens, block_size, heads, dtype
