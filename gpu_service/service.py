@@ -10,7 +10,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gpu_service.auto_weight_format import AutoFormat, choose_auto_format
 from gpu_service.config import KV_CACHE_DTYPES, GPUServiceConfig
 from gpu_service.engine import DecodeGraphConfig, Engine, EngineMetrics
 from gpu_service.experts.gpu_experts import (
@@ -22,6 +21,7 @@ from gpu_service.experts.gpu_experts import (
 from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.experts.stream_prefill.backend import StreamingExperts
 from gpu_service.experts.stream_prefill.build import build_streaming
+from gpu_service.layers.auto_weight_format import AutoFormat, choose_auto_format
 from gpu_service.layers.linear import fp8_matmul_supported
 from gpu_service.layers.sharding import SINGLE, TensorParallel
 from gpu_service.layers.weight_formats import LinearQuantConfig

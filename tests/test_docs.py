@@ -36,3 +36,19 @@ def test_readme_is_a_front_door_whose_links_exist():
     assert links, "the README links to the docs"
     missing = [link for link in links if not link.startswith("http") and not (ROOT / link).exists()]
     assert not missing, f"README links to missing files: {missing}"
+
+
+def test_architecture_names_every_package_and_no_other():
+    """docs/architecture.md's map: each service's subpackages, each named once as `name/`, and
+    no name of one that is gone; gpu_service keeps at most six modules at its top."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    gpu = ROOT / "gpu_service"
+    packages = sorted(p.name for p in gpu.iterdir() if (p / "__init__.py").exists())
+    missing = [p for p in packages if f"{p}/" not in text]
+    assert not missing, f"docs/architecture.md does not name gpu_service's {missing}"
+    block = text[text.index("gpu_service/ ") : text.index("\ntests/ ")]
+    named = set(re.findall(r"(?<![\w/.])([a-z_]+)/ \(", block))
+    gone = sorted(n for n in named if not (gpu / n).is_dir() and not any(gpu.glob(f"*/{n}")))
+    assert not gone, f"docs/architecture.md names packages that do not exist: {gone}"
+    top = sorted(p.name for p in gpu.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 6, f"gpu_service has {len(top)} modules at its top: {top}"

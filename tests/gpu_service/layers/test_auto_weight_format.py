@@ -10,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from gpu_service.auto_weight_format import BF16_MAX_SHARE, choose_auto_format
+from gpu_service.layers.auto_weight_format import BF16_MAX_SHARE, choose_auto_format
 from ktserve.checkpoint import InvalidConfig, ModelSpec, SafetensorsNotFound, non_expert_params
 from tests.support.checkpoints import (
     available_families,
