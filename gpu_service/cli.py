@@ -90,7 +90,7 @@ def check_no_spawn_flags(args: argparse.Namespace) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from gpu_service.experts.moe_client import ExpertsUnavailable
+    from gpu_service.experts.errors import ExpertsUnavailable
     from gpu_service.launch import serve
     from gpu_service.workers.supervisor import WorkerStartError
 

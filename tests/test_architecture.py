@@ -21,6 +21,18 @@ FORBIDDEN = {
 }
 
 
+# inside gpu_service: a room -> the rooms above it, which it must never import (the engine
+# imports the expert path and the layers, never the reverse)
+BELOW = {
+    "gpu_service.experts": ("gpu_service.engine", "gpu_service.api", "gpu_service.launch"),
+    "gpu_service.workers": ("gpu_service.engine", "gpu_service.api", "gpu_service.launch"),
+    "gpu_service.layers": ("gpu_service.engine", "gpu_service.api", "gpu_service.models"),
+    "gpu_service.attention": ("gpu_service.engine", "gpu_service.api", "gpu_service.models"),
+    "gpu_service.kvcache": ("gpu_service.engine", "gpu_service.api", "gpu_service.models"),
+    "gpu_service.engine": ("gpu_service.api", "gpu_service.launch"),
+}
+
+
 def module_name(path: Path) -> str:
     parts = path.relative_to(REPO).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -83,6 +95,18 @@ def test_packages_import_only_what_the_map_allows(package: str) -> None:
             continue
         for name in imports(path, module):
             if name.split(".")[0] in FORBIDDEN[package]:
+                offending.append(f"{module} imports {name}")
+    assert not offending, "\n".join(sorted(set(offending)))
+
+
+@pytest.mark.parametrize("room", sorted(BELOW))
+def test_rooms_of_gpu_service_import_nothing_above_them(room: str) -> None:
+    offending = []
+    for module, path in sources().items():
+        if module != room and not module.startswith(room + "."):
+            continue
+        for name in imports(path, module, type_checking=True):
+            if any(name == above or name.startswith(above + ".") for above in BELOW[room]):
                 offending.append(f"{module} imports {name}")
     assert not offending, "\n".join(sorted(set(offending)))
 

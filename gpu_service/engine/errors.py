@@ -15,6 +15,8 @@ turns them into statuses with one table (gpu_service/api/errors.py).
 
 from __future__ import annotations
 
+from gpu_service.experts import errors as experts_errors
+
 
 class EngineError(RuntimeError):
     """A request the engine refused or ended early; the message says why."""
@@ -44,8 +46,9 @@ class DeadlineExceeded(EngineError):
     pass
 
 
-class ExpertsUnavailable(EngineError):
-    """No answer from an expert worker within the deadline."""
+class ExpertsUnavailable(EngineError, experts_errors.ExpertsUnavailable):
+    """No answer from an expert worker within the deadline (the experts' own error, as the
+    engine ends requests with it)."""
 
 
 class KVCacheTooSmall(EngineError):
@@ -58,9 +61,13 @@ class StepFailed(EngineError):
 
 def step_error(exc: Exception) -> EngineError:
     """What a step that raised `exc` ends its requests with: exc itself if it is an EngineError,
-    else a StepFailed that chains it."""
+    the experts' ExpertsUnavailable as the engine's, else a StepFailed; each chains exc."""
     if isinstance(exc, EngineError):
         return exc
+    if isinstance(exc, experts_errors.ExpertsUnavailable):
+        unavailable = ExpertsUnavailable(str(exc))
+        unavailable.__cause__ = exc
+        return unavailable
     error = StepFailed(f"{type(exc).__name__}: {exc}")
     error.__cause__ = exc
     return error

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 import ktshm
-from gpu_service.engine.errors import ExpertsUnavailable
+from gpu_service.experts.errors import ExpertsUnavailable
 from ktserve import wire
 from ktserve.names import float_dtype
 from ktshm import errors as kt

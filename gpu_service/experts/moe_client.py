@@ -24,8 +24,8 @@ import torch
 
 import ktshm
 from gpu_service.config import ExpertClientConfig
-from gpu_service.engine.errors import ExpertsUnavailable
 from gpu_service.experts.device_calls import DeviceCalls, region_bytes
+from gpu_service.experts.errors import ExpertsUnavailable
 from ktserve import wire
 from ktserve.names import float_dtype
 from ktserve.protocol import expert_pb2 as pb

@@ -14,7 +14,7 @@ import torch
 import gpu_service.service as service_module
 from gpu_service.config import GPUServiceConfig
 from gpu_service.engine import FinishReason, SamplingParams
-from gpu_service.engine.errors import ExpertsUnavailable
+from gpu_service.experts.errors import ExpertsUnavailable
 from gpu_service.layers.parallel import RowParallelLinear
 from gpu_service.models import Batch, SeqInput
 from gpu_service.service import check_model_fits

@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from gpu_service.engine.errors import ExpertsUnavailable
+from gpu_service.experts.errors import ExpertsUnavailable
 from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.experts.routed import RoutedExperts
 from gpu_service.experts.stream_prefill.backend import StreamingExperts

@@ -15,8 +15,8 @@ import torch
 
 from gpu_service.config import ExpertClientConfig
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
-from gpu_service.engine.errors import ExpertsUnavailable
 from gpu_service.experts.device_calls import CudaStream, DeviceCalls, HostStream
+from gpu_service.experts.errors import ExpertsUnavailable
 from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.models import Batch, SeqInput, TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
