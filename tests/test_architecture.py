@@ -154,3 +154,15 @@ def test_the_checks_see_a_forbidden_import_and_a_cycle(tmp_path: Path) -> None:
     relative.write_text("from .b import c\nif TYPE_CHECKING:\n    import x\n")
     assert imports(relative, "pkg.a") == {"pkg.b", "pkg.b.c"}
     assert imports(relative, "pkg.a", type_checking=True) == {"pkg.b", "pkg.b.c", "x"}
+
+
+def test_no_test_module_imports_another() -> None:
+    """Helpers and fixtures shared by test modules live in tests/support."""
+    offending = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        module = module_name(path)
+        for name in imports(path, module, type_checking=True):
+            parts = name.split(".")
+            if parts[0] == "tests" and any(p.startswith("test_") for p in parts[1:]):
+                offending.append(f"{module} imports {name}")
+    assert not offending, "\n".join(sorted(set(offending)))

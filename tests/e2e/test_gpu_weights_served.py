@@ -12,9 +12,9 @@ from prometheus_client import generate_latest
 from gpu_service.layers.linear import FP8Linear, Int4Linear, Int8Linear
 from gpu_service.memory_plan import PARTS
 from gpu_service.models import Batch, SeqInput
-from tests.e2e.test_parity import greedy_together
 from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
+from tests.support.parity import greedy_together
 from tests.support.worker_services import DEVICE, worker_service
 
 MODULES = {"fp8": FP8Linear, "int8": Int8Linear, "int4": Int4Linear}

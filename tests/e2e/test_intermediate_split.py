@@ -11,9 +11,9 @@ from gpu_service.workers.external_workers import ExternalWorkers
 from gpu_service.workers.shard_coverage import ExpertCoverageError
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.worker_token import TOKEN_ENV, new_token
-from tests.e2e.test_parity import BOUNDS, last_logits, prompts, relative_error
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401
+from tests.support.parity import BOUNDS, last_logits, prompts, relative_error
 from tests.support.worker_services import worker_service
 
 # Intermediate dimensions of two 64-row blocks: they split in two.

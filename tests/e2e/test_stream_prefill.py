@@ -18,8 +18,9 @@ from gpu_service.experts.stream_prefill.build import AUTO_MAX_MEMORY_FRACTION
 from gpu_service.models import Batch, SeqInput
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.worker_token import TOKEN_ENV
-from tests.e2e.test_parity import (
-    DEVICE,
+from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
+from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401
+from tests.support.parity import (
     clear_routing_prompts,
     greedy_together,
     last_logits,
@@ -27,9 +28,7 @@ from tests.e2e.test_parity import (
     relative_error,
     served_routing_margin,
 )
-from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
-from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401
-from tests.support.worker_services import worker_service
+from tests.support.worker_services import DEVICE, worker_service
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 # Streamed minus worker path, last-position logits, max|a - b| / max|b|. bf16 experts with

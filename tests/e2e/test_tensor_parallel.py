@@ -21,17 +21,6 @@ from gpu_service.service import check_model_fits
 from gpu_service.tensor_parallel.leader import TensorParallelFailed
 from ktserve.checkpoint import HFConfig, ModelSpec
 from ktserve.protocol import expert_pb2 as pb
-from tests.e2e.test_parity import (
-    BOUNDS,
-    FAMILIES,
-    clear_routing_prompts,
-    greedy_together,
-    last_logits,
-    prompts,
-    relative_error,
-    served_routing_margin,
-)
-from tests.gpu_service.layers.test_gpu_weights import LOGITS_TOL, MODULES
 from tests.support.api_server import (
     TINY_FLAGS,
     ServerProcess,
@@ -44,6 +33,17 @@ from tests.support.expert_procs import (  # noqa: F401 - no_segments_left_behind
     ExpertProcess,
     no_segments_left_behind,
     shm_entries,
+)
+from tests.support.gpu_weights import LOGITS_TOL, MODULES
+from tests.support.parity import (
+    BOUNDS,
+    FAMILIES,
+    clear_routing_prompts,
+    greedy_together,
+    last_logits,
+    prompts,
+    relative_error,
+    served_routing_margin,
 )
 from tests.support.worker_services import DEVICE, worker_service
 

@@ -38,6 +38,7 @@ from expert_service.kernels import (
     pack_experts,
 )
 from ktserve.checkpoint import dequantize_fp8_blocks
+from tests.support.kernel_bounds import BOUNDS, rel_err
 from tests.support.reference_moe import reference_moe
 
 E, H, I = 6, 200, 72  # noqa: E741  (H and I not multiples of 64)
@@ -46,7 +47,6 @@ FORMATS = [f.value for f in WeightFormat]
 ISA_ORDER_BOUND = 1e-5  # per token: fp32 summation order across ISAs
 EXACT_BOUND = 1e-5  # bf16 weights with fp32 x: fp32 summation order only (see the docstring)
 BF16_OUT_ROUNDING = 2.0**-8  # round-to-nearest-even to bf16: relative error <= half an ulp
-BOUNDS = {"bf16": 0.01, "int8": 0.05, "int4": 0.25}
 SMALL_T_BOUNDS = {"bf16": 0.01, "int8": 0.05, "int4": 0.36}
 ISAS = available_isas()
 
@@ -90,10 +90,6 @@ def make_inputs(seed: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def reference(experts: dict[str, torch.Tensor], x: torch.Tensor, ids, w) -> torch.Tensor:
     """The fp32 reference MoE over the bf16-rounded weights (what every format is packed from)."""
     return reference_moe(x, ids, w, *(experts[n].bfloat16() for n in ("gate", "up", "down")))
-
-
-def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((y - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("isa", ISAS)

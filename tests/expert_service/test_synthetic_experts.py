@@ -18,9 +18,9 @@ from expert_service.kernels import MoEKernel, default_isa
 from expert_service.shard import load_shard
 from gpu_service.models import Batch, SeqInput
 from ktserve import shared_store
-from tests.expert_service.test_kernels import BOUNDS, rel_err
-from tests.gpu_service.experts.stream_prefill.test_dequant import numpy_dequant
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401
+from tests.support.expert_stores import numpy_dequant
+from tests.support.kernel_bounds import BOUNDS, rel_err
 from tests.support.reference_moe import reference_moe
 from tests.support.worker_services import worker_service
 

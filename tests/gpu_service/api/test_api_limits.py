@@ -9,7 +9,6 @@ import http.client
 import json
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,8 +18,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.support.api_limits import FLAGS, NO_EOS, Stream
 from tests.support.api_server import (
-    EXACT_FLAGS,
     ServerProcess,
     make_served_checkpoint,
     pid_alive,
@@ -31,8 +30,6 @@ from tests.support.watched_process import CHILD_ENV, REPO
 
 MAX_NUM_SEQS = 2
 MAX_WAITING = 1
-FLAGS = (*EXACT_FLAGS, "--served-model-name", "tiny")
-NO_EOS = {"ignore_eos": True}
 MB = 1 << 20
 
 
@@ -62,38 +59,6 @@ def server(checkpoint, api_key, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(server, api_key):
     return openai.OpenAI(base_url=server.base_url, api_key=api_key, max_retries=0, timeout=120)
-
-
-class Stream(threading.Thread):
-    """A streamed completion read on a thread: each SSE event with the time it arrived."""
-
-    def __init__(self, server: ServerProcess, max_tokens: int, **extra) -> None:
-        super().__init__(daemon=True)
-        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": max_tokens,
-                "stream": True, **NO_EOS, **extra}  # fmt: skip
-        self.conn, self.response = server.open_stream("/v1/completions", body, server.auth)
-        self.events: list[tuple[float, str]] = []
-        self.started = threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        if self.response.status != 200:
-            self.started.set()
-            return
-        for line in self.response.fp:
-            if line.startswith(b"data: "):
-                self.events.append((time.monotonic(), line[6:].decode().strip()))
-                self.started.set()
-
-    def payloads(self) -> list:
-        return [e if e == "[DONE]" else json.loads(e) for _, e in self.events]
-
-    def close(self) -> None:
-        """Drop the connection (a stream still running is aborted by the server)."""
-        if self.conn.sock is not None:
-            self.conn.sock.shutdown(socket.SHUT_RDWR)  # the reader sees the end
-        self.join(30)
-        self.conn.close()
 
 
 def ktserve(*args: str) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ import time
 import openai
 import pytest
 
-from tests.gpu_service.api.test_api_limits import FLAGS, NO_EOS, Stream
+from tests.support.api_limits import FLAGS, NO_EOS, Stream
 from tests.support.api_server import ServerProcess, make_served_checkpoint
 from tests.support.expert_procs import shm_entries
 

@@ -20,7 +20,7 @@ from gpu_service.attention import attention_triton as at  # noqa: E402
 from gpu_service.attention import mla_decode_flashmla as flashmla  # noqa: E402
 from gpu_service.models.registry import DEFAULT_BLOCK_SIZE, kv_cache_block_size  # noqa: E402
 from ktserve.checkpoint import HFConfig  # noqa: E402
-from tests.gpu_service.attention.test_attention_triton import check, make_case  # noqa: E402
+from tests.support.attention_cases import check, make_case  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
 CUDA = torch.device("cuda")

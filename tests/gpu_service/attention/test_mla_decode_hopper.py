@@ -22,7 +22,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from gpu_service.attention import attention_triton as at  # noqa: E402
-from tests.gpu_service.attention.test_attention_triton import check, make_case  # noqa: E402
+from tests.support.attention_cases import check, make_case  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
 if at.mla_decode_hopper is None:

@@ -22,15 +22,15 @@ from gpu_service.engine.errors import RequestAborted
 from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.models import TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
-from tests.gpu_service.engine.test_engine import (
+from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
+from tests.support.device_decode import free_port, start_worker
+from tests.support.engines import (
     _count_and_sum,
     hf_greedy,
     prompts,
     run_together,
     tokens_of,
 )
-from tests.gpu_service.experts.test_device_calls import free_port, start_worker
-from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,14 @@ from gpu_service.engine.errors import (
 from gpu_service.models import TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
+from tests.support.engines import (
+    _count_and_sum,
+    hf_greedy,
+    make_engine,
+    prompts,
+    run_together,
+    tokens_of,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,39 +45,11 @@ def reference(checkpoint):
     return load_reference_model(checkpoint)
 
 
-def make_engine(checkpoint, cache_tokens=4096, graphs: DecodeGraphConfig | None = None,
-                device: torch.device | str = "cpu", **scheduler) -> Engine:  # fmt: skip
-    experts = TorchExperts(CheckpointReader(checkpoint), device, torch.float32)
-    model = load_model(checkpoint, device, torch.float32, experts=experts,
-                       max_num_tokens_in_cache=cache_tokens, block_size=4)  # fmt: skip
-    config = SchedulerConfig(**{"max_model_len": 128, **scheduler})
-    return Engine(model, config, graph_config=graphs).start()
-
-
 @pytest.fixture(scope="module")
 def engine(checkpoint):
     eng = make_engine(checkpoint)
     yield eng
     eng.stop()
-
-
-def prompts(seed: int, lengths=(5, 11, 2)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 101, (n,), generator=g).tolist() for n in lengths]
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation, one full forward per token (EOS not special).
-
-    NOTE: not generate(): it suppresses EOS under min_new_tokens, and its cached decode and its
-    full forward can pick different tokens where two logits are nearly tied after a routing
-    flip (seen: 0.429 vs 0.420); the full forward is the oracle.
-    """
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def assert_greedy_under_reference(model, prompt: list[int], tokens: list[int]) -> None:
@@ -83,40 +63,11 @@ def assert_greedy_under_reference(model, prompt: list[int], tokens: list[int]) -
         )
 
 
-def tokens_of(events) -> list[int]:
-    return [t.token_id for e in events for t in e.tokens]
-
-
-def run_together(engine: Engine, requests) -> list[list]:
-    """Submit all requests at once (they batch), wait for every final event."""
-    done = threading.Semaphore(0)
-    results: list[list] = [[] for _ in requests]
-
-    def collector(i):
-        def on_event(event):
-            results[i].append(event)
-            if event.finish_reason is not None:
-                done.release()
-
-        return on_event
-
-    for i, (prompt, params) in enumerate(requests):
-        engine.add_request(prompt, params, collector(i))
-    for _ in requests:
-        assert done.acquire(timeout=300)
-    return results
-
-
 def test_greedy_matches_transformers_single(engine, reference, seed):
     prompt = prompts(seed)[0]
     events = engine.generate(prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     assert events[-1].finish_reason == FinishReason.LENGTH
     assert tokens_of(events) == hf_greedy(reference, prompt, 32)
-
-
-def _count_and_sum(histogram, **labels) -> tuple[float, float]:
-    samples = {s.name: s.value for m in histogram.labels(**labels).collect() for s in m.samples}
-    return samples[f"{histogram._name}_count"], samples[f"{histogram._name}_sum"]
 
 
 def test_the_engine_times_its_own_work_between_steps_and_its_sampling(checkpoint, seed):
@@ -444,7 +395,7 @@ def test_penalties_bias_and_min_tokens_in_a_batch_match_transformers(checkpoint,
     """Greedy requests side by side, each with its own penalties, bias or min_tokens: every
     token is the argmax of transformers' logits with the plain-torch reference of
     test_sampling applied to them (given the prompt and the tokens before it)."""
-    from tests.gpu_service.engine.test_sampling import reference_processed
+    from tests.support.sampling_reference import reference_processed
 
     eos = 7
     experts = TorchExperts(CheckpointReader(checkpoint), "cpu", torch.float32)

@@ -15,9 +15,9 @@ import torch
 from gpu_service.api.tool_parsers.base import lark_json
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.engine.grammar import GrammarCompiler, GrammarError, TokenMasker
-from tests.gpu_service.engine.test_engine import make_engine, prompts, run_together, tokens_of
 from tests.support.api_server import make_tokenizer
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
+from tests.support.engines import make_engine, prompts, run_together, tokens_of
 
 SCHEMA = {
     "type": "object",

@@ -8,8 +8,6 @@ against the eager forward) on the same worker, and the eager forward with torch 
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
@@ -18,11 +16,10 @@ from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.experts.device_calls import CudaStream, DeviceCalls, HostStream
 from gpu_service.experts.errors import ExpertsUnavailable
 from gpu_service.experts.moe_client import ShmExperts
-from gpu_service.models import Batch, SeqInput, TorchExperts, load_model
+from gpu_service.models import TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
-from ktserve.worker_token import TOKEN_ENV
 from tests.support.checkpoints import available_families, make_tiny_checkpoint
-from tests.support.expert_procs import ExpertProcess
+from tests.support.device_decode import Decoder, free_port, start_worker
 
 FAMILIES = [f for f in ("deepseek_v3", "qwen3_moe") if f in available_families()]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -36,45 +33,9 @@ HANDOFFS = [("cpu", "memops")] + (
 BLOCK = 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_worker(path, port: int, token: str | None = None) -> ExpertProcess:
-    """token: the one a worker before it on this port had (default: a fresh one)."""
-    env = {TOKEN_ENV: token} if token else None
-    return ExpertProcess("--model", str(path), "--format", "bf16", "--listen",
-                         f"127.0.0.1:{port}", env=env)  # fmt: skip
-
-
 def load(path, experts, device: str = "cpu"):
     return load_model(path, device, torch.float32, experts=experts, max_num_tokens_in_cache=512,
                       block_size=BLOCK)  # fmt: skip
-
-
-class Decoder:
-    """Greedy decode of a few sequences in `model` through `graphs`, step by step."""
-
-    def __init__(self, model, graphs: DecodeGraphs, prompts: list[list[int]]) -> None:
-        self.model, self.graphs = model, graphs
-        self.caches = [model.kv_cache.allocate(len(p)) for p in prompts]
-        self.pos = [len(p) for p in prompts]
-        logits = model.forward(Batch(tuple(SeqInput(p, c, 0) for p, c in
-                                           zip(prompts, self.caches))))  # fmt: skip
-        self.tokens = logits.argmax(-1).tolist()
-
-    def step(self, tokens: list[int] | None = None) -> torch.Tensor:
-        tokens = self.tokens if tokens is None else tokens
-        for cache, p in zip(self.caches, self.pos):
-            self.model.kv_cache.extend(cache, p + 1)
-        batch = Batch(tuple(SeqInput([t], c, p) for t, c, p in
-                            zip(tokens, self.caches, self.pos)))  # fmt: skip
-        logits = self.graphs.forward(batch).clone()
-        self.pos = [p + 1 for p in self.pos]
-        self.tokens = logits.argmax(-1).tolist()
-        return logits
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

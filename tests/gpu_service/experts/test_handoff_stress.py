@@ -18,8 +18,8 @@ from gpu_service.experts.device_calls import DeviceCalls
 from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.models import load_model
 from ktserve.checkpoint import CheckpointReader
-from tests.gpu_service.experts.test_device_calls import Decoder
 from tests.support.checkpoints import available_families, make_tiny_checkpoint
+from tests.support.device_decode import Decoder
 from tests.support.expert_procs import ExpertProcess
 
 CUDA = torch.cuda.is_available()

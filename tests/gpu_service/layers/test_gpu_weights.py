@@ -45,11 +45,11 @@ from tests.support.checkpoints import (
     make_tiny_checkpoint,
     quantize_fp8_blocks,
 )
+from tests.support.gpu_weights import LOGITS_TOL, MODULES
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="no CUDA"))]
 FORMATS = ("fp8", "int8", "int4")
-MODULES = {"fp8": FP8Linear, "int8": Int8Linear, "int4": Int4Linear}
 # (N outputs, K inputs): kernel shapes (multiples of 16 / 128) and the odd ones the tiny and demo
 # models have, which take the fallbacks (int4 groups < 32, N not a multiple of 16).
 SHAPES = [(256, 512), (384, 96), (80, 256), (36, 72), (101, 48)]
@@ -185,10 +185,6 @@ def test_fp8_block_checkpoint_requantized_per_channel() -> None:
 
 FAMILIES = [f for f in ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral")
             if f in available_families()]  # fmt: skip
-# Norm-relative error of the prefill logits against transformers (float32, bf16 checkpoint):
-# measured up to 4.3e-2 (fp8), 1.5e-2 (int8), 1.3e-1 (int4: groups of 4-8 inputs at these tiny
-# widths) over the four families; the exact path stays at 2.5e-7.
-LOGITS_TOL = {"bf16": 1e-4, "fp8": 0.08, "int8": 0.03, "int4": 0.25}
 
 
 @pytest.fixture(scope="module")

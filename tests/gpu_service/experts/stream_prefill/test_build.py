@@ -17,7 +17,7 @@ from gpu_service.experts.stream_prefill.build import (
 )
 from gpu_service.experts.stream_prefill.compute import scratch_bound
 from gpu_service.experts.stream_prefill.staging import LayerStager
-from tests.gpu_service.experts.stream_prefill.test_store import E, H, I, make_store, open_store
+from tests.support.expert_stores import E, H, I, make_store, open_store
 
 GIB = 2**30
 

@@ -10,52 +10,9 @@ import torch
 
 from expert_service.kernels import pack_experts
 from gpu_service.experts.stream_prefill.dequant import dequantize
+from tests.support.expert_stores import numpy_dequant
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def roundup64(n: int) -> int:
-    return -(-n // 64) * 64
-
-
-def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def numpy_matrix(fmt: str, w: np.ndarray, s: np.ndarray | None, rows: int, k: int) -> np.ndarray:
-    """One expert's packed matrix of `rows` padded output rows over padded K -> float32 [rows, k],
-    from ktk.h's formulas: element (k, r) of block j."""
-    r = np.arange(rows)[:, None]  # [rows, 1]
-    kk = np.arange(k)[None, :]  # [1, k]
-    j, rb = r // 16, r % 16
-    if fmt == "bf16":
-        at = j * (16 * k) + (kk // 2) * 32 + rb * 2 + kk % 2
-        return bf16_to_f32(w[at])
-    if fmt == "int8":
-        at = j * (16 * k) + (kk // 4) * 64 + rb * 4 + kk % 4
-        return w.view(np.int8)[at].astype(np.float32) * s[j * 16 + rb]
-    g, quad = kk // 32, (kk % 32) // 4
-    at = j * (8 * k) + g * 256 + (quad % 4) * 64 + rb * 4 + kk % 4
-    byte = w[at].astype(np.int32)
-    nibble = np.where(quad < 4, byte & 0x0F, byte >> 4)
-    scale = bf16_to_f32(s[(j * (k // 32) + g) * 16 + rb])
-    return (nibble - 8).astype(np.float32) * scale
-
-
-def numpy_dequant(packed, hidden: int, inter: int):
-    """gate, up [E, I, H], down [E, H, I] float32 from the packed buffers."""
-    hp, ip = roundup64(hidden), roundup64(inter)
-    t = packed.tensors
-    gates, ups, downs = [], [], []
-    for e in range(packed.num_experts):
-        s13 = t["s13"][e] if "s13" in t else None
-        s2 = t["s2"][e] if "s2" in t else None
-        m13 = numpy_matrix(packed.fmt, t["w13"][e], s13, 2 * ip, hp)  # blocks gate, up, ...
-        blocks = m13.reshape(ip // 16, 2, 16, hp)
-        gates.append(blocks[:, 0].reshape(ip, hp)[:inter, :hidden])
-        ups.append(blocks[:, 1].reshape(ip, hp)[:inter, :hidden])
-        downs.append(numpy_matrix(packed.fmt, t["w2"][e], s2, hp, ip)[:hidden, :inter])
-    return np.stack(gates), np.stack(ups), np.stack(downs)
 
 
 # int4: |w - q*s| <= s/2 with s = amax/7 per group of 32, s rounded up to bf16; int8 per row.

@@ -10,8 +10,7 @@ import torch
 
 from gpu_service.experts.stream_prefill.compute import streamed_moe
 from gpu_service.experts.stream_prefill.staging import LayerStager
-from tests.gpu_service.experts.stream_prefill.test_dequant import numpy_dequant
-from tests.gpu_service.experts.stream_prefill.test_store import E, H, I, make_store, open_store
+from tests.support.expert_stores import E, H, I, make_store, numpy_dequant, open_store
 from tests.support.reference_moe import reference_moe
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

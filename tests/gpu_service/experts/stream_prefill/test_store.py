@@ -9,45 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from expert_service import packed_store
-from expert_service.expert_shard import ExpertShard
-from expert_service.kernels import pack_experts
-from expert_service.server import _store_pb
 from gpu_service.experts.stream_prefill.staging import LayerStager
-from gpu_service.experts.stream_prefill.store import MappedStore, UntrustedStore
-from ktserve.checkpoint import ModelSpec
-from ktserve.names import weight_format_to_pb
-from ktserve.protocol import expert_pb2 as pb
-
-H, I, E = 72, 40, 12  # noqa: E741
-CONFIG = {"model_type": "qwen3_moe", "hidden_size": H, "moe_intermediate_size": I,
-          "num_experts": E, "num_experts_per_tok": 2, "num_hidden_layers": 2,
-          "intermediate_size": 64, "num_attention_heads": 2, "vocab_size": 50}  # fmt: skip
-
-
-def make_store(root, seed: int, fmt: str, experts: range) -> tuple[dict, pb.WorkerInfo]:
-    """A converted store of 2 MoE layers of random experts; its packed layers, and the
-    WorkerInfo a worker serving it reports."""
-    spec = ModelSpec.from_config(CONFIG, source="test")
-    g = torch.Generator().manual_seed(seed)
-    layers = {}
-    for layer in spec.moe_layers:
-        n = len(experts)
-        gate, up = torch.randn(n, I, H, generator=g), torch.randn(n, I, H, generator=g)
-        down = torch.randn(n, H, I, generator=g)
-        layers[layer] = pack_experts(gate, up, down, fmt, num_threads=1)
-    shard = ExpertShard(spec, "test", fmt, experts, layers)
-    out = packed_store.save(shard, root, CONFIG)
-    loaded = packed_store.load(out, experts, fmt)
-    info = pb.WorkerInfo(format=weight_format_to_pb(fmt), pid=1)
-    info.experts.start, info.experts.stop = experts.start, experts.stop
-    info.store.CopyFrom(_store_pb(loaded.store))
-    return layers, info
-
-
-def open_store(info: pb.WorkerInfo) -> MappedStore:
-    spec = ModelSpec.from_config(CONFIG, source="test")
-    return MappedStore(info, H, I, spec.moe_layers)
+from gpu_service.experts.stream_prefill.store import UntrustedStore
+from tests.support.expert_stores import E, make_store, open_store
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
