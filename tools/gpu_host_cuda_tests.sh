@@ -4,8 +4,10 @@
 # with KTSERVE_TEST_DEVICE=cuda. Fails where a test fails, or skips for want of CUDA or of a
 # package this script was meant to have (carry .whl: posix_ipc, grpcio, grpcio-tools, protobuf,
 # grpcio-health-checking, llguidance, fastapi, uvicorn, jsonschema, openai, openai-agents and
-# their needs, sgl-flash-mla; see gpu_host_env.sh). One call's 600 s holds one part (tests/
-# gpu_service alone took over 540 s on an H100 host, 2026-12-07):
+# their needs, sgl-flash-mla, and pytest-xdist with execnet; see gpu_host_env.sh). With
+# pytest-xdist the files run in WORKERS processes (default 6; 0: one process) under one seed;
+# without it one part per call fits the call's 600 s (tests/gpu_service alone took over 540 s in
+# one process on an H100 host, 2026-12-07):
 #   kernels  tests/gpu_service: attention, MLA, fused ops, weight formats, streamed prefill
 #   steps    tests/gpu_service: decode graphs, the device's expert calls, engine, sampling, ...
 #   serve    tests/gpu_service: the serve command, services and workers as processes
@@ -36,8 +38,14 @@ case "$part" in
 esac
 commit=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
 log="$out/cuda-tests-$part.log"
-echo "$(echo "$files" | wc -l) test files, part $part, at $commit"
-KTSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rs $files "$@" > "$log" 2>&1
+parallel=()
+if python3 -c "import xdist" 2>/dev/null && [ "${WORKERS:-6}" != 0 ]; then
+  parallel=(-n "${WORKERS:-6}")
+  export KTSERVE_TEST_SEED="${KTSERVE_TEST_SEED:-$RANDOM$RANDOM}"  # one seed for every process
+fi
+echo "$(echo "$files" | wc -l) test files, part $part, at $commit ${parallel[*]}"
+KTSERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rs "${parallel[@]}" $files "$@" \
+  > "$log" 2>&1
 rc=$?
 tail -25 "$log"
 summary=$(grep -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" "$log" | tail -1)
