@@ -17,8 +17,9 @@ import pytest
 
 from gpu_service.cli import DEMO_MODEL_DIR, serve_config
 from gpu_service.config import GPUServiceConfig
-from gpu_service.serve_config import HTTPConfig, ServeConfig, split_experts
+from gpu_service.serve_config import HTTPConfig, ServeConfig
 from gpu_service.workers.external_workers import ExpertCoverageError, WorkerShard, check_coverage
+from gpu_service.workers.plan import expert_ranges, split_experts
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.cli import COMMANDS, build_parser
 from ktserve.worker_token import TOKEN_ENV, new_token
@@ -216,7 +217,7 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
     config = serve_config(args)
     workers, gpu, http = config.workers, config.gpu, config.http
     assert workers.experts_per_worker == ("0-3", "4-11")
-    assert workers.expert_ranges(12) == ("0-3", "4-11")
+    assert expert_ranges(workers, 12) == ("0-3", "4-11")
     assert not workers.restart_workers and gpu.experts.worker_timeout_s == 5
     assert gpu.scheduler.max_num_seqs == 3 and gpu.experts.wire_dtype == "float32"
     assert workers.weight_format == "int4" and workers.threads == 2
