@@ -11,14 +11,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpu_service.config import GPUServiceConfig
+from ktserve import envs
 from ktserve.config_flags import comma_list, flag
 from ktserve.names import WEIGHT_FORMATS
 from ktserve.worker_token import token_file_flag
 
 log = logging.getLogger("ktserve.serve")
 
-API_KEY_ENV = "KTSERVE_API_KEY"
-API_KEY_FILE_ENV = "KTSERVE_API_KEY_FILE"
+API_KEY_ENV = envs.API_KEY.name
+API_KEY_FILE_ENV = envs.API_KEY_FILE.name
 MiB = 1 << 20
 # NOTE: the names of gpu_service.api.tool_parsers.PARSERS and api.reasoning.REASONING_PARSERS
 # (a test keeps them equal): --help must not import the API.

@@ -6,7 +6,8 @@ go next to its help text. The rest follows from the field:
     name      --field-name, or the one given (--format for weight_format); dest: the field's name
     type      the annotation's: int, float or str (`X | None` is X); `type=` for any other
     default   None: a flag not given leaves the field's default, which %(default)s in the help
-              text shows; with `env=`, the flag's default is that environment variable's value
+              text shows; with `env=` (a name in ktserve/envs.py), the flag's default is that
+              environment variable's value
     bool      --x/--no-x, or only the one named (`name="--no-x"`)
     required  when the field has no default (a positional: when nargs asks for it)
 
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import types
 import typing
 from typing import Any, TypeVar
+
+from ktserve import envs
 
 T = TypeVar("T")
 SCALARS = (int, float, str)
@@ -92,7 +94,7 @@ def _argument(cls: type, field: dataclasses.Field, kind: Any) -> tuple[list[str]
     if field.default is not dataclasses.MISSING:
         help_text = help_text.replace("%(default)s", str(field.default))
     kwargs: dict[str, Any] = {"help": help_text, **spec["argparse"]}
-    kwargs["default"] = (os.environ.get(spec["env"]) or None) if spec["env"] else None
+    kwargs["default"] = envs.ENV_VARS[spec["env"]].read() if spec["env"] else None
     name = flag_name(cls, field.name)
     base = _without_none(kind)
     if base is bool:
