@@ -11,10 +11,13 @@ go next to its help text. The rest follows from the field:
     bool      --x/--no-x, or only the one named (`name="--no-x"`)
     required  when the field has no default (a positional: when nargs asks for it)
 
+A field made with `env_field(var)` is no flag but an experiment's switch, the environment
+variable var of ktserve/envs.py: its default is var's, and `from_args` reads var.
+
 A field whose type is a config dataclass adds that dataclass's flags in turn, each dataclass's
 under its own heading of --help, from its docstring's first line ("Title: what it holds").
-`from_args` builds the dataclass, and those inside it, from the parsed flags; their
-`__post_init__` checks the values.
+`from_args` builds the dataclass, and those inside it, from the parsed flags and the
+environment; their `__post_init__` checks the values.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ def flag(
     return dataclasses.field(default=default, metadata={"flag": spec})
 
 
+def env_field(var: envs.EnvVar) -> Any:
+    """A dataclass field set by the environment variable var, not by a flag (see the module
+    docstring)."""
+    return dataclasses.field(default=var.default, metadata={"env": var})
+
+
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """Add the flags of cls's fields, and of the config dataclasses among them, to parser."""
     hints = typing.get_type_hints(cls)
@@ -65,7 +74,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def from_args(cls: type[T], args: argparse.Namespace) -> T:
-    """cls from the flags add_flags(parser, cls) made; a flag not given keeps the default."""
+    """cls from the flags add_flags(parser, cls) made and the environment variables of its
+    env_field()s; a flag not given, or a variable not set, keeps the default."""
     hints = typing.get_type_hints(cls)
     values = {}
     for field in dataclasses.fields(cls):
@@ -74,6 +84,8 @@ def from_args(cls: type[T], args: argparse.Namespace) -> T:
         elif "flag" in field.metadata and getattr(args, field.name, None) is not None:
             value = getattr(args, field.name)
             values[field.name] = tuple(value) if isinstance(value, list) else value
+        elif "env" in field.metadata:
+            values[field.name] = field.metadata["env"].read()
     return cls(**values)
 
 
