@@ -47,7 +47,7 @@ def served_perplexity(model: Path, address: str, ids: list[int], seq_len: int, d
                       deferred: int = 0, gpu_weight_format: str = "bf16",
                       scaled_mm: bool = False, kv_cache_dtype: str = "auto") -> float:  # fmt: skip
     """Perplexity of the GPU service on the worker at `address`, `deferred` experts per token
-    deferred (--max-deferred-experts-per-token), the GPU part's linears in gpu_weight_format;
+    deferred (KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN), the GPU part's linears in gpu_weight_format;
     scaled_mm: fp8 runs torch._scaled_mm (the CUDA path's math: e4m3 activations, bf16 out)
     even on the CPU, where the server upcasts the weights instead."""
     config = GPUServiceConfig(

@@ -30,6 +30,7 @@ from gpu_service.models import KVCache, load_model
 from gpu_service.models.config import model_max_len
 from gpu_service.models.registry import default_device, kv_cache_block_size
 from gpu_service.tensor_parallel.leader import LeaderConfig, TensorParallelLeader, check_devices
+from ktserve import envs
 from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec, non_expert_params
 from ktserve.names import float_dtype
 
@@ -252,7 +253,7 @@ def check_model_fits(config: GPUServiceConfig, spec: ModelSpec,
     deferred = config.max_deferred_experts_per_token
     if deferred >= spec.num_experts_per_tok:
         raise ValueError(
-            f"--max-deferred-experts-per-token must be below the model's "
+            f"{envs.MAX_DEFERRED_EXPERTS_PER_TOKEN.name} must be below the model's "
             f"{spec.num_experts_per_tok} routed experts per token, got {deferred}"
         )
     resolve_linear_quant(config, torch.device(config.device or default_device()))

@@ -22,6 +22,7 @@ from gpu_service.tensor_parallel.leader import TensorParallelFailed
 from ktserve.checkpoint import HFConfig, ModelSpec
 from ktserve.protocol import expert_pb2 as pb
 from tests.support.api_server import (
+    EXACT_ENV,
     TINY_FLAGS,
     ServerProcess,
     make_served_checkpoint,
@@ -284,7 +285,7 @@ def test_serve_runs_followers_and_exits_1_when_one_dies(tmp_path, seed):
     killed under it stops the server with status 1 and its reason, leaving nothing behind."""
     checkpoint = make_served_checkpoint(tmp_path / "tiny", seed, 128)
     before = shm_entries()
-    server = ServerProcess(checkpoint, *TINY_FLAGS, "--tensor-parallel-size", "2")
+    server = ServerProcess(checkpoint, *TINY_FLAGS, "--tensor-parallel-size", "2", env=EXACT_ENV)
     try:
         found = re.search(r"followers' pids \[(\d+)\]", server.stderr())
         assert found, server.stderr()[-3000:]

@@ -469,7 +469,7 @@ def test_load_errors(cases: dict[str, Case], tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe"])  # MLA + grouped; GQA + softmax
 def test_a_model_loaded_without_fused_kernels_runs_only_the_torch_code(cases, monkeypatch, name):
-    """--no-fused-kernels reaches this model's modules at load (not the process): with every
+    """KTSERVE_FUSED_KERNELS=0 reaches this model's modules at load (not the process): with every
     tensor made to look fused-capable, it never calls a fused kernel and keeps transformers'
     logits, while a model loaded with them does call them."""
     from gpu_service.layers import fused_ops

@@ -15,10 +15,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from gpu_service.cli import DEMO_MODEL_DIR, serve_config
+from gpu_service.cli import DEMO_MODEL_DIR, MOVED_FLAGS, serve_config
 from gpu_service.config import GPUServiceConfig
-from gpu_service.serve_config import HTTPConfig, ServeConfig, split_experts
+from gpu_service.serve_config import HTTPConfig, ServeConfig
 from gpu_service.workers.external_workers import ExpertCoverageError, WorkerShard, check_coverage
+from gpu_service.workers.plan import expert_ranges, split_experts
+from ktserve import envs
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.cli import COMMANDS, build_parser
 from ktserve.worker_token import TOKEN_ENV, new_token
@@ -58,11 +60,8 @@ SERVE_FLAGS = (
     "--max-model-len",
     "--kv-cache-tokens",
     "--dtype",
-    "--wire-dtype",
     "--max-num-seqs",
     "--mixed-step-time-factor",
-    "--mixed-step-time-ms",
-    "--min-prefill-chunk-tokens",
     "--device",
     "--worker-timeout",
     "--no-restart-workers",
@@ -109,6 +108,7 @@ def test_help_explains_every_flag():
         assert result.returncode == 0, result.stderr
         text = " ".join(result.stdout.split())
         actions = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+        actions = [a for a in actions if a.help is not argparse.SUPPRESS]  # moved: MOVED_FLAGS
         assert actions, f"ktserve {name} has no flags"
         for action in actions:
             what = f"ktserve {name} {'/'.join(action.option_strings) or action.metavar}"
@@ -119,6 +119,7 @@ def test_help_explains_every_flag():
     serve = {o for a in commands["serve"]._actions for o in a.option_strings}
     assert set(SERVE_FLAGS) <= serve
     text = ktserve("serve", "--help").stdout
+    assert not [flag for flag in MOVED_FLAGS if flag in text]
     assert "KTSERVE_API_KEY" in text and "KTSERVE_DEVICE" in text and "MODEL_DIR" in text
     # the expert_service subcommands are the same parsers
     assert "--listen" in ktserve("expert", "--help").stdout
@@ -172,6 +173,10 @@ def test_expert_worker_starts_without_the_gpu_side():
 def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
     monkeypatch.setenv("KTSERVE_API_KEY", "from-env")
     monkeypatch.delenv("KTSERVE_DEVICE", raising=False)
+    moved = {envs.WIRE_DTYPE: "float32", envs.GPU_EXPERTS_REFRESH_S: "30",
+             envs.MIN_PREFILL_CHUNK_TOKENS: "8"}  # fmt: skip
+    for var, value in moved.items():
+        monkeypatch.setenv(var.name, value)
     args = build_parser().parse_args(
         [
             "serve",
@@ -187,8 +192,6 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
             "3",
             "--port",
             "0",
-            "--wire-dtype",
-            "float32",
             "--format",
             "int4",
             "--threads",
@@ -197,8 +200,6 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
             "96",
             "--gpu-experts",
             "2",
-            "--gpu-experts-refresh",
-            "30",
             "--no-cuda-graphs",
             "--cuda-graph-max-batch",
             "4",
@@ -209,14 +210,12 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
             "0.5",
             "--mixed-step-time-factor",
             "2.5",
-            "--min-prefill-chunk-tokens",
-            "8",
         ]
     )
     config = serve_config(args)
     workers, gpu, http = config.workers, config.gpu, config.http
     assert workers.experts_per_worker == ("0-3", "4-11")
-    assert workers.expert_ranges(12) == ("0-3", "4-11")
+    assert expert_ranges(workers, 12) == ("0-3", "4-11")
     assert not workers.restart_workers and gpu.experts.worker_timeout_s == 5
     assert gpu.scheduler.max_num_seqs == 3 and gpu.experts.wire_dtype == "float32"
     assert workers.weight_format == "int4" and workers.threads == 2
@@ -234,6 +233,8 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
     on_workers = gpu.with_workers(("127.0.0.1:1", "127.0.0.1:2"))
     assert on_workers.experts.workers == ("127.0.0.1:1", "127.0.0.1:2")
     assert on_workers.experts.worker_timeout_s == 5 and on_workers.scheduler == gpu.scheduler
+    for var in moved:
+        monkeypatch.delenv(var.name)
     defaults = serve_config(build_parser().parse_args(["serve", str(checkpoint)]))
     assert defaults == ServeConfig(
         gpu=GPUServiceConfig(model_dir=str(checkpoint)), http=HTTPConfig(api_key="from-env")
@@ -273,20 +274,34 @@ def test_no_model_serves_the_demo_or_says_how_to_pass_one(tmp_path):
         (("--expert-workers", "0"), "--expert-workers must be >= 1"),
         (("--expert-workers", "2", "--experts-per-worker", "0-11"), "one range per worker"),
         (("--expert-workers", "50"), "use at most 12 workers"),
-        (
-            ("--max-deferred-experts-per-token", "-1"),
-            "--max-deferred-experts-per-token must be >= 0",
-        ),
-        (("--max-deferred-experts-per-token", "9"), "must be below the model's"),
         (("--gpu-memory-utilization", "1.5"), "--gpu-memory-utilization must be in (0, 1]"),
         (("--gpu-weight-format", "bf16", "--quantize-lm-head"), "--quantize-lm-head needs"),
         (("--quantize-lm-head",), "auto chose bf16 here"),
         (("--mixed-step-time-factor", "0.5"), "--mixed-step-time-factor must be 0 (off) or >= 1"),
-        (("--mixed-step-time-ms", "-1"), "--mixed-step-time-ms must be > 0"),
+        *(((flag, "1"), f"variable {var} instead") for flag, var in MOVED_FLAGS.items()),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(checkpoint, args, message):
     result = ktserve("serve", str(checkpoint), "--port", "0", *FLAGS, *args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+
+
+@pytest.mark.parametrize(
+    "var, value, message",
+    [
+        (
+            envs.MAX_DEFERRED_EXPERTS_PER_TOKEN,
+            "-1",
+            "KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN must be >= 0",
+        ),
+        (envs.MAX_DEFERRED_EXPERTS_PER_TOKEN, "9", "must be below the model's"),
+        (envs.MIXED_STEP_TIME_MS, "-1", "KTSERVE_MIXED_STEP_TIME_MS must be > 0"),
+        (envs.WIRE_DTYPE, "float16", "KTSERVE_WIRE_DTYPE='float16': expected one of"),
+    ],
+)
+def test_bad_variables_exit_2_with_a_message(checkpoint, var, value, message):
+    result = ktserve("serve", str(checkpoint), "--port", "0", *FLAGS, env={var.name: value})
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
 

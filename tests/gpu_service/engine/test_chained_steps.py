@@ -2,7 +2,7 @@
 last one's tokens reach the host, its tokens taken from the last one's samples on the device.
 
 The oracles: transformers' greedy continuation (test_engine's), and the same requests in an
-engine that decides every step after the last one's tokens (--no-chain-decode-steps): seeded
+engine that decides every step after the last one's tokens (KTSERVE_CHAIN_DECODE_STEPS=0): seeded
 sampling, logit_bias, min_tokens, stop tokens and max_tokens give the same tokens either way,
 and requests that cannot chain (penalties, logprobs) break the chain and run as before. On CPU
 the decode graphs' segments run eagerly (capture off); KTSERVE_TEST_DEVICE=cuda captures them.

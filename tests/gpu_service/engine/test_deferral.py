@@ -1,6 +1,6 @@
-"""Expert deferral (--max-deferred-experts-per-token, layers/moe.py) against a reference written
-here in plain torch: per MoE layer, each token's D lowest-weight routed experts (ids and weights
-from the router, which test_models checks against transformers; expert weights read from
+"""Expert deferral (KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN, layers/moe.py) against a reference
+written here in plain torch: per MoE layer, each token's D lowest-weight routed experts (ids and
+weights from the router, which test_models checks against transformers; expert weights read from
 transformers' own modules) are computed apart and their output added at the next MoE layer's
 output instead of their own; the last MoE layer defers nothing. Deferral is per token, so one
 reference pass over a sequence gives the logits of its prefill (whole or chunked) and of each of
@@ -23,6 +23,7 @@ from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.layers.moe import MoE
 from gpu_service.models import Batch, CausalLM, SeqInput, TorchExperts, load_model
 from gpu_service.serve_config import ServeConfig
+from ktserve import envs
 from ktserve.checkpoint import CheckpointReader
 from ktserve.config_flags import add_flags, from_args
 from tests.support.checkpoints import (
@@ -210,7 +211,7 @@ def test_invalid_deferral_is_a_clear_error(checkpoints) -> None:
         with pytest.raises(ValueError, match="max_deferred_experts_per_token must be >= 0 and "
                                               f"below the model's {top_k}"):  # fmt: skip
             _load(path, bad)
-    with pytest.raises(ValueError, match="--max-deferred-experts-per-token must be >= 0"):
+    with pytest.raises(ValueError, match="KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN must be >= 0"):
         GPUServiceConfig(model_dir=str(path), max_deferred_experts_per_token=-1)
     with pytest.raises(ValueError, match="needs 3 slots per expert channel"):
         GPUServiceConfig(model_dir=str(path), max_deferred_experts_per_token=1,
@@ -221,13 +222,16 @@ def test_invalid_deferral_is_a_clear_error(checkpoints) -> None:
         model.moes[0](torch.zeros(1, model.config.hidden_size))
 
 
-def test_the_flag_sets_the_field(checkpoints) -> None:
+def test_the_variable_sets_the_field(checkpoints, monkeypatch) -> None:
     parser = argparse.ArgumentParser()
     add_flags(parser, ServeConfig)
-    assert "--max-deferred-experts-per-token" in parser.format_help()
+    assert "--max-deferred-experts-per-token" not in parser.format_help()
+    assert envs.ENV_VARS["KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN"].doc
     path = str(checkpoints[FAMILIES[0]])
-    args = parser.parse_args([path, "--max-deferred-experts-per-token", "2"])
+    monkeypatch.setenv(envs.MAX_DEFERRED_EXPERTS_PER_TOKEN.name, "2")
+    args = parser.parse_args([path])
     assert from_args(ServeConfig, args).gpu.max_deferred_experts_per_token == 2
+    monkeypatch.delenv(envs.MAX_DEFERRED_EXPERTS_PER_TOKEN.name)
     args = parser.parse_args([path])
     assert from_args(ServeConfig, args).gpu.max_deferred_experts_per_token == 0
 

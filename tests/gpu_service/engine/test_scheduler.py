@@ -286,8 +286,8 @@ def test_preemption_beside_time_bounded_chunks_completes_every_request(seed):
     [
         (dict(mixed_step_time_factor=0.5), "--mixed-step-time-factor must be 0 (off) or >= 1"),
         (dict(mixed_step_time_factor=float("nan")), "--mixed-step-time-factor must be 0"),
-        (dict(mixed_step_time_ms=0), "--mixed-step-time-ms must be > 0"),
-        (dict(min_prefill_chunk_tokens=0), "--min-prefill-chunk-tokens must be >= 1"),
+        (dict(mixed_step_time_ms=0), "KTSERVE_MIXED_STEP_TIME_MS must be > 0"),
+        (dict(min_prefill_chunk_tokens=0), "KTSERVE_MIN_PREFILL_CHUNK_TOKENS must be >= 1"),
     ],
 )
 def test_bad_values_are_refused(config, message):
