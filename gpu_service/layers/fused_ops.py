@@ -17,7 +17,8 @@ their slots), where torch runs 6-8 launches; and MLA's (mla_rope_cache: the late
 RoPE of the query's and the key's rotary parts, the latent row written into the cache), where
 torch runs five. `supports(...)` says when a tensor can take
 them (CUDA, Triton importable, unit last stride); otherwise callers keep the torch code, as they
-do when their model's `fused_kernels` is off (CausalLM.use_fused_kernels: --no-fused-kernels).
+do where their model's AttentionBackend has `fused_kernels` off (--no-fused-kernels), a choice
+the layers are given when they are built.
 """
 
 from __future__ import annotations
