@@ -12,16 +12,16 @@ What is chosen once, from the device, the model and cache dtypes and the MLA lat
     fused_kernels  fused_ops' Triton kernels in the layers where they apply (False: the torch
                    code only, --no-fused-kernels)
 
-What each call then gets (the kernels' own refusals, which depend on the call's shapes):
-    heads narrower than TRITON_MIN_HEAD_DIM, or no gpu_kernels   the torch reference
-    prefill over MLA's latent                   the torch reference (long prompt chunks expand
-                                                the keys instead: mla_prefill.py)
-    other prefill                               attention_triton.paged_prefill
-    decode                                      FlashMLA where flashmla and the call is one it
-        serves (mla_decode_flashmla.call_refusal: an MLA cache of 64-token blocks in whole
-        contiguous pages, unit-stride query columns, no window; a non-empty batch), else the
-        Hopper kernel where hopper_mla and it takes the call (mla_decode_hopper.takes: heads a
-        multiple of 64, bf16 / fp16), else attention_triton's split kernel
+What each call then gets, by the kernels' own refusals (which depend on the call's shapes):
+    no gpu_kernels, or heads narrower than TRITON_MIN_HEAD_DIM: the torch reference
+    prefill over MLA's latent: the torch reference (long prompt chunks expand the keys instead,
+        through expanded_prefill_kernel: mla_prefill.py)
+    any other prefill: attention_triton.paged_prefill
+    decode: FlashMLA where flashmla and the call is one it serves (call_refusal: an MLA cache of
+        64-token blocks in whole contiguous pages, unit-stride query columns, no window; and a
+        non-empty batch), else the Hopper kernel where hopper_mla and it takes the call
+        (mla_decode_hopper.takes: heads a multiple of 64, bf16 / fp16), else attention_triton's
+        split kernel
 """
 
 from __future__ import annotations
