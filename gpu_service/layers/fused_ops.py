@@ -1,6 +1,6 @@
 """One CUDA kernel each for RMSNorm and the rotary embedding (Triton), where torch runs 6-8.
 
-At decode batch 1 a layer's GPU part is launch-bound: its ~90 kernels, most of them tiny
+At decode batch 1 a layer's GPU part is launch-bound: its kernels, most of them tiny
 elementwise steps of RMSNorm's float32 math and of RoPE, cost more in their gaps than in their
 work. These kernels compute what the torch code in layers.py / rope.py computes (the oracle; it
 stays the CPU path), in the same float32 steps and with the same roundings:
