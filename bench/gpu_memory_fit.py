@@ -46,6 +46,7 @@ from gpu_service.models import (  # noqa: E402
     SeqInput,
     deepseek,  # noqa: E402
 )
+from gpu_service.models.registry import choose_attention  # noqa: E402
 from ktserve.checkpoint import HFConfig, ModelSpec  # noqa: E402
 
 NORM_SUFFIXES = ("layernorm.weight", "norm.weight")
@@ -122,7 +123,8 @@ def weights_only(fmt: str, context: int, quantize_lm_head: bool) -> None:
     spec = ModelSpec.from_hf(hf)
     loader = RandomWeights(torch.device("meta"), torch.bfloat16,
                            LinearQuantConfig(fmt, quantize_lm_head), 0)  # fmt: skip
-    model = deepseek.build(hf, spec, loader, ReducedCPUExperts(1, 8, 8, 0), 16, 16)
+    attention = choose_attention(hf, loader.device, torch.bfloat16, torch.bfloat16)
+    model = deepseek.build(hf, spec, loader, ReducedCPUExperts(1, 8, 8, 0), 16, 16, attention)
     kinds = weights_by_kind(model)
     kv = model.kv_cache.config.bytes_per_token(torch.bfloat16) * context
     print(f"DeepSeek-V3 shapes, linears in {fmt}{' (lm_head too)' if quantize_lm_head else ''}: "
@@ -168,7 +170,8 @@ def run(fmt: str, cap_gib: float, context: int, chunk: int, quantize_lm_head: bo
     holder: dict = {}
 
     def build() -> None:
-        holder["model"] = deepseek.build(hf, spec, loader, experts, 16, 16).eval()
+        attention = choose_attention(hf, device, torch.bfloat16, torch.bfloat16)
+        holder["model"] = deepseek.build(hf, spec, loader, experts, 16, 16, attention).eval()
 
     if not phase("build the GPU part", build, device, rows, cap):
         print_table(COLUMNS, rows)

@@ -1,6 +1,6 @@
 """One CUDA kernel each for RMSNorm and the rotary embedding (Triton), where torch runs 6-8.
 
-At decode batch 1 a layer's GPU part is launch-bound: its ~90 kernels, most of them tiny
+At decode batch 1 a layer's GPU part is launch-bound: its kernels, most of them tiny
 elementwise steps of RMSNorm's float32 math and of RoPE, cost more in their gaps than in their
 work. These kernels compute what the torch code in layers.py / rope.py computes (the oracle; it
 stays the CPU path), in the same float32 steps and with the same roundings:
@@ -17,7 +17,8 @@ their slots), where torch runs 6-8 launches; and MLA's (mla_rope_cache: the late
 RoPE of the query's and the key's rotary parts, the latent row written into the cache), where
 torch runs five. `supports(...)` says when a tensor can take
 them (CUDA, Triton importable, unit last stride); otherwise callers keep the torch code, as they
-do when their model's `fused_kernels` is off (CausalLM.use_fused_kernels: --no-fused-kernels).
+do where their model's AttentionBackend has `fused_kernels` off (KTSERVE_FUSED_KERNELS=0), a choice
+the layers are given when they are built.
 """
 
 from __future__ import annotations

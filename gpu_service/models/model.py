@@ -6,8 +6,9 @@
                     layer's deferred experts: moe.py)
     logits = lm_head(norm(h))                              # [B, V] (last tokens) or [T, V]
 
-Families (deepseek.py, qwen_moe.py, mixtral.py) build the attention and MLP modules per layer and
-hand them to `CausalLM` with the KV cache they need. The step is written as methods that split it
+Families (deepseek.py, qwen_moe.py, mixtral.py) build the attention and MLP modules per layer,
+each given the AttentionBackend chosen at load (its kernels), and hand them to `CausalLM` with
+the KV cache they need. The step is written as methods that split it
 at each MoE layer's expert call (embed_tokens, attend_then_norm, the MoE's route / shared_out /
 combine, logits): the engine's decode graphs run the same methods segment by segment. Usage:
 
@@ -24,6 +25,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.batch import AttentionMetadata, Batch, StepContext
 from gpu_service.experts.routed import abandon
 from gpu_service.kvcache.kv_cache import KVCache
@@ -48,14 +50,17 @@ class DecoderLayer(nn.Module):
 
     @classmethod
     def load(cls, loader: WeightLoader, layer: int, attn: nn.Module, mlp: nn.Module,
-             hidden: int, eps: float) -> DecoderLayer:  # fmt: skip
+             hidden: int, eps: float, backend: AttentionBackend) -> DecoderLayer:  # fmt: skip
         """The layer with its two norms read from the checkpoint (names every family shares)."""
         p = f"model.layers.{layer}"
+        fused = backend.fused_kernels
         return cls(
             attn,
             mlp,
-            RMSNorm.load(loader, f"{p}.input_layernorm", hidden, eps),
-            RMSNorm.load(loader, f"{p}.post_attention_layernorm", hidden, eps),
+            RMSNorm.load(loader, f"{p}.input_layernorm", hidden, eps, fused_kernels=fused),
+            RMSNorm.load(
+                loader, f"{p}.post_attention_layernorm", hidden, eps, fused_kernels=fused
+            ),  # fmt: skip
         )
 
     def attend_then_norm(
@@ -83,6 +88,7 @@ class CausalLM(nn.Module):
         layers: list[DecoderLayer],
         rotary: Rotary,
         kv_cache: KVCache,
+        backend: AttentionBackend,
     ) -> None:
         super().__init__()
         self.config = config
@@ -90,7 +96,9 @@ class CausalLM(nn.Module):
         vocab, hidden = config.vocab_size, config.hidden_size
         self.register_buffer("embed", loader.get("model.embed_tokens.weight", (vocab, hidden)))
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm.load(loader, "model.norm", hidden, config.rms_norm_eps)
+        self.backend = backend  # its layers' kernels, chosen at load
+        self.norm = RMSNorm.load(loader, "model.norm", hidden, config.rms_norm_eps,
+                                 fused_kernels=backend.fused_kernels)  # fmt: skip
         quant = loader.linear_quant
         if config.tie_word_embeddings and not loader.has("lm_head.weight"):
             fmt = quant.format if quant.quantize_lm_head else "bf16"
@@ -121,13 +129,6 @@ class CausalLM(nn.Module):
     def num_deferred_experts(self) -> int:
         """Routed experts per token each MoE layer but the last defers to the next (moe.py)."""
         return max((moe.num_deferred for moe in self.moes), default=0)
-
-    def use_fused_kernels(self, enabled: bool) -> None:
-        """fused_ops' Triton kernels (RMSNorm, RoPE, the routers) where they apply, or the torch
-        code only (--no-fused-kernels): for this model's modules, not the process's."""
-        for module in self.modules():
-            if hasattr(type(module), "fused_kernels"):
-                module.fused_kernels = enabled
 
     def defer_experts(self, num: int) -> None:
         """Defer each token's `num` lowest-weight routed experts of every MoE layer but the

@@ -50,7 +50,7 @@ def load(setup: Setup, tp: TensorParallel) -> CausalLM:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // setup.world_size))
     return load_model(setup.model_dir, device, setup.dtype, experts=None,
                       max_num_tokens_in_cache=16, linear_quant=setup.linear_quant,
-                      tp=tp, fused_kernels=setup.fused_kernels)  # fmt: skip
+                      tp=tp, attention=setup.attention)  # fmt: skip
 
 
 def run_step(model: CausalLM, step: Step) -> None:

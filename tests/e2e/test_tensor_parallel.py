@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -151,9 +152,15 @@ def test_followers_take_rank_zeros_cache_block_size(checkpoints, seed, monkeypat
     worker = ExpertProcess("--model", str(path), "--format", "bf16")
     tokens = {}
     try:
+        chosen = service_module.choose_attention
+
+        def in_blocks_of(block: int):
+            """The service's choice with its cache in `block`-token blocks (64: FlashMLA's)."""
+            said = f"{block}-token blocks (test)"
+            return lambda *a, **k: replace(chosen(*a, **k), flashmla=block == 64, mla_decode=said)
+
         for size, block in ((1, 16), (2, 64)):
-            monkeypatch.setattr(service_module, "kv_cache_block_size",
-                                lambda *_, b=block: (b, f"{b}-token blocks (test)"))  # fmt: skip
+            monkeypatch.setattr(service_module, "choose_attention", in_blocks_of(block))
             service = service_for(path, worker, size)
             try:
                 assert service.engine.model.kv_cache.block_size == block

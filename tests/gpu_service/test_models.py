@@ -213,10 +213,12 @@ def test_long_prompt_chunks_expand_and_match_transformers(cases, name, monkeypat
     kernel does: here, on the CPU, under its interpreter."""
     pytest.importorskip("triton", reason="the expanded form runs in attention_triton's kernel")
     from gpu_service.attention import attention_triton
+    from gpu_service.attention.backend import AttentionBackend
     from gpu_service.models import deepseek
 
     case = cases[name]
-    monkeypatch.setattr(deepseek, "expanded_kernel", lambda device: attention_triton.paged_prefill)
+    monkeypatch.setattr(AttentionBackend, "expanded_prefill_kernel",
+                        lambda self: attention_triton.paged_prefill)  # fmt: skip
     expanded = []
     real = deepseek.expanded_prefill
     monkeypatch.setattr(deepseek, "expanded_prefill",
@@ -472,13 +474,21 @@ def test_a_model_loaded_without_fused_kernels_runs_only_the_torch_code(cases, mo
     """KTSERVE_FUSED_KERNELS=0 reaches this model's modules at load (not the process): with every
     tensor made to look fused-capable, it never calls a fused kernel and keeps transformers'
     logits, while a model loaded with them does call them."""
+    from gpu_service.attention.backend import AttentionBackend
     from gpu_service.layers import fused_ops
 
     case = cases[name]
-    off, on = _load(case.path, fused_kernels=False), _load(case.path)
-    flags = [m.fused_kernels for m in off.modules() if hasattr(type(m), "fused_kernels")]
+    off, on = _load(case.path, attention=AttentionBackend(fused_kernels=False)), _load(case.path)
+
+    def fused_flags(model: CausalLM) -> list[bool]:
+        """Each module's fused-kernel choice: its own, or its attention backend's."""
+        return [m.fused_kernels for m in model.modules() if hasattr(m, "fused_kernels")] + [
+            m.backend.fused_kernels for m in model.modules() if hasattr(m, "backend")
+        ]
+
+    flags = fused_flags(off)
     assert flags and not any(flags)
-    assert all(m.fused_kernels for m in on.modules() if hasattr(type(m), "fused_kernels"))
+    assert all(fused_flags(on))
 
     def called(*args, **kwargs):
         raise AssertionError("a fused kernel was called")
