@@ -1,10 +1,10 @@
 """Paged attention over the block table, without padding: batched decode and ragged prefill.
 
-The cache (kv_cache.py) is one tensor per component, [S, Hkv, D]; a sequence's position p lives in
-slot block_table[p // block_size] * block_size + p % block_size. A step's sequences split in
-groups (batch.py, AttentionMetadata): decodes (one query each, at position kv_len - 1; on the CPU
-one group per width class) and prefills (n_i queries at positions kv_len_i - n_i .. kv_len_i - 1,
-causal over their own keys).
+The cache (kvcache/tensors.py) is one tensor per component, [S, Hkv, D]; a sequence's position
+p lives in slot block_table[p // block_size] * block_size + p % block_size. A step's sequences
+split in groups (batch.py, AttentionMetadata): decodes (one query each, at position kv_len - 1;
+on the CPU one group per width class) and prefills (n_i queries at positions
+kv_len_i - n_i .. kv_len_i - 1, causal over their own keys).
 
 The functions here are the plain-torch reference, the CPU path and the oracle of the GPU kernels
 (`gpu_service.attention.attention_triton`, same signatures); `attention_kernels` picks which run.
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gpu_service.kvcache.kv_cache import read_cache
+from gpu_service.kvcache.tensors import read_cache
 
 if TYPE_CHECKING:
     from gpu_service.attention.batch import AttentionGroup, AttentionMetadata

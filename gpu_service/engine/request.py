@@ -18,7 +18,7 @@ from gpu_service.engine.errors import EngineError
 from gpu_service.engine.grammar import GrammarMatcher
 from gpu_service.engine.logits_processors import TokenHistory
 from gpu_service.engine.sampling import SampledToken, SamplingParams
-from gpu_service.kvcache.kv_cache import SeqCache
+from gpu_service.kvcache.sequence import SeqCache
 
 
 class RequestState(enum.Enum):

@@ -22,7 +22,7 @@ from typing import BinaryIO
 import torch
 
 from gpu_service.attention.batch import Batch
-from gpu_service.kvcache.kv_cache import SeqCache
+from gpu_service.kvcache.sequence import SeqCache
 from gpu_service.layers.weight_formats import LinearQuantConfig
 
 _LENGTH = struct.Struct("<Q")

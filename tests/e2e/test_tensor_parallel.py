@@ -74,7 +74,7 @@ def greedy_steps(service, batch_prompts: list[list[int]], n: int):
     """Prefill all prompts together, then n decode steps of all of them, through model.forward:
     (the prefill's last-position logits [B, V], each prompt's n greedy tokens)."""
     model = service.engine.model
-    cache = model.kv_cache
+    cache = service.engine.scheduler.kv_manager
     caches = [cache.allocate(len(p)) for p in batch_prompts]
     try:
         first = model.forward(
@@ -220,12 +220,13 @@ def test_killed_follower_fails_the_service_clearly(checkpoints, seed):
         follower.wait(timeout=10)
         model = service.engine.model
         if DEVICE == "cpu":  # NOTE: NCCL's watchdog would end this process at the timeout
-            cache = model.kv_cache.allocate(4)
+            kv = service.engine.scheduler.kv_manager
+            cache = kv.allocate(4)
             try:  # NOTE: run() skips the step listener: rank 0 enters the collective alone
                 with pytest.raises(RuntimeError, match=r"(closed|reset) by peer"):
                     model.run(Batch((SeqInput([1, 2, 3, 4], cache, 0),)))
             finally:
-                model.kv_cache.free(cache)
+                kv.free(cache)
         with pytest.raises(TensorParallelFailed, match=r"rank 1 .* exited with status -9"):
             greedy_steps(service, ps, 1)
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
