@@ -40,7 +40,7 @@ CPU_DEFAULT_CACHE_TOKENS = 32768
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """ "auto": bfloat16 on CUDA, float32 elsewhere (bfloat16 matmuls on CPUs without native
-    support made prefill 7x slower than float32)."""
+    support made prefill several times slower than float32)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return float_dtype(name).torch()

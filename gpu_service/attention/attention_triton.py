@@ -84,11 +84,10 @@ class Tiles:
 def decode_tiles(head_dim: int, group: int, elem_bytes: int = 2) -> Tiles:
     """Default decode tiles (elem_bytes: the query's). MLA's 576-wide latent at 64 heads per
     program: Hopper's warpgroup MMA (needs 64 rows) over 64 keys a step, 8 warps, 2 stages (216
-    KB of shared memory with a bf16 cache, 180 with fp8): in bench_attention's sweeps on the H200
-    (DeepSeek-V3, 32k context, 16-token blocks) 1.27x faster at batch 1 than 32 keys a step, which
-    was 1.43x / 1.61x faster than 16 keys at batch 1 / 16; fewer heads, mma.sync tiles over 32
-    keys. float32 queries of a head wider than 256: 32 heads over 16 keys (the 64 x 32 tiles take
-    258 KB of shared memory there, past the H200's 227 KB)."""
+    KB of shared memory with a bf16 cache, 180 with fp8), the fastest of bench_attention's sweeps
+    on the H200 (DeepSeek-V3 shapes) against 32 and 16 keys a step; fewer heads, mma.sync tiles
+    over 32 keys. float32 queries of a head wider than 256: 32 heads over 16 keys (the 64 x 32
+    tiles take 258 KB of shared memory there, past the H200's 227 KB)."""
     block_h = max(16, min(triton.next_power_of_2(group), 64))
     if head_dim > 256 and elem_bytes > 2:
         return Tiles(block_h=min(block_h, 32), block_n=16, num_warps=4, num_stages=2)

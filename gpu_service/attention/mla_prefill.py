@@ -12,9 +12,9 @@ absorbed.
 It runs where attention_triton's prefill kernel does (CUDA: expanded_kernel), as multi-head
 attention with D = nope + rope and Dv = v (padded to the kernel's 16 where smaller) over the
 expanded keys laid out as a one-block cache (slot = position). On the CPU the absorbed form
-stays: there torch ran it 1.2-2.5x faster than the torch reference over expanded keys at the
-demo model's shapes and 5-8x faster at DeepSeek-V3's (bench/bench_mla_prefill.py, 2 cores):
-one kv head stacks all heads' queries into one GEMM, while expanded each head is its own.
+stays: there torch ran it faster than the torch reference over expanded keys, at the demo
+model's shapes and DeepSeek-V3's (bench/bench_mla_prefill.py): one kv head stacks all heads'
+queries into one GEMM, while expanded each head is its own.
 
 The keys are expanded a block at a time, EXPANDED_BLOCK_BYTES of keys and values per block, so
 the transient memory is bounded at any context: blocks wholly before the chunk go through the

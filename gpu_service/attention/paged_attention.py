@@ -182,9 +182,8 @@ def attention_kernels(
     """(paged_decode, paged_prefill) for tensors on `device`: the GPU kernels on CUDA where their
     module imports, else the torch reference. latent: MLA's absorbed cache (values a view of the
     keys), whose prefill (short chunks: long ones expand the keys, mla_prefill.py) stays on the
-    torch reference: on the GPU host at DeepSeek-V3 shapes the
-    Triton prefill took 92.9 ms per 1k-token chunk at a 32k context against the torch gather's
-    62.0 (bench/bench_attention.py), while its decode took half the torch time. head_dim: the
+    torch reference: on the GPU host at DeepSeek-V3 shapes the Triton prefill was slower than the
+    torch gather (bench/bench_attention.py), while its decode was faster. head_dim: the
     smaller of the key and value head dims; below TRITON_MIN_HEAD_DIM the reference runs."""
     if device.type == "cuda" and head_dim >= TRITON_MIN_HEAD_DIM:
         kernels = triton_kernels()

@@ -99,10 +99,10 @@ def test_streamed_prefill_matches_the_worker_path(family, fmt, checkpoints, seed
 
 def stream_prompts(family: str, fmt: str, on_cpu, seed: int) -> list[list[int]]:
     """The test's prompts. DeepSeek-V3 with quantized experts: the worker's int8 activations move
-    its hidden states by ~1e-3, enough to flip a near-tie of the discrete group/expert routing
-    (seed 78296832 drew margins of 1.7e-4 and 2.6e-4 and moved the logits 7.8e-2), so there only
-    prompts whose routing, in the served quantized model itself, is clear (test_parity's
-    CLEAR_ROUTING_MARGIN; the bf16 reference's margin does not carry over to int4 weights)."""
+    its hidden states enough to flip a near-tie of the discrete group/expert routing (and then
+    the logits move by a routing change, not by rounding), so there only prompts whose routing,
+    in the served quantized model itself, is clear (test_parity's CLEAR_ROUTING_MARGIN; the bf16
+    reference's margin does not carry over to int4 weights)."""
     if family == "deepseek_v3" and fmt != "bf16":
         return clear_routing_prompts(partial(served_routing_margin, on_cpu), seed,
                                      lengths=STREAM_LENGTHS)  # fmt: skip

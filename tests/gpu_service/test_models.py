@@ -310,8 +310,8 @@ def test_bf16_logit_error(cases: dict[str, Case], name: str) -> None:
 def test_fp8_kv_cache_logit_error(cases: dict[str, Case], name: str) -> None:
     """The KV cache in FP8 (e4m3: 3 mantissa bits, saturating, scale 1), all else fp32, against
     the fp32 oracle: prefill and decode steps read the rounded K/V, and the logits move by less
-    than e4m3's relative rounding error of one element (2^-4; bf16's bound, 3e-2, was exceeded
-    by a hair, 3.2e-2, on Qwen3's tiny checkpoint)."""
+    than e4m3's relative rounding error of one element (2^-4; bf16's bound, 3e-2, was too tight
+    on Qwen3's tiny checkpoint)."""
     case = cases[name]
     prompt = _prompt(case.seed + 3, 24)
     expected = _reference_logits(case, prompt)  # [T, V]
