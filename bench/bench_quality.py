@@ -64,13 +64,14 @@ def served_perplexity(model: Path, address: str, ids: list[int], seq_len: int, d
         for module in net.modules():
             if scaled_mm and isinstance(module, FP8Linear):
                 module.scaled_mm = True
+        kv = service.engine.scheduler.kv_manager
         total, count = 0.0, 0
         for window in windows(ids, seq_len):
-            cache = net.kv_cache.allocate(len(window))
+            cache = kv.allocate(len(window))
             try:
                 logits = net.forward(Batch((SeqInput(window, cache, 0),)), all_positions=True)
             finally:
-                net.kv_cache.free(cache)
+                kv.free(cache)
             total += window_nll(logits, window)  # [n, V]: the same definition as transformers'
             count += len(window) - 1
         return math.exp(total / count)

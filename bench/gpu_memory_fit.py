@@ -37,12 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's p
 from bench.common import Column, print_table  # noqa: E402
 from bench.real_checkpoint import SHAPES, config_json  # noqa: E402
 from gpu_service.experts.routed import ReadyExperts  # noqa: E402
+from gpu_service.kvcache.manager import KVCacheManager  # noqa: E402
 from gpu_service.layers.sharding import SINGLE, Shard  # noqa: E402
 from gpu_service.layers.weight_formats import LinearQuantConfig  # noqa: E402
 from gpu_service.memory_plan import GIB, cuda_plan  # noqa: E402
 from gpu_service.models import (  # noqa: E402
     Batch,
-    KVCache,
+    KVCacheTensors,
     SeqInput,
     deepseek,  # noqa: E402
 )
@@ -187,11 +188,12 @@ def run(fmt: str, cap_gib: float, context: int, chunk: int, quantize_lm_head: bo
     plan = cuda_plan(model, torch.bfloat16, min(cap / total, 1.0), chunk, 1, kv_tokens=context)
     print(plan.table())
     cache_config = replace(model.kv_cache.config, max_num_tokens=context)
-    ok = phase("KV cache", lambda: holder.update(kv=KVCache(cache_config, torch.bfloat16, device)),
+    ok = phase("KV cache",
+               lambda: holder.update(kv=KVCacheTensors(cache_config, torch.bfloat16, device)),
                device, rows, cap)  # fmt: skip
     if ok:
         model.kv_cache = holder["kv"]
-        seq = model.kv_cache.allocate(context)
+        seq = KVCacheManager(cache_config).allocate(context)
         seq.num_tokens = context - 1 - chunk  # the prompt's earlier chunks (random K/V stand in)
         vocab = shape.vocab
         prompt = [(i * 7919) % vocab for i in range(chunk)]

@@ -26,7 +26,7 @@ from gpu_service.layers.linear import fp8_matmul_supported
 from gpu_service.layers.sharding import SINGLE, TensorParallel
 from gpu_service.layers.weight_formats import LinearQuantConfig
 from gpu_service.memory_plan import MemoryPlan, cpu_plan, cuda_plan
-from gpu_service.models import KVCache, load_model
+from gpu_service.models import KVCacheTensors, load_model
 from gpu_service.models.config import model_max_len
 from gpu_service.models.registry import choose_attention, default_device
 from gpu_service.tensor_parallel.leader import LeaderConfig, TensorParallelLeader, check_devices
@@ -41,7 +41,7 @@ CPU_DEFAULT_CACHE_TOKENS = 32768
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """ "auto": bfloat16 on CUDA, float32 elsewhere (bfloat16 matmuls on CPUs without native
-    support made prefill 7x slower than float32)."""
+    support made prefill several times slower than float32)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return float_dtype(name).torch()
@@ -138,7 +138,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         cache_config = replace(model.kv_cache.config, max_num_tokens=tokens,
                                enable_prefix_caching=config.prefix_caching,
                                max_num_host_tokens=host_tokens)  # fmt: skip
-        model.kv_cache = KVCache(cache_config, kv_dtype, device)
+        model.kv_cache = KVCacheTensors(cache_config, kv_dtype, device)
         if leader is not None:
             leader.sync_cache(model)
         log.info("KV cache: %d tokens (%.2f GiB, %s), prefix caching %s%s", tokens,

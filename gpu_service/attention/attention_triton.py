@@ -1,7 +1,7 @@
 """Paged attention kernels for CUDA, in Triton: batched decode (split-K) and ragged prefill.
 
-Cache layout (kv_cache.py): row `slot` of k_cache [S, Hkv, D] and v_cache [S, Hkv, Dv] holds the
-token of a sequence at position p, slot = block_table[b, p // block_size] * block_size
+Cache layout (kvcache/tensors.py): row `slot` of k_cache [S, Hkv, D] and v_cache [S, Hkv, Dv]
+holds the token of a sequence at position p, slot = block_table[b, p // block_size] * block_size
 + p % block_size. Every tensor is read through its strides, so v_cache may be a view of k_cache
 (MLA: one latent kv head, D = kv_lora_rank + rope, v = its first kv_lora_rank columns); when it is,
 each key tile is loaded once and used as both key and value. A float8 cache is upcast on load.

@@ -7,7 +7,7 @@ from torch import nn
 
 from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.batch import StepContext
-from gpu_service.kvcache.kv_cache import write_cache
+from gpu_service.kvcache.tensors import write_cache
 from gpu_service.layers import fused_ops
 from gpu_service.layers.blocks import Linear, RMSNorm
 from gpu_service.layers.rope import apply_rotary

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from gpu_service.kvcache.kv_cache import read_cache
+from gpu_service.kvcache.tensors import read_cache
 
 if TYPE_CHECKING:
     from gpu_service.attention.batch import AttentionGroup

@@ -1,10 +1,10 @@
 """Paged attention over the block table, without padding: batched decode and ragged prefill.
 
-The cache (kv_cache.py) is one tensor per component, [S, Hkv, D]; a sequence's position p lives in
-slot block_table[p // block_size] * block_size + p % block_size. A step's sequences split in
-groups (batch.py, AttentionMetadata): decodes (one query each, at position kv_len - 1; on the CPU
-one group per width class) and prefills (n_i queries at positions kv_len_i - n_i .. kv_len_i - 1,
-causal over their own keys).
+The cache (kvcache/tensors.py) is one tensor per component, [S, Hkv, D]; a sequence's position
+p lives in slot block_table[p // block_size] * block_size + p % block_size. A step's sequences
+split in groups (batch.py, AttentionMetadata): decodes (one query each, at position kv_len - 1;
+on the CPU one group per width class) and prefills (n_i queries at positions
+kv_len_i - n_i .. kv_len_i - 1, causal over their own keys).
 
 The functions here are the plain-torch reference, the CPU path and the oracle of the GPU kernels
 (`gpu_service.attention.attention_triton`); a model's AttentionBackend (backend.py) picks which
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_service.kvcache.kv_cache import read_cache
+from gpu_service.kvcache.tensors import read_cache
 
 # per query chunk: Hq x chunk x keys; on the CPU a chunk's scores stay cache-sized (8 MiB fp32)
 PREFILL_SCORE_ELEMENTS = 1 << 21

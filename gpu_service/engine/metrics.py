@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gpu_service.kvcache.kv_cache import PrefixCacheStats
+from gpu_service.kvcache.manager import PrefixCacheStats
 
 if TYPE_CHECKING:
     from gpu_service.engine.request import Request

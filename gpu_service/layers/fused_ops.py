@@ -355,7 +355,7 @@ def qk_rope_cache(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, 
     and k [T, Hkv, D] RMSNorm'd per head (q_weight / k_weight [D]; None: no norm) and rotated
     (halves, not interleaved) by cos/sin [T, D/2] float32; k and v [T, Hkv, D] written into
     k_cache / v_cache [S, Hkv, D] at slots [T]. Returns the rotated q [T, Hq, D] (q's dtype).
-    The torch code it replaces (the oracle): RMSNorm, apply_rotary, kv_cache.write_cache."""
+    The torch code it replaces (the oracle): RMSNorm, apply_rotary, kvcache.tensors.write_cache."""
     tokens, heads_q, dim = q.shape
     heads_kv = k.shape[1]
     out = torch.empty((tokens, heads_q, dim), dtype=q.dtype, device=q.device)
@@ -386,7 +386,7 @@ def mla_rope_cache(q_rot, kv_a, weight, eps, cos, sin, cache, slots, interleaved
     [T, rank + rope] row (rows of unit stride) written into cache [S, rank + rope] at slots [T]
     as [RMSNorm(latent) by weight [rank] | its rotary part rotated]. Returns the rotated q_rot
     [T, H, rope] (q_rot's dtype). The torch code it replaces (the oracle): RMSNorm,
-    apply_rotary twice, torch.cat and kv_cache.write_cache."""
+    apply_rotary twice, torch.cat and kvcache.tensors.write_cache."""
     tokens, heads, rope = q_rot.shape
     rank = weight.shape[0]
     out = torch.empty((tokens, heads, rope), dtype=q_rot.dtype, device=q_rot.device)

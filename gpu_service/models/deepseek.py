@@ -36,7 +36,8 @@ from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.batch import StepContext, num_rows
 from gpu_service.attention.mla_prefill import expanded_prefill, worth_expanding
 from gpu_service.experts.routed import RoutedExperts
-from gpu_service.kvcache.kv_cache import KVCache, KVCacheConfig, write_cache
+from gpu_service.kvcache.config import KVCacheConfig
+from gpu_service.kvcache.tensors import KVCacheTensors, write_cache
 from gpu_service.layers import fused_ops
 from gpu_service.layers.blocks import DenseMLP, Linear, RMSNorm
 from gpu_service.layers.loader import WeightLoader
@@ -289,5 +290,5 @@ def build(
         layers.append(DecoderLayer.load(loader, i, attn, mlp, hidden, eps, backend))
     latent = (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)
     kv_config = KVCacheConfig(cfg.base.num_layers, (latent,), max_num_tokens_in_cache, block_size)
-    kv_cache = KVCache(kv_config, loader.dtype, loader.device)
+    kv_cache = KVCacheTensors(kv_config, loader.dtype, loader.device)
     return CausalLM(cfg.base, loader, layers, Rotary(cfg.rope, loader.device), kv_cache, backend)

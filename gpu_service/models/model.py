@@ -8,13 +8,16 @@
 
 Families (deepseek.py, qwen_moe.py, mixtral.py) build the attention and MLP modules per layer,
 each given the AttentionBackend chosen at load (its kernels), and hand them to `CausalLM` with
-the KV cache they need. The step is written as methods that split it
-at each MoE layer's expert call (embed_tokens, attend_then_norm, the MoE's route / shared_out /
-combine, logits): the engine's decode graphs run the same methods segment by segment. Usage:
+the KV cache's tensors they need (which blocks a sequence holds is the business of the KV
+manager, kvcache/manager.py, which the engine's scheduler owns). The step is written as
+methods that split it at each MoE layer's expert call (embed_tokens, attend_then_norm, the
+MoE's route / shared_out / combine, logits): the engine's decode graphs run the same methods
+segment by segment. Usage:
 
-    cache = model.kv_cache.allocate(len(prompt))
+    kv = KVCacheManager(model.kv_cache.config)
+    cache = kv.allocate(len(prompt))
     logits = model.forward(Batch((SeqInput(prompt, cache, 0),)))        # prefill, [1, V]
-    model.kv_cache.extend(cache, len(prompt) + 1)
+    kv.extend(cache, len(prompt) + 1)
     logits = model.forward(Batch((SeqInput([tok], cache, len(prompt)),)))  # decode
 """
 
@@ -28,7 +31,7 @@ from torch import nn
 from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.batch import AttentionMetadata, Batch, StepContext
 from gpu_service.experts.routed import abandon
-from gpu_service.kvcache.kv_cache import KVCache
+from gpu_service.kvcache.tensors import KVCacheTensors
 from gpu_service.layers.blocks import Linear, RMSNorm
 from gpu_service.layers.linear import make_linear
 from gpu_service.layers.loader import WeightLoader
@@ -87,7 +90,7 @@ class CausalLM(nn.Module):
         loader: WeightLoader,
         layers: list[DecoderLayer],
         rotary: Rotary,
-        kv_cache: KVCache,
+        kv_cache: KVCacheTensors,
         backend: AttentionBackend,
     ) -> None:
         super().__init__()
@@ -145,16 +148,17 @@ class CausalLM(nn.Module):
 
     def check_batch(self, batch: Batch) -> None:
         """Raises ValueError (or InvalidSequenceCache) for a batch this model cannot run: caches
-        not live or too small, ids outside the embedding table (on CUDA, indexing past it is a
+        freed or too small, ids outside the embedding table (on CUDA, indexing past it is a
         device-side assert that breaks the context for everyone). These are invariants of the
         batches the runner builds; requests are checked where they enter the engine
         (engine/validation.py)."""
         for s in batch.seqs:
-            self.kv_cache.check_live(s.cache)
+            s.cache.check_not_freed()
             if s.end_pos > s.cache.capacity:
                 raise ValueError(
                     f"sequence {s.cache.seq_id}: positions up to {s.end_pos} do not fit its cache "
-                    f"capacity {s.cache.capacity}; call kv_cache.extend(cache, {s.end_pos}) first"
+                    f"capacity {s.cache.capacity}; call KVCacheManager.extend(cache, "
+                    f"{s.end_pos}) first"
                 )
             if max(s.token_ids) >= self.config.vocab_size or min(s.token_ids) < 0:
                 raise ValueError(

@@ -18,7 +18,8 @@ from torch import nn
 from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.gqa import GQAAttention
 from gpu_service.experts.routed import RoutedExperts
-from gpu_service.kvcache.kv_cache import KVCache, KVCacheConfig
+from gpu_service.kvcache.config import KVCacheConfig
+from gpu_service.kvcache.tensors import KVCacheTensors
 from gpu_service.layers.blocks import DenseMLP, Linear, RMSNorm
 from gpu_service.layers.loader import WeightLoader
 from gpu_service.layers.moe import MoE, SoftmaxRouter
@@ -131,10 +132,10 @@ def gqa_cache(
     loader: WeightLoader,
     tokens: int,
     block: int,
-) -> KVCache:
+) -> KVCacheTensors:
     """Keys and values of the rank's kv heads only (loader.tp)."""
     entry = (loader.tp.kv_heads(num_kv_heads)[0], head_dim)
-    return KVCache(
+    return KVCacheTensors(
         KVCacheConfig(base.num_layers, (entry, entry), tokens, block), loader.dtype, loader.device
     )
 

@@ -23,7 +23,7 @@ import torch
 
 from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.batch import Batch
-from gpu_service.kvcache.kv_cache import SeqCache
+from gpu_service.kvcache.sequence import SeqCache
 from gpu_service.layers.weight_formats import LinearQuantConfig
 
 _LENGTH = struct.Struct("<Q")

@@ -161,8 +161,8 @@ def kv_cache_block_size(hf, device, dtype, kv_dtype, flashmla=True) -> tuple[int
 
 
 def test_the_cache_block_size_follows_the_mla_decode_kernel():
-    """64-token blocks exactly where FlashMLA serves the model's MLA decode and KTSERVE_FLASHMLA=0 is
-    not given, else the default; the start-up line names the kernel and, where FlashMLA does not
+    """64-token blocks exactly where FlashMLA serves the model's MLA decode and KTSERVE_FLASHMLA=0
+    is not set, else the default; the start-up line names the kernel and, where FlashMLA does not
     serve, why."""
     bf16 = torch.bfloat16
     qwen = hf_config("qwen3_moe")
@@ -181,7 +181,8 @@ def test_the_cache_block_size_follows_the_mla_decode_kernel():
         assert (block == BLOCK) == SERVES, said
         assert said.startswith("FlashMLA") == SERVES, said
         off = kv_cache_block_size(deepseek, CUDA, bf16, bf16, flashmla=False)
-        assert off == (DEFAULT_BLOCK_SIZE, "ktserve's own kernels (FlashMLA off: KTSERVE_FLASHMLA=0)")
+        off_said = "ktserve's own kernels (FlashMLA off: KTSERVE_FLASHMLA=0)"
+        assert off == (DEFAULT_BLOCK_SIZE, off_said)
         block, said = kv_cache_block_size(narrow, CUDA, bf16, bf16)
         assert block == DEFAULT_BLOCK_SIZE
         assert not SERVES or "this model's are 48" in said, said

@@ -16,7 +16,9 @@ from gpu_service.attention import backend as attention_backend
 from gpu_service.attention import paged_attention as pa
 from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.batch import AttentionMetadata, Batch, SeqInput
-from gpu_service.kvcache.kv_cache import KVCache, KVCacheConfig, write_cache
+from gpu_service.kvcache.config import KVCacheConfig
+from gpu_service.kvcache.manager import KVCacheManager
+from gpu_service.kvcache.tensors import KVCacheTensors, write_cache
 
 FP8 = torch.float8_e4m3fn
 TORCH_REFERENCE = AttentionBackend()  # a CPU's backend: the reference runs every call
@@ -196,17 +198,18 @@ def _real_step(
     dim: int,
     block_size: int,
 ) -> tuple[Batch, torch.Tensor, torch.Tensor]:
-    """A batch of sequences (new tokens, kv_len) on KVCache blocks allocated in turns with filler
-    ones (so their blocks interleave), and the layer's caches full of noise."""
-    cache = KVCache(KVCacheConfig(1, ((kv_heads, dim), (kv_heads, dim)), 4096, block_size,
-                                  enable_prefix_caching=False), torch.float32, "cpu")  # fmt: skip
+    """A batch of sequences (new tokens, kv_len) on KVCacheManager blocks allocated in turns with
+    filler ones (so their blocks interleave), and the layer's caches full of noise."""
+    config = KVCacheConfig(1, ((kv_heads, dim), (kv_heads, dim)), 4096, block_size,
+                           enable_prefix_caching=False)  # fmt: skip
+    cache, tensors = KVCacheManager(config), KVCacheTensors(config, torch.float32, "cpu")
     seqs, filler = [], []
     for n, length in shapes:
         filler.append(cache.allocate(rng.randint(1, 9)))
         seq = cache.allocate(length)
         seq.num_tokens = length - n
         seqs.append(SeqInput([0] * n, seq, length - n))
-    k_cache, v_cache = cache.layers[0]
+    k_cache, v_cache = tensors.layers[0]
     k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
     v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
     return Batch(tuple(seqs)), k_cache, v_cache
@@ -250,7 +253,7 @@ def _decode_rows_by_width(batch: Batch, meta: AttentionMetadata) -> list[list[in
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_mixed_step_splits_decodes_and_prefills(seed, interleaved) -> None:
-    """AttentionMetadata of a real batch (KVCache blocks, decodes and prompt chunks mixed, in
+    """AttentionMetadata of a real batch (KVCacheManager blocks, decodes and prompt chunks mixed, in
     either order) and paged_attention over it, against the naive attention of each sequence."""
     rng, gen = random.Random(seed + 700), torch.Generator().manual_seed(seed + 700)
     bs = 4
