@@ -39,7 +39,7 @@ def _help(action: argparse.Action) -> str:
     field's default, and Python versions differ in adding it)."""
     params = {k: v for k, v in vars(action).items() if v is not argparse.SUPPRESS}
     text = (action.help or "") % {**params, "prog": "ktserve serve"}
-    text = text.removesuffix(" (default: None)").removesuffix(" (default: %(default)s)")
+    text = text.removesuffix(" (default: None)")
     text = text.replace(f"{ROOT}/", "")  # the checkout's own paths, as paths in it
     return " ".join(text.split()).replace("|", "\\|")
 
