@@ -226,7 +226,9 @@ def run_all(
         warm_up(client, name, ignore_eos)
         for num_sessions in sizes:
             summary, run_records = replay(target, config, num_sessions, name, api_key, ignore_eos)
-            print(f"{target.name} N={num_sessions}: {summary.num_requests} requests",
+            errors = [r.error for r in run_records if not r.ok]
+            first_error = f", {len(errors)} failed, first: {errors[0]}" if errors else ""
+            print(f"{target.name} N={num_sessions}: {summary.num_requests} requests{first_error}",
                   file=sys.stderr)  # fmt: skip
             summaries.append(summary)
             records += run_records
