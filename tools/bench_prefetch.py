@@ -18,7 +18,7 @@ timed. The j values are interleaved call by call (the order rotating), so drift 
 "again" in --experts adds a row whose call ran once just before, untimed: its weights as hot as
 this pool leaves them, the kernel's own speed with no DRAM wait.
 
-    python bench/bench_prefetch.py [--threads 15] [--shape qwen3|dsv3] [--format int4]
+    python tools/bench_prefetch.py [--threads 15] [--shape qwen3|dsv3] [--format int4]
         [--tokens 1] [--experts 0,1,2,4,8,again] [--calls 40] [--cold rotate|flush] [--flush-gb 1.0]
         [--seed 1234]
 """
