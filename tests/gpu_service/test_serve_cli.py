@@ -19,7 +19,8 @@ from gpu_service.workers.external_workers import ExpertCoverageError, WorkerShar
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.cli import build_parser
 from ktserve.worker_token import TOKEN_ENV, new_token
-from tests.support.api_server import ServerProcess, make_served_checkpoint, pid_alive
+from tests.support.api_server import ServerProcess, pid_alive
+from tests.support.checkpoint_fixtures import ServedCheckpoint
 from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, shm_entries
 from tests.support.ktserve_command import ktserve
@@ -38,9 +39,7 @@ GPU_FLAGS = (
 FLAGS = ("--threads", "1", "--format", "bf16", *GPU_FLAGS)  # the workers serve starts, too
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, seed):
-    return make_served_checkpoint(tmp_path_factory.mktemp("cli") / "tiny", seed, 128)
+CHECKPOINT = ServedCheckpoint(max_position_embeddings=128)
 
 
 def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
