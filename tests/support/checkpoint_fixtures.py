@@ -44,7 +44,7 @@ class ServedCheckpoint:
     """make_served_checkpoint: a tiny DeepSeek-V3 saved with the test tokenizer, for a server."""
 
     max_position_embeddings: int = 512
-    dir_name = "tiny"  # NOTE: the name it is served as (--served-model-name's default)
+    dir_name: str = "tiny"  # NOTE: the name it is served as (--served-model-name's default)
 
     def make(self, path: Path, seed: int) -> Path:
         from tests.support.api_server import make_served_checkpoint  # NOTE: imports transformers

@@ -49,7 +49,7 @@ MAX_MODEL_LEN = TINY_MODEL_LEN
 MAX_NUM_SEQS = 4
 
 
-CHECKPOINT = ServedCheckpoint()
+CHECKPOINT = ServedCheckpoint(dir_name="tiny-ds")
 
 
 @pytest.fixture(scope="module")

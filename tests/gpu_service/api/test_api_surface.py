@@ -29,7 +29,7 @@ from tests.support.watched_process import CHILD_ENV
 KEY = "surface-key"
 
 
-CHECKPOINT = ServedCheckpoint()
+CHECKPOINT = ServedCheckpoint(dir_name="tiny-ds")
 
 
 @pytest.fixture(scope="module")
