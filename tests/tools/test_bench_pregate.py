@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.bench_pregate import hit_rate, pregate_hits, residuals, routed
 from tests.support.checkpoints import (
     available_families,
     load_reference_model,
@@ -14,6 +13,7 @@ from tests.support.checkpoints import (
     moe_block,
     moe_layer_indices,
 )
+from tools.bench_pregate import hit_rate, pregate_hits, residuals, routed
 
 
 def test_hit_rate_counts_each_tokens_shared_ids():
