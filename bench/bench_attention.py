@@ -205,12 +205,41 @@ PARTIAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.f
 
 
 def kernel_spec(spec: str) -> tuple[str, torch.dtype]:
-    """'hopper+bf16' -> ("hopper", torch.bfloat16): decode_with's kernel and the dtype of its
-    splits' partial outputs (default fp32)."""
+    """'hopper+bf16' -> ("hopper", torch.bfloat16): the decode kernel (decoder's) and the dtype
+    of its splits' partial outputs (default fp32; auto and flashmla keep theirs)."""
     name, _, partials = spec.partition("+")
     if partials and partials not in PARTIAL_DTYPES:
         raise SystemExit(f"{spec!r}: partials must be one of {sorted(PARTIAL_DTYPES)}")
+    if partials and name in ("auto", "flashmla"):
+        raise SystemExit(f"{spec!r}: {name} chooses its own partial outputs")
     return name, PARTIAL_DTYPES[partials or "fp32"]
+
+
+def decoder(case: Case, kernel: str) -> Callable:
+    """decode(q, k_cache, v_cache, plans=None) over the case's block table through one kernel
+    (--mla-kernels' names): auto = the AttentionBackend a model of these shapes gets
+    (gpu_service/attention/backend.py), triton / hopper = attention_triton's split kernels,
+    flashmla = FlashMLA's (a ValueError where it does not serve)."""
+    from gpu_service.attention import attention_triton as at
+    from gpu_service.attention import mla_decode_flashmla
+    from gpu_service.attention.backend import AttentionBackend
+
+    name, partials = kernel_spec(kernel)
+    rest = (case.block_table, case.kv_len, case.block_size, case.scale)
+    if name == "auto":
+        latent = case.shape.head_dim if case.shape.mla else 0
+        backend = AttentionBackend.choose(case.k_cache.device, case.k_cache.dtype,
+                                          case.k_cache.dtype, latent)  # fmt: skip
+        return lambda q, k, v, plans=None: backend.gpu_decode(q, k, v, *rest, plans=plans)
+    if name == "flashmla":
+        return lambda q, k, v, plans=None: mla_decode_flashmla.decode_checked(
+            q, k, v, *rest, plans=plans
+        )
+    if name not in ("triton", "hopper"):
+        raise SystemExit(f"{kernel!r}: the kernels are auto, triton, hopper and flashmla")
+    return lambda q, k, v, plans=None: at.decode_with(
+        q, k, v, *rest, hopper=name == "hopper", partial_dtype=partials
+    )
 
 
 def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int,
@@ -220,9 +249,7 @@ def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int,
     call. shared_plans: the calls share one plans dict, as a step's layers share their group's
     (FlashMLA's split schedule made once); else each call plans alone. None where the caches do
     not fit."""
-    from gpu_service.attention import attention_triton as at
-
-    name, partials = kernel_spec(kernel)
+    decode = decoder(case, kernel)
     if layers < 2 or not fits(
         (layers - 1) * case.batch * case.context * case.shape.cache_bytes_per_token, 0.5
     ):
@@ -232,9 +259,7 @@ def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int,
     def run_all():
         plans = {}  # NOTE: made per run, as a step's metadata is (so the capture plans inside)
         for k, v in caches:
-            at.decode_with(q, k, v, case.block_table, case.kv_len, case.block_size, case.scale,
-                           kernel=name, partial_dtype=partials,
-                           plans=plans if shared_plans else None)  # fmt: skip
+            decode(q, k, v, plans=plans if shared_plans else None)
 
     try:
         return timer.median_graph_s(run_all) / layers
@@ -246,7 +271,7 @@ def layered_decode_s(case: Case, q: torch.Tensor, timer: Timer, layers: int,
 def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: float, reference,
             layers: int = 0, kernel: str = "auto", shared_plans: bool = True):  # fmt: skip
     """One table row: times and bounds per decode step or per 1k prefill tokens; with layers, a
-    decode call's time inside a graph of that many calls too. kernel: decode_with's."""
+    decode call's time inside a graph of that many calls too. kernel: decoder's."""
     from gpu_service.attention import attention_triton as at
 
     s, b, n = case.shape, case.batch, case.context
@@ -254,11 +279,10 @@ def measure(case: Case, step: str, timer: Timer, copy_bw: float, flops_rate: flo
     q = case.queries(per_seq)
     args = (case.k_cache, case.v_cache, case.block_table)
     if step == "decode":
-        name, partials = kernel_spec(kernel)
+        decode = decoder(case, kernel)
 
         def run():
-            return at.decode_with(q, *args, case.kv_len, case.block_size, case.scale,
-                                  kernel=name, partial_dtype=partials)  # fmt: skip
+            return decode(q, case.k_cache, case.v_cache)
 
         visible = float(n)
     else:
@@ -342,7 +366,12 @@ def sweep(case: Case, timer: Timer, copy_bw: float, only: list[tuple[int, ...]] 
             try:  # NOTE: a shape compiles at its first call, before the capture
                 seconds = timer.median_graph_s(
                     lambda t=tiles, n=splits, k=kernel_name, p=partials: at.decode_with(
-                        *args, case.scale, tiles=t, num_splits=n, kernel=k, partial_dtype=p
+                        *args,
+                        case.scale,
+                        tiles=t,
+                        num_splits=n,
+                        hopper=k == "hopper",
+                        partial_dtype=p,
                     )
                 )
             except Exception as exc:  # a launch shape this GPU cannot run: say so, go on
@@ -402,8 +431,8 @@ def main() -> None:
     parser.add_argument(
         "--mla-kernels",
         default="auto",
-        help="MLA decode's kernels to time, a row each (comma-separated: auto = what "
-        "paged_decode runs, triton = attention_triton's, hopper = mla_decode_hopper's, "
+        help="MLA decode's kernels to time, a row each (comma-separated: auto = what a "
+        "model's AttentionBackend runs, triton = attention_triton's, hopper = mla_decode_hopper's, "
         "flashmla = FlashMLA's where sgl-flash-mla is installed (64-token blocks); "
         "+bf16 or +fp16 after one: its splits' partial outputs in that dtype, not fp32)",
     )

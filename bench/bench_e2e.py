@@ -6,17 +6,18 @@ writes them) and the GPU service in this process, once per mode:
   segments  CUDA graphs of the segments between MoE layers, the host calls the experts
   graph-d1, segments-d1  the same with one expert per token deferred (--modes names them; the
             worker's per-call phases are then per call, two per deferring layer)
-  graph-memops   graph with --device-handoff memops (copies and stream memory operations where
-            by default Triton kernels read and write the workers' slots)
-  graph-unchained  graph with --no-chain-decode-steps (each decode step decided and launched
-            after the last one's tokens reach the host)
-  graph-unfused  graph with --no-fused-kernels (RMSNorm and RoPE as torch's elementwise steps)
+  graph-memops   graph with the hand-off of KTSERVE_DEVICE_HANDOFF=memops (copies and stream
+            memory operations where by default Triton kernels read and write the workers' slots)
+  graph-unchained  graph with KTSERVE_CHAIN_DECODE_STEPS=0 (each decode step decided and
+            launched after the last one's tokens reach the host)
+  graph-unfused  graph with KTSERVE_FUSED_KERNELS=0 (RMSNorm and RoPE as torch's elementwise
+            steps)
   graph-fp8  graph with --gpu-weight-format fp8 (the GPU part's linear layers in FP8: what
             `auto` picks where bf16 would take over half the GPU's memory budget); every other
             mode runs the GPU part in bf16, whatever the checkpoint
   graph-int8  graph with --gpu-weight-format int8 (weight-only int8, a scale per output)
-  graph-noflashmla  graph with --no-flashmla (an MLA model where FlashMLA serves: ktserve's own
-            MLA decode kernels and 16-token cache blocks)
+  graph-noflashmla  graph with KTSERVE_FLASHMLA=0 (an MLA model where FlashMLA serves:
+            ktserve's own MLA decode kernels and 16-token cache blocks)
   graph-stamps  graph with the hand-off kernels timing themselves on the GPU's clock
             (device_kernels.py's STAMPS): per call, the GPU's wait from its request bell to the
             reply it saw, less the worker's part of it, is the two bells' latency; and the GPU's

@@ -5,7 +5,7 @@ blocks of 64 tokens), in the model dtype (bf16): the attention part of a DeepSee
 roped queries on (q_nope, q_rot) to the per-head values before o_proj.
 - absorbed: deepseek.absorbed_attention (queries W_uk^T q_nope over the latent [c | k_rot],
   values c, then W_uv: the decode path, and short chunks'; on CUDA through the torch reference,
-  as attention_kernels picks for the latent);
+  as a model's AttentionBackend picks for the latent);
 - expanded: mla_prefill.expanded_prefill (keys decompressed per head, a key block of
   EXPANDED_BLOCK_BYTES at a time; on CUDA through the Triton prefill kernel, which serving uses;
   elsewhere through the torch reference, which serving does not: on the CPU it stays absorbed).
@@ -32,8 +32,9 @@ import torch
 
 from bench.common import Column, default_device, print_table
 from gpu_service.attention import mla_prefill
+from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.batch import AttentionGroup
-from gpu_service.attention.paged_attention import group_attention, paged_prefill
+from gpu_service.attention.paged_attention import paged_prefill
 from gpu_service.models.deepseek import absorbed_attention
 
 BLOCK = 64
@@ -74,15 +75,16 @@ class Case:
                                     torch.tensor([context], **i32))  # fmt: skip
         self.scale = (s.nope + s.rope) ** -0.5
         self.shape, self.context, self.chunk = s, context, chunk
+        self.backend = AttentionBackend.choose(device, dtype, dtype, s.rank + s.rope)
 
     def absorbed(self) -> torch.Tensor:
-        attend = partial(group_attention, group=self.group, block_size=BLOCK, scale=self.scale,
-                         prefill=True)  # fmt: skip
+        attend = partial(self.backend.attend_group, group=self.group, block_size=BLOCK,
+                         scale=self.scale, prefill=True)  # fmt: skip
         return absorbed_attention(self.q_nope, self.q_rot, self.cache, self.w_uk, self.w_uv,
                                   attend)  # fmt: skip
 
     def expanded(self) -> torch.Tensor:
-        kernel = mla_prefill.expanded_kernel(self.cache.device) or paged_prefill
+        kernel = self.backend.expanded_prefill_kernel() or paged_prefill
         q_nope, q_rot, w_uk, w_uv = self.q_nope, self.q_rot, self.w_uk, self.w_uv
         return mla_prefill.expanded_prefill(q_nope, q_rot, self.cache, self.group, BLOCK, w_uk,
                                             w_uv, self.scale, kernel)  # fmt: skip
@@ -137,7 +139,8 @@ def main() -> None:
                          f"{diff:.1e}"))  # fmt: skip
             print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
     threads = "" if device == "cuda" else f", {torch.get_num_threads()} torch threads"
-    kernel = "Triton" if mla_prefill.expanded_kernel(torch.device(device)) else "torch reference"
+    gpu = AttentionBackend.choose(device, torch.bfloat16, torch.bfloat16).gpu_kernels
+    kernel = "Triton" if gpu else "torch reference"
     print(f"MLA prefill at {shape.name} shapes ({shape.heads} heads, r {shape.rank}, nope "
           f"{shape.nope}, rope {shape.rope}, v {shape.v}), bf16 on {device}{threads}, medians "
           f"of {args.reps}, alternated; expanded through the {kernel}")  # fmt: skip

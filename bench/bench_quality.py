@@ -47,7 +47,7 @@ def served_perplexity(model: Path, address: str, ids: list[int], seq_len: int, d
                       deferred: int = 0, gpu_weight_format: str = "bf16",
                       scaled_mm: bool = False, kv_cache_dtype: str = "auto") -> float:  # fmt: skip
     """Perplexity of the GPU service on the worker at `address`, `deferred` experts per token
-    deferred (--max-deferred-experts-per-token), the GPU part's linears in gpu_weight_format;
+    deferred (KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN), the GPU part's linears in gpu_weight_format;
     scaled_mm: fp8 runs torch._scaled_mm (the CUDA path's math: e4m3 activations, bf16 out)
     even on the CPU, where the server upcasts the weights instead."""
     config = GPUServiceConfig(
@@ -64,13 +64,14 @@ def served_perplexity(model: Path, address: str, ids: list[int], seq_len: int, d
         for module in net.modules():
             if scaled_mm and isinstance(module, FP8Linear):
                 module.scaled_mm = True
+        kv = service.engine.scheduler.kv_manager
         total, count = 0.0, 0
         for window in windows(ids, seq_len):
-            cache = net.kv_cache.allocate(len(window))
+            cache = kv.allocate(len(window))
             try:
                 logits = net.forward(Batch((SeqInput(window, cache, 0),)), all_positions=True)
             finally:
-                net.kv_cache.free(cache)
+                kv.free(cache)
             total += window_nll(logits, window)  # [n, V]: the same definition as transformers'
             count += len(window) - 1
         return math.exp(total / count)

@@ -7,7 +7,8 @@ prompts, and transformers' float32 greedy continuation of each (full forward eac
 position's token, its logprob and the margin to the runner-up. The host's transformers is not
 the pinned one, so the references travel (carry DIR).
 `check` (there): one server per family and mode on the exact path (`--format bf16 --dtype
-float32 --wire-dtype float32`, one expert worker), greedy completions with logprobs:
+float32`, KTSERVE_WIRE_DTYPE=float32, one expert worker), each mode its experiment switches
+(ktserve/envs.py) in the server's environment, greedy completions with logprobs:
   no deferral    the first token's logprob within 1e-3 of transformers', and the tokens equal
                  (each logprob within 1e-3) up to the first near-tie (a runner-up within 1e-3)
   deferral       (it changes the numbers by design) every token and logprob equal to the same
@@ -32,19 +33,23 @@ FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 NUM_TOKENS = 24
 TOLERANCE = 1e-3  # logprob, and the runner-up margin under which a position is a near-tie
 PROMPTS = ("The quick brown fox", "Mixture of experts models route", "Hello world! How")
-EXACT = ("--expert-workers", "1", "--threads", "4", "--dtype", "float32", "--wire-dtype",
-         "float32", "--format", "bf16", "--max-model-len", "128", "--kv-cache-tokens", "2048",
+EXACT = ("--expert-workers", "1", "--threads", "4", "--dtype", "float32", "--format", "bf16",
+         "--max-model-len", "128", "--kv-cache-tokens", "2048",
          "--served-model-name", "tiny")  # fmt: skip
-# (label, flags, reference): "transformers", or the label of the row a deferral row must equal
+EXACT_ENV = {"KTSERVE_WIRE_DTYPE": "float32"}
+# (label, environment, reference): "transformers", or the label of the row a deferral row must
+# equal
 MODES = (
-    ("kernels", ("--device-handoff", "kernels"), "transformers"),
-    ("memops", ("--device-handoff", "memops"), "transformers"),
-    ("host calls", ("--no-graph-expert-calls",), "transformers"),
-    ("host calls, defer 1", ("--no-graph-expert-calls", "--max-deferred-experts-per-token", "1"),
-     None),
-    ("kernels, defer 1", ("--device-handoff", "kernels", "--max-deferred-experts-per-token",
-                          "1"), "host calls, defer 1"),
-    ("memops, defer 1", ("--device-handoff", "memops", "--max-deferred-experts-per-token", "1"),
+    ("kernels", {"KTSERVE_DEVICE_HANDOFF": "kernels"}, "transformers"),
+    ("memops", {"KTSERVE_DEVICE_HANDOFF": "memops"}, "transformers"),
+    ("host calls", {"KTSERVE_GRAPH_EXPERT_CALLS": "0"}, "transformers"),
+    ("host calls, defer 1",
+     {"KTSERVE_GRAPH_EXPERT_CALLS": "0", "KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"}, None),
+    ("kernels, defer 1",
+     {"KTSERVE_DEVICE_HANDOFF": "kernels", "KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"},
+     "host calls, defer 1"),
+    ("memops, defer 1",
+     {"KTSERVE_DEVICE_HANDOFF": "memops", "KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN": "1"},
      "host calls, defer 1"),
 )  # fmt: skip
 
@@ -122,8 +127,8 @@ def check(ref_dir: Path, device: str) -> int:
         refs = torch.load(path / "served_reference.pt")
         tokenizer = AutoTokenizer.from_pretrained(path)
         outputs: dict[str, list] = {}
-        for label, flags, reference in MODES:
-            server = ServerProcess(path, *EXACT, "--device", device, *flags)
+        for label, env, reference in MODES:
+            server = ServerProcess(path, *EXACT, "--device", device, env={**EXACT_ENV, **env})
             try:
                 served = [complete(server, ref["prompt"]) for ref in refs]
             finally:

@@ -28,7 +28,7 @@ import numpy as np
 from expert_service import packed_store
 from expert_service.expert_shard import ExpertShard, LoadProgress
 from expert_service.kernels import PackedExperts
-from ktserve import shared_store
+from ktserve import envs, shared_store
 from ktserve.checkpoint import (
     CheckpointError,
     ModelSpec,
@@ -39,7 +39,7 @@ from ktserve.intermediate_split import slice_or_whole
 from ktserve.packed_layout import tensor_specs
 
 MARKER = "ktserve-synthetic-experts.json"
-ENV = "KTSERVE_BENCH_SYNTHETIC_EXPERTS"
+ENV = envs.BENCH_SYNTHETIC_EXPERTS.name
 
 
 class SyntheticExpertsError(CheckpointError):
@@ -62,7 +62,7 @@ def load(model_dir: str | Path, experts: range | None, weight_format: str, *,
     packed as experts of that width, never shared; their values are their own, not the rows of
     the whole experts')."""
     model_dir = Path(model_dir)
-    if os.environ.get(ENV) != "1":
+    if not envs.BENCH_SYNTHETIC_EXPERTS.read():
         raise SyntheticExpertsError(
             f"{model_dir} holds synthetic (random) experts, a benchmark-only weight source: "
             f"set {ENV}=1 to load it (the benchmarks under bench/ do), or serve a real checkpoint"

@@ -28,7 +28,7 @@ from expert_service.expert_shard import ExpertShard, LoadProgress
 from expert_service.kernels import MoEKernel
 from expert_service.metrics import CallCounts, WorkerMetrics
 from expert_service.shard import load_shard
-from ktserve import shared_store, wire
+from ktserve import envs, shared_store, wire
 
 log = logging.getLogger("ktserve.expert")
 
@@ -36,10 +36,9 @@ POLL_S = 0.2  # how often an idle channel thread looks at the stop flag
 IDLE_GAP_S = 0.005  # gaps between calls counted as idle (longer: between steps or requests)
 PRODUCER_GRACE_S = 10.0  # a GPU service whose heartbeat stalls this long is gone (see below)
 PRODUCER_POLL_S = 0.05
-# An experiment's switch (tests of the device hand-off under timing pressure): before each MoE
-# reply the worker spins a random 0..N microseconds, drawn from KTSERVE_WORKER_REPLY_DELAY_SEED.
-REPLY_DELAY_ENV = "KTSERVE_WORKER_REPLY_DELAY_US"
-REPLY_DELAY_SEED_ENV = "KTSERVE_WORKER_REPLY_DELAY_SEED"
+# An experiment's switch (tests of the device hand-off under timing pressure): ktserve/envs.py
+REPLY_DELAY_ENV = envs.WORKER_REPLY_DELAY_US.name
+REPLY_DELAY_SEED_ENV = envs.WORKER_REPLY_DELAY_SEED.name
 
 
 class WorkerState(enum.IntEnum):
@@ -111,10 +110,10 @@ class ExpertWorker:
         self._stats_cv = threading.Condition()
         self._stats_waiters = 0
         self.metrics.in_flight.set_function(lambda: self.in_flight)
-        self._reply_delay_s = float(os.environ.get(REPLY_DELAY_ENV) or 0) * 1e-6
+        self._reply_delay_s = envs.WORKER_REPLY_DELAY_US.read() * 1e-6
         if self._reply_delay_s < 0:
             raise ValueError(f"{REPLY_DELAY_ENV} must be >= 0 microseconds")
-        self._reply_delay_rng = random.Random(int(os.environ.get(REPLY_DELAY_SEED_ENV) or 0))
+        self._reply_delay_rng = random.Random(envs.WORKER_REPLY_DELAY_SEED.read())
         if self._reply_delay_s:
             log.warning("%s: every MoE reply is held back 0..%.0f us (an experiment)",
                         REPLY_DELAY_ENV, self._reply_delay_s * 1e6)  # fmt: skip

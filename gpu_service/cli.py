@@ -21,10 +21,24 @@ from pathlib import Path
 
 from gpu_service.config import DEMO_MODEL_DIR
 from gpu_service.serve_config import API_KEY_ENV, API_KEY_FILE_ENV, ServeConfig, WorkersConfig
+from ktserve import envs
 from ktserve.config_flags import add_flags, flag_name, from_args
 
 SPAWN_FIELDS = ("expert_workers", "experts_per_worker", "weight_format", "threads",
                 "expert_split", "numa")  # fmt: skip
+# The experiment switches that were flags -> the environment variables that replaced them.
+MOVED_FLAGS = {
+    "--no-flashmla": f"{envs.FLASHMLA.name}=0",
+    "--no-fused-kernels": f"{envs.FUSED_KERNELS.name}=0",
+    "--no-graph-expert-calls": f"{envs.GRAPH_EXPERT_CALLS.name}=0",
+    "--no-chain-decode-steps": f"{envs.CHAIN_DECODE_STEPS.name}=0",
+    "--device-handoff": envs.DEVICE_HANDOFF.name,
+    "--wire-dtype": envs.WIRE_DTYPE.name,
+    "--mixed-step-time-ms": envs.MIXED_STEP_TIME_MS.name,
+    "--min-prefill-chunk-tokens": envs.MIN_PREFILL_CHUNK_TOKENS.name,
+    "--max-deferred-experts-per-token": envs.MAX_DEFERRED_EXPERTS_PER_TOKEN.name,
+    "--gpu-experts-refresh": envs.GPU_EXPERTS_REFRESH_S.name,
+}
 
 
 class Shutdown(BaseException):
@@ -49,6 +63,8 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
         help=f"not accepted: a key on the command line is visible to every local user (ps); "
         f"use --api-key-file, {API_KEY_FILE_ENV} or {API_KEY_ENV}",
     )
+    for name in MOVED_FLAGS:
+        parser.add_argument(name, action=MovedFlag, nargs="?", help=argparse.SUPPRESS)
     parser.set_defaults(run=run_serve)
 
 
@@ -57,6 +73,16 @@ class RefuseSecret(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         parser.error(f"argument {option_string}: {self.help}")
+
+
+class MovedFlag(argparse.Action):
+    """An experiment switch that was a flag: refused, naming the variable that replaced it."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(
+            f"argument {option_string}: an experiment switch, no longer a flag: set the "
+            f"environment variable {MOVED_FLAGS[option_string]} instead (docs/serving.md)"
+        )
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:

@@ -6,15 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ktserve import wire
-from ktserve.config_flags import flag
+from ktserve import envs, wire
+from ktserve.config_flags import env_field, flag
 from ktserve.names import FLOAT_DTYPE_NAMES
 
 MODEL_DTYPES = ("auto", *FLOAT_DTYPE_NAMES)
 KV_CACHE_DTYPES = ("auto", "fp8")
 GPU_WEIGHT_FORMATS = ("bf16", "fp8", "int8", "int4")
 STREAM_PREFILL_MODES = ("auto", "on", "off")
-DEVICE_ENV = "KTSERVE_DEVICE"
+DEVICE_ENV = envs.DEVICE.name
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "demo_model"
 
 
@@ -47,21 +47,11 @@ class SchedulerConfig:
         "the eager-over-graphed gap of its decode rows twice: a smaller chunk would pay that gap "
         "again in every one of many steps); "
         "with no decodes running a prompt gets all of --max-num-batched-tokens. 0: off, a chunk "
-        "is whatever --max-num-batched-tokens leaves (default %(default)s)",
+        "is whatever --max-num-batched-tokens leaves (default %(default)s; its experiments: "
+        f"{envs.MIXED_STEP_TIME_MS.name}, {envs.MIN_PREFILL_CHUNK_TOKENS.name})",
     )
-    mixed_step_time_ms: float | None = flag(
-        None,
-        metavar="MS",
-        help="the bound of --mixed-step-time-factor as a fixed time instead: a step with decode "
-        "rows carries the prompt tokens predicted to fit in MS milliseconds (replaces the "
-        "factor, and works with --mixed-step-time-factor 0)",
-    )
-    min_prefill_chunk_tokens: int = flag(
-        8,
-        help="beside decodes, a step carries at least this many prompt tokens (at most "
-        "--max-num-batched-tokens) whatever the predicted time, so a prompt always progresses "
-        "(default %(default)s)",
-    )
+    mixed_step_time_ms: float | None = env_field(envs.MIXED_STEP_TIME_MS)
+    min_prefill_chunk_tokens: int = env_field(envs.MIN_PREFILL_CHUNK_TOKENS)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -78,10 +68,13 @@ class SchedulerConfig:
                 f"takes longer than its decode rows alone), got {self.mixed_step_time_factor}"
             )
         if self.mixed_step_time_ms is not None and not self.mixed_step_time_ms > 0:
-            raise ValueError(f"--mixed-step-time-ms must be > 0, got {self.mixed_step_time_ms}")
+            raise ValueError(
+                f"{envs.MIXED_STEP_TIME_MS.name} must be > 0, got {self.mixed_step_time_ms}"
+            )
         if self.min_prefill_chunk_tokens < 1:
             raise ValueError(
-                f"--min-prefill-chunk-tokens must be >= 1, got {self.min_prefill_chunk_tokens}"
+                f"{envs.MIN_PREFILL_CHUNK_TOKENS.name} must be >= 1, got "
+                f"{self.min_prefill_chunk_tokens}"
             )
 
     @property
@@ -104,26 +97,14 @@ class ExpertClientConfig:
     """
 
     workers: tuple[str, ...] = ()
-    wire_dtype: str = flag(
-        "bfloat16",
-        choices=wire.X_DTYPES,
-        help="dtype of hidden states sent to the expert workers (default %(default)s; float32 "
-        "is exact)",
-    )
+    wire_dtype: str = env_field(envs.WIRE_DTYPE)
     worker_timeout_s: float = flag(
         30.0,
         name="--worker-timeout",
         help="seconds requests wait for a dead expert worker to come back before they fail "
         "with 503 (default %(default)s)",
     )
-    device_handoff: str = flag(
-        "kernels",
-        choices=("kernels", "memops"),
-        help="how a decode graph's expert calls reach the workers' mapped slots: kernels (the "
-        "default: two Triton kernels per call read and write the slot over PCIe themselves and "
-        "spin on its bell; memops where Triton is missing) or memops (copies plus the driver's "
-        "stream memory operations, cuStreamWriteValue / WaitValue)",
-    )
+    device_handoff: str = env_field(envs.DEVICE_HANDOFF)
     num_slots: int = 4
     spin_us: float = 500.0
     handoff_stamps: bool = False  # benchmarks: the GPU times its hand-off (device_kernels.py)
@@ -133,7 +114,7 @@ class ExpertClientConfig:
     def __post_init__(self) -> None:
         if self.wire_dtype not in wire.X_DTYPES:
             raise ValueError(
-                f"--wire-dtype must be one of {wire.X_DTYPES}, got {self.wire_dtype!r}"
+                f"{envs.WIRE_DTYPE.name} must be one of {wire.X_DTYPES}, got {self.wire_dtype!r}"
             )
         if self.worker_timeout_s <= 0:
             raise ValueError(f"--worker-timeout must be positive, got {self.worker_timeout_s}")
@@ -226,36 +207,17 @@ class GPUServiceConfig:
     gpu_experts: int = flag(
         0,
         help="hot routed experts per MoE layer to keep on the GPU, computed there while the CPU "
-        "workers do the rest; chosen from the workers' activation counts (default %(default)s)",
+        "workers do the rest; chosen from the workers' activation counts, chosen again every "
+        f"{envs.GPU_EXPERTS_REFRESH_S.name} seconds (default %(default)s)",
     )
-    gpu_experts_refresh_s: float = flag(
-        300.0,
-        name="--gpu-experts-refresh",
-        metavar="SECONDS",
-        help="with --gpu-experts: every SECONDS, make each layer's most used experts of that "
-        "interval the GPU ones (counted on the GPU; 0: keep the first choice; never with "
-        "--expert-placement) (default %(default)s)",
-    )
+    gpu_experts_refresh_s: float = env_field(envs.GPU_EXPERTS_REFRESH_S)
     expert_placement: str | None = flag(
         None,
         metavar="FILE",
         help='JSON {"layer": [expert ids]} naming the experts to keep on the GPU per layer',
     )
-    fused_kernels: bool = flag(
-        True,
-        name="--no-fused-kernels",
-        help="on CUDA, run RMSNorm, the rotary embedding and the MoE routers' top-k as torch's "
-        "elementwise steps (by default each is one Triton kernel computing the same float32 "
-        "math; gpu_service/layers/fused_ops.py)",
-    )
-    flashmla: bool = flag(
-        True,
-        name="--no-flashmla",
-        help="keep ktserve's own MLA decode kernels even where FlashMLA (the sgl-flash-mla "
-        "package, on a Hopper GPU) would serve (by default an MLA model's decode attention runs "
-        "on FlashMLA where it loads, over 64-token cache blocks; gpu_service/models/"
-        "mla_decode_flashmla.py)",
-    )
+    fused_kernels: bool = env_field(envs.FUSED_KERNELS)
+    flashmla: bool = env_field(envs.FLASHMLA)
     cuda_graphs: bool = flag(
         True,
         name="--no-cuda-graphs",
@@ -263,32 +225,9 @@ class GPUServiceConfig:
         "segments between MoE calls are captured once per batch size and replayed as CUDA "
         "graphs)",
     )
-    graph_expert_calls: bool = flag(
-        True,
-        name="--no-graph-expert-calls",
-        help="with CUDA graphs, call the expert workers from the host between the graphs of a "
-        "decode step's segments (by default the GPU stream itself hands each MoE layer's "
-        "hidden states to the workers and waits for their replies, so a step is one graph; "
-        "--gpu-experts and --expert-placement always use segments)",
-    )
-    chain_decode_steps: bool = flag(
-        True,
-        name="--no-chain-decode-steps",
-        help="with CUDA graphs, decide and launch each decode step after the last one's tokens "
-        "reach the host (by default a step that continues the last one, where no request waits "
-        "to be admitted and every row samples without host state: no grammar, penalties or "
-        "logprobs, is launched as soon as the last one's graph ends, its tokens taken from the "
-        "last one's samples on the GPU, while the host reads them; a request that ends meanwhile "
-        "costs its row one step of computing)",
-    )
-    max_deferred_experts_per_token: int = flag(
-        0,
-        metavar="N",
-        help="expert deferral, speed for quality: each token's N lowest-weight routed experts "
-        "of an MoE layer are computed by the CPU while the GPU runs the next layer, their output "
-        "joining the next MoE layer's instead of their own (the last MoE layer defers none); N "
-        "must be below the model's experts per token (default %(default)s: off)",
-    )
+    graph_expert_calls: bool = env_field(envs.GRAPH_EXPERT_CALLS)
+    chain_decode_steps: bool = env_field(envs.CHAIN_DECODE_STEPS)
+    max_deferred_experts_per_token: int = env_field(envs.MAX_DEFERRED_EXPERTS_PER_TOKEN)
     stream_prefill: str = flag(
         "auto",
         choices=STREAM_PREFILL_MODES,
@@ -357,7 +296,7 @@ class GPUServiceConfig:
             raise ValueError(f"--gpu-experts must be >= 0, got {self.gpu_experts}")
         if self.gpu_experts_refresh_s < 0:
             raise ValueError(
-                f"--gpu-experts-refresh must be >= 0, got {self.gpu_experts_refresh_s}"
+                f"{envs.GPU_EXPERTS_REFRESH_S.name} must be >= 0, got {self.gpu_experts_refresh_s}"
             )
         if self.expert_placement is not None and not Path(self.expert_placement).is_file():
             raise ValueError(f"--expert-placement {self.expert_placement!r} is not a file")
@@ -368,13 +307,13 @@ class GPUServiceConfig:
             )
         if self.max_deferred_experts_per_token < 0:
             raise ValueError(
-                "--max-deferred-experts-per-token must be >= 0, got "
+                f"{envs.MAX_DEFERRED_EXPERTS_PER_TOKEN.name} must be >= 0, got "
                 f"{self.max_deferred_experts_per_token}"
             )
         if self.max_deferred_experts_per_token and self.experts.num_slots < 3:
             raise ValueError(
-                "--max-deferred-experts-per-token needs 3 slots per expert channel (a deferred "
-                f"call, the next layer's two), got num_slots={self.experts.num_slots}"
+                f"{envs.MAX_DEFERRED_EXPERTS_PER_TOKEN.name} needs 3 slots per expert channel "
+                f"(a deferred call, the next layer's two), got num_slots={self.experts.num_slots}"
             )
         if self.tensor_parallel_size < 1:
             raise ValueError(

@@ -35,6 +35,7 @@ from gpu_service.engine.grammar import GrammarCompiler
 from gpu_service.serve_config import ChatConfig, ServeConfig
 from gpu_service.service import GPUService, build_gpu_service, check_model_fits
 from gpu_service.workers.external_workers import ExternalWorkers
+from gpu_service.workers.plan import worker_plans
 from gpu_service.workers.supervisor import Supervisor, worker_specs
 from ktserve.checkpoint import HFConfig
 from ktserve.checkpoint.spec import ModelSpec
@@ -172,7 +173,7 @@ def _workers(config: ServeConfig, spec: ModelSpec) -> Supervisor | ExternalWorke
         return ExternalWorkers(
             workers.expert_addresses, spec, read_token(workers.worker_token_file)
         )
-    plans = workers.worker_plans(spec, read_topology())
+    plans = worker_plans(workers, spec, read_topology())
     log.info(
         "starting %d expert worker(s) (%s, %s)",
         len(plans),

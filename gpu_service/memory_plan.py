@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from gpu_service.models import Batch, KVCache, SeqInput
+from gpu_service.kvcache.manager import KVCacheManager
+from gpu_service.models import Batch, KVCacheTensors, SeqInput
 from gpu_service.models.model import CausalLM
 
 GIB = 2**30
@@ -153,9 +154,10 @@ def profile_peak(model: CausalLM, lengths: list[int]) -> int:
     device, cache = model.device, model.kv_cache
     block = cache.config.block_size
     tokens = sum(-(-n // block) * block for n in lengths)
-    profile_cache = KVCache(replace(cache.config, max_num_tokens=tokens,
-                                    enable_prefix_caching=False, max_num_host_tokens=0),
-                            model.dtype, device)  # fmt: skip
+    profile_config = replace(cache.config, max_num_tokens=tokens, enable_prefix_caching=False,
+                             max_num_host_tokens=0)  # fmt: skip
+    profile_cache = KVCacheTensors(profile_config, model.dtype, device)
+    profile_blocks = KVCacheManager(profile_config)
     vocab = model.config.vocab_size
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
@@ -163,7 +165,7 @@ def profile_peak(model: CausalLM, lengths: list[int]) -> int:
     model.kv_cache = profile_cache
     try:
         seqs = tuple(
-            SeqInput([(i * 7919) % vocab for i in range(n)], profile_cache.allocate(n), 0)
+            SeqInput([(i * 7919) % vocab for i in range(n)], profile_blocks.allocate(n), 0)
             for n in lengths
         )
         model.forward(Batch(seqs))

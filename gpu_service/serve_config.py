@@ -9,22 +9,17 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gpu_service.config import GPUServiceConfig
+from ktserve import envs
 from ktserve.config_flags import comma_list, flag
-from ktserve.intermediate_split import format_rows, split_rows
 from ktserve.names import WEIGHT_FORMATS
 from ktserve.worker_token import token_file_flag
 
-if TYPE_CHECKING:
-    from ktserve.checkpoint.spec import ModelSpec
-    from ktserve.numa import NumaNode, NumaTopology
-
 log = logging.getLogger("ktserve.serve")
 
-API_KEY_ENV = "KTSERVE_API_KEY"
-API_KEY_FILE_ENV = "KTSERVE_API_KEY_FILE"
+API_KEY_ENV = envs.API_KEY.name
+API_KEY_FILE_ENV = envs.API_KEY_FILE.name
 MiB = 1 << 20
 # NOTE: the names of gpu_service.api.tool_parsers.PARSERS and api.reasoning.REASONING_PARSERS
 # (a test keeps them equal): --help must not import the API.
@@ -261,60 +256,6 @@ class WorkersConfig:
         if self.expert_addresses is not None:
             check_addresses(self.expert_addresses)
 
-    def expert_ranges(self, num_experts: int) -> tuple[str, ...]:
-        """Each worker's expert ids ("first-last"): as given, or an even split of num_experts."""
-        if self.experts_per_worker is not None:
-            return self.experts_per_worker
-        return split_experts(num_experts, self.expert_workers)
-
-    def numa_nodes(self, topology: NumaTopology) -> tuple[NumaNode, ...] | None:
-        """The node of each worker under --numa auto on a machine of several; None: unplaced."""
-        if self.numa == "off" or topology.num_nodes == 1:
-            return None
-        if self.expert_workers not in (1, topology.num_nodes):
-            raise ValueError(
-                f"--numa auto runs one expert worker per NUMA node ({topology.num_nodes} here), "
-                f"but --expert-workers is {self.expert_workers}: leave it out, or use --numa off"
-            )
-        return topology.nodes
-
-    def worker_plans(self, spec: ModelSpec, topology: NumaTopology) -> tuple[WorkerPlan, ...]:
-        """What each worker ktserve serve starts holds and where it runs."""
-        nodes = self.numa_nodes(topology)
-        config = self if nodes is None else replace(self, expert_workers=len(nodes))
-        count = config.expert_workers
-        if self.expert_split == "intermediate":
-            everyone = f"0-{spec.num_experts - 1}"
-            shards = [(everyone, format_rows(rows))
-                      for rows in split_rows(spec.moe_intermediate_size, count)]  # fmt: skip
-        else:
-            shards = [(experts, None) for experts in config.expert_ranges(spec.num_experts)]
-        return tuple(
-            WorkerPlan(experts, rows, nodes[i].cpulist if nodes else None,
-                       nodes[i].node_id if nodes else None)
-            for i, (experts, rows) in enumerate(shards)
-        )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class WorkerPlan:
-    """One worker ktserve serve starts: its expert ids, intermediate rows (None: all), CPUs and
-    NUMA node (None: not placed)."""
-
-    experts: str
-    intermediate_rows: str | None = None
-    cpus: str | None = None
-    numa_node: int | None = None
-
-    @property
-    def label(self) -> str:
-        label = f"experts {self.experts}"
-        if self.intermediate_rows is not None:
-            label += f" rows {self.intermediate_rows}"
-        if self.numa_node is not None:
-            label += f" on node {self.numa_node} (CPUs {self.cpus})"
-        return label
-
 
 @dataclass(frozen=True)
 class ChatConfig:
@@ -391,19 +332,3 @@ def check_addresses(addresses: tuple[str, ...]) -> None:
     repeated = sorted({a for a in addresses if addresses.count(a) > 1})
     if repeated:
         raise ValueError(f"--expert-address names {', '.join(repeated)} more than once")
-
-
-def split_experts(num_experts: int, num_workers: int) -> tuple[str, ...]:
-    """Contiguous, even ranges ("first-last", inclusive); the first ones take the remainder."""
-    if num_workers > num_experts:
-        raise ValueError(
-            f"{num_workers} expert workers for {num_experts} routed experts: use at most "
-            f"{num_experts} workers"
-        )
-    base, extra = divmod(num_experts, num_workers)
-    ranges, start = [], 0
-    for i in range(num_workers):
-        size = base + (i < extra)
-        ranges.append(f"{start}-{start + size - 1}")
-        start += size
-    return tuple(ranges)

@@ -26,10 +26,11 @@ from gpu_service.layers.linear import fp8_matmul_supported
 from gpu_service.layers.sharding import SINGLE, TensorParallel
 from gpu_service.layers.weight_formats import LinearQuantConfig
 from gpu_service.memory_plan import MemoryPlan, cpu_plan, cuda_plan
-from gpu_service.models import KVCache, load_model
+from gpu_service.models import KVCacheTensors, load_model
 from gpu_service.models.config import model_max_len
-from gpu_service.models.registry import default_device, kv_cache_block_size
+from gpu_service.models.registry import choose_attention, default_device
 from gpu_service.tensor_parallel.leader import LeaderConfig, TensorParallelLeader, check_devices
+from ktserve import envs
 from ktserve.checkpoint import CheckpointReader, HFConfig, ModelSpec, non_expert_params
 from ktserve.names import float_dtype
 
@@ -40,7 +41,7 @@ CPU_DEFAULT_CACHE_TOKENS = 32768
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """ "auto": bfloat16 on CUDA, float32 elsewhere (bfloat16 matmuls on CPUs without native
-    support made prefill 7x slower than float32)."""
+    support made prefill several times slower than float32)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return float_dtype(name).torch()
@@ -89,11 +90,13 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
     streaming = leader = None
     try:
         tp = SINGLE
+        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
+        attention = choose_attention(hf, device, dtype, kv_dtype, flashmla=config.flashmla,
+                                     fused_kernels=config.fused_kernels)  # fmt: skip
         if config.tensor_parallel_size > 1:
             leader = TensorParallelLeader(LeaderConfig(
                 config.tensor_parallel_size, config.model_dir, device, dtype,
-                linear_quant, config.fused_kernels,
-                config.tensor_parallel_timeout_s,
+                linear_quant, attention, config.tensor_parallel_timeout_s,
             ))  # fmt: skip
             tp = leader.start()  # NOTE: the followers load their shares while rank 0 does
         backend = experts
@@ -108,16 +111,13 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         log.info("GPU weight format: %s%s%s", linear_quant.format,
                  " (lm_head too)" if linear_quant.quantize_lm_head else "",
                  f" (auto: {chosen_by})" if chosen_by else "")  # fmt: skip
-        kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
-        block_size, mla_decode = kv_cache_block_size(hf, device, dtype, kv_dtype,
-                                                     config.flashmla)  # fmt: skip
-        if mla_decode:
-            log.info("MLA decode: %s", mla_decode)
+        if attention.mla_decode:
+            log.info("MLA decode: %s", attention.mla_decode)
+        block_size = attention.block_size
         model = load_model(config.model_dir, device, dtype, experts=backend,
                            max_num_tokens_in_cache=block_size, block_size=block_size, hf=hf,
                            max_deferred_experts_per_token=deferred,
-                           linear_quant=linear_quant, tp=tp,
-                           fused_kernels=config.fused_kernels)  # fmt: skip
+                           linear_quant=linear_quant, tp=tp, attention=attention)  # fmt: skip
         if leader is not None:
             leader.ready(model)  # NOTE: before the memory plan: its profiling steps are theirs too
         max_graph_batch = min(config.cuda_graph_max_batch, scheduler.max_num_seqs)
@@ -138,7 +138,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
         cache_config = replace(model.kv_cache.config, max_num_tokens=tokens,
                                enable_prefix_caching=config.prefix_caching,
                                max_num_host_tokens=host_tokens)  # fmt: skip
-        model.kv_cache = KVCache(cache_config, kv_dtype, device)
+        model.kv_cache = KVCacheTensors(cache_config, kv_dtype, device)
         if leader is not None:
             leader.sync_cache(model)
         log.info("KV cache: %d tokens (%.2f GiB, %s), prefix caching %s%s", tokens,
@@ -252,7 +252,7 @@ def check_model_fits(config: GPUServiceConfig, spec: ModelSpec,
     deferred = config.max_deferred_experts_per_token
     if deferred >= spec.num_experts_per_tok:
         raise ValueError(
-            f"--max-deferred-experts-per-token must be below the model's "
+            f"{envs.MAX_DEFERRED_EXPERTS_PER_TOKEN.name} must be below the model's "
             f"{spec.num_experts_per_tok} routed experts per token, got {deferred}"
         )
     resolve_linear_quant(config, torch.device(config.device or default_device()))

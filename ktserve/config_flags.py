@@ -6,24 +6,29 @@ go next to its help text. The rest follows from the field:
     name      --field-name, or the one given (--format for weight_format); dest: the field's name
     type      the annotation's: int, float or str (`X | None` is X); `type=` for any other
     default   None: a flag not given leaves the field's default, which %(default)s in the help
-              text shows; with `env=`, the flag's default is that environment variable's value
+              text shows; with `env=` (a name in ktserve/envs.py), the flag's default is that
+              environment variable's value
     bool      --x/--no-x, or only the one named (`name="--no-x"`)
     required  when the field has no default (a positional: when nargs asks for it)
 
+A field made with `env_field(var)` is no flag but an experiment's switch, the environment
+variable var of ktserve/envs.py: its default is var's, and `from_args` reads var.
+
 A field whose type is a config dataclass adds that dataclass's flags in turn, each dataclass's
 under its own heading of --help, from its docstring's first line ("Title: what it holds").
-`from_args` builds the dataclass, and those inside it, from the parsed flags; their
-`__post_init__` checks the values.
+`from_args` builds the dataclass, and those inside it, from the parsed flags and the
+environment; their `__post_init__` checks the values.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import types
 import typing
 from typing import Any, TypeVar
+
+from ktserve import envs
 
 T = TypeVar("T")
 SCALARS = (int, float, str)
@@ -41,6 +46,12 @@ def flag(
     """A dataclass field that is also a command-line flag (see the module docstring)."""
     spec = dict(help=help, name=name, positional=positional, env=env, argparse=argparse_kwargs)
     return dataclasses.field(default=default, metadata={"flag": spec})
+
+
+def env_field(var: envs.EnvVar) -> Any:
+    """A dataclass field set by the environment variable var, not by a flag (see the module
+    docstring)."""
+    return dataclasses.field(default=var.default, metadata={"env": var})
 
 
 def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -63,7 +74,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type) -> None:
 
 
 def from_args(cls: type[T], args: argparse.Namespace) -> T:
-    """cls from the flags add_flags(parser, cls) made; a flag not given keeps the default."""
+    """cls from the flags add_flags(parser, cls) made and the environment variables of its
+    env_field()s; a flag not given, or a variable not set, keeps the default."""
     hints = typing.get_type_hints(cls)
     values = {}
     for field in dataclasses.fields(cls):
@@ -72,6 +84,8 @@ def from_args(cls: type[T], args: argparse.Namespace) -> T:
         elif "flag" in field.metadata and getattr(args, field.name, None) is not None:
             value = getattr(args, field.name)
             values[field.name] = tuple(value) if isinstance(value, list) else value
+        elif "env" in field.metadata:
+            values[field.name] = field.metadata["env"].read()
     return cls(**values)
 
 
@@ -92,7 +106,7 @@ def _argument(cls: type, field: dataclasses.Field, kind: Any) -> tuple[list[str]
     if field.default is not dataclasses.MISSING:
         help_text = help_text.replace("%(default)s", str(field.default))
     kwargs: dict[str, Any] = {"help": help_text, **spec["argparse"]}
-    kwargs["default"] = (os.environ.get(spec["env"]) or None) if spec["env"] else None
+    kwargs["default"] = envs.ENV_VARS[spec["env"]].read() if spec["env"] else None
     name = flag_name(cls, field.name)
     base = _without_none(kind)
     if base is bool:

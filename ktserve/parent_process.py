@@ -13,7 +13,9 @@ import os
 import signal
 from collections.abc import Mapping
 
-PARENT_ENV = "KTSERVE_PARENT_PID"
+from ktserve import envs
+
+PARENT_ENV = envs.PARENT_PID.name
 PR_SET_PDEATHSIG = 1
 
 try:

@@ -23,11 +23,12 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from ktserve import envs
 from ktserve.config_flags import flag
 
-TOKEN_ENV = "KTSERVE_WORKER_TOKEN"
-TOKEN_FILE_ENV = "KTSERVE_WORKER_TOKEN_FILE"
-TOKEN_CREATE_ENV = "KTSERVE_WORKER_TOKEN_CREATE"
+TOKEN_ENV = envs.WORKER_TOKEN.name
+TOKEN_FILE_ENV = envs.WORKER_TOKEN_FILE.name
+TOKEN_CREATE_ENV = envs.WORKER_TOKEN_CREATE.name
 METADATA_KEY = "x-ktserve-worker-token"
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # liveness for Docker, Kubernetes, the supervisor
 

@@ -1,9 +1,10 @@
 """The docs that are generated or that name the code: docs/serving.md's flag reference is
-`ktserve serve`'s parser as it stands (tools/serving_flags.py), and the README stays a front
-door whose links lead somewhere."""
+`ktserve serve`'s parser as it stands and its environment reference is ktserve/envs.py
+(tools/serving_flags.py), and the README stays a front door whose links lead somewhere."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from pathlib import Path
 
@@ -20,10 +21,20 @@ def test_serving_flag_reference_is_current():
     )
 
 
+def test_environment_reference_is_current():
+    text = serving_flags.DOC.read_text()
+    written = serving_flags.current(text, serving_flags.ENV_BEGIN, serving_flags.ENV_END)
+    assert written is not None, "docs/serving.md lost its generated environment reference"
+    assert written == serving_flags.render_environment(), (
+        "docs/serving.md's environment reference is stale: run `python -m tools.serving_flags`"
+    )
+
+
 def test_every_serve_flag_is_in_the_reference():
     written = serving_flags.current(serving_flags.DOC.read_text())
     parser = serving_flags.serve_parser()
-    flags = [s for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")]
+    actions = [a for a in parser._actions if a.help is not argparse.SUPPRESS]  # moved flags
+    flags = [s for a in actions for s in a.option_strings if s not in ("-h", "--help")]
     missing = [f for f in flags if f"`{f}`" not in written]
     assert not missing, f"flags missing from docs/serving.md: {missing}"
 

@@ -1,5 +1,5 @@
 """What expert deferral costs: held-out perplexity of the demo model served by ktserve with
---max-deferred-experts-per-token D = 0 .. top_k - 1, one run, against D = 0.
+KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN D = 0 .. top_k - 1, one run, against D = 0.
 
 The path measured is bench_quality's serving one: the GPU part (this process, fp32) + one
 `ktserve expert` worker subprocess (bf16 experts, the checkpoint's own weights) over ktshm, fp32

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from bench.common import Column, print_table  # noqa: E402
 from gpu_service.attention.batch import Batch, SeqInput  # noqa: E402
 from gpu_service.engine.decode_graphs import Bucket, DecodeGraphConfig  # noqa: E402
-from gpu_service.kvcache.kv_cache import SeqCache  # noqa: E402
+from gpu_service.kvcache.sequence import SeqCache  # noqa: E402
 
 BLOCK = 16
 

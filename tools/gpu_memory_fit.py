@@ -37,15 +37,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's p
 from bench.common import Column, print_table  # noqa: E402
 from bench.real_checkpoint import SHAPES, config_json  # noqa: E402
 from gpu_service.experts.routed import ReadyExperts  # noqa: E402
+from gpu_service.kvcache.manager import KVCacheManager  # noqa: E402
 from gpu_service.layers.sharding import SINGLE, Shard  # noqa: E402
 from gpu_service.layers.weight_formats import LinearQuantConfig  # noqa: E402
 from gpu_service.memory_plan import GIB, cuda_plan  # noqa: E402
 from gpu_service.models import (  # noqa: E402
     Batch,
-    KVCache,
+    KVCacheTensors,
     SeqInput,
     deepseek,  # noqa: E402
 )
+from gpu_service.models.registry import choose_attention  # noqa: E402
 from ktserve.checkpoint import HFConfig, ModelSpec  # noqa: E402
 
 NORM_SUFFIXES = ("layernorm.weight", "norm.weight")
@@ -122,7 +124,8 @@ def weights_only(fmt: str, context: int, quantize_lm_head: bool) -> None:
     spec = ModelSpec.from_hf(hf)
     loader = RandomWeights(torch.device("meta"), torch.bfloat16,
                            LinearQuantConfig(fmt, quantize_lm_head), 0)  # fmt: skip
-    model = deepseek.build(hf, spec, loader, ReducedCPUExperts(1, 8, 8, 0), 16, 16)
+    attention = choose_attention(hf, loader.device, torch.bfloat16, torch.bfloat16)
+    model = deepseek.build(hf, spec, loader, ReducedCPUExperts(1, 8, 8, 0), 16, 16, attention)
     kinds = weights_by_kind(model)
     kv = model.kv_cache.config.bytes_per_token(torch.bfloat16) * context
     print(f"DeepSeek-V3 shapes, linears in {fmt}{' (lm_head too)' if quantize_lm_head else ''}: "
@@ -168,7 +171,8 @@ def run(fmt: str, cap_gib: float, context: int, chunk: int, quantize_lm_head: bo
     holder: dict = {}
 
     def build() -> None:
-        holder["model"] = deepseek.build(hf, spec, loader, experts, 16, 16).eval()
+        attention = choose_attention(hf, device, torch.bfloat16, torch.bfloat16)
+        holder["model"] = deepseek.build(hf, spec, loader, experts, 16, 16, attention).eval()
 
     if not phase("build the GPU part", build, device, rows, cap):
         print_table(COLUMNS, rows)
@@ -184,11 +188,12 @@ def run(fmt: str, cap_gib: float, context: int, chunk: int, quantize_lm_head: bo
     plan = cuda_plan(model, torch.bfloat16, min(cap / total, 1.0), chunk, 1, kv_tokens=context)
     print(plan.table())
     cache_config = replace(model.kv_cache.config, max_num_tokens=context)
-    ok = phase("KV cache", lambda: holder.update(kv=KVCache(cache_config, torch.bfloat16, device)),
+    ok = phase("KV cache",
+               lambda: holder.update(kv=KVCacheTensors(cache_config, torch.bfloat16, device)),
                device, rows, cap)  # fmt: skip
     if ok:
         model.kv_cache = holder["kv"]
-        seq = model.kv_cache.allocate(context)
+        seq = KVCacheManager(cache_config).allocate(context)
         seq.num_tokens = context - 1 - chunk  # the prompt's earlier chunks (random K/V stand in)
         vocab = shape.vocab
         prompt = [(i * 7919) % vocab for i in range(chunk)]

@@ -48,13 +48,15 @@ def make(out: Path, seed: int) -> None:
 
 def logits_error(model, ref: dict) -> float:
     """Max relative error of the last-position logits of the reference's prompts, one batch."""
+    from gpu_service.kvcache.manager import KVCacheManager
     from gpu_service.models import Batch, SeqInput
 
-    caches = [model.kv_cache.allocate(len(p)) for p in ref["prompts"]]
+    kv = KVCacheManager(model.kv_cache.config)
+    caches = [kv.allocate(len(p)) for p in ref["prompts"]]
     batch = Batch(tuple(SeqInput(p, c, 0) for p, c in zip(ref["prompts"], caches)))
     got = model.forward(batch).cpu()
     for c in caches:
-        model.kv_cache.free(c)
+        kv.free(c)
     return float(((got - ref["logits"]).abs().amax(1) / ref["logits"].abs().amax(1)).max())
 
 

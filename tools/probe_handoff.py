@@ -1,4 +1,4 @@
-"""Probe of the device hand-off's memory ordering (`--device-handoff kernels`) on a GPU host.
+"""Probe of the device hand-off's memory ordering (`KTSERVE_DEVICE_HANDOFF=kernels`) on a GPU host.
 
 One device channel, registered and mapped as the server maps it, served by a consumer process
 that checks every request it takes and answers with a known reply. Each call's request is a

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 from expert_service.kernels import _ext
+from ktserve import envs
 
-ISA_ENV_VAR = "KTSERVE_KERNEL_ISA"
+ISA_ENV_VAR = envs.KERNEL_ISA.name
 # NOTE: ordered from least to most capable; the codes match KTK_ISA_* in ktk.h.
 ISA_CODES: dict[str, int] = {"avx2": 0, "avx512": 1, "amx": 2}
 
@@ -27,7 +26,7 @@ def check_isa(isa: str) -> str:
 
 def default_isa() -> str:
     """The most capable available ISA, or the one named by KTSERVE_KERNEL_ISA (checked)."""
-    override = os.environ.get(ISA_ENV_VAR, "").strip().lower()
+    override = envs.KERNEL_ISA.read()
     if override:
         try:
             return check_isa(override)

@@ -119,9 +119,9 @@ class ApiContext:
         return out
 
     def _shares_prompt(self, prompt_ids: Sequence[int]) -> bool:
-        cache = getattr(getattr(self.engine, "model", None), "kv_cache", None)
-        return bool(cache is not None and cache.prefix_caching
-                    and len(prompt_ids) >= cache.block_size)  # fmt: skip
+        kv = getattr(getattr(self.engine, "scheduler", None), "kv_manager", None)
+        return bool(kv is not None and kv.prefix_caching
+                    and len(prompt_ids) >= kv.block_size)  # fmt: skip
 
     def end_generations(self, error: EngineError) -> int:
         """End every generation still open with `error` (Generation.end); how many there were."""

@@ -1,3 +1,4 @@
-"""Attention over the paged KV cache: GQA (gqa), the paged reference and dispatch
-(paged_attention), the Triton kernels (attention_triton), MLA's decode on Hopper
-(mla_decode_hopper, mla_decode_flashmla) and prefill (mla_prefill)."""
+"""Attention over the paged KV cache: the backend chosen at load that picks each call's kernel
+(backend), GQA (gqa), the paged reference (paged_attention), the Triton kernels
+(attention_triton), MLA's decode on Hopper (mla_decode_hopper, mla_decode_flashmla) and prefill
+(mla_prefill)."""

@@ -1,7 +1,7 @@
 """Paged attention kernels for CUDA, in Triton: batched decode (split-K) and ragged prefill.
 
-Cache layout (kv_cache.py): row `slot` of k_cache [S, Hkv, D] and v_cache [S, Hkv, Dv] holds the
-token of a sequence at position p, slot = block_table[b, p // block_size] * block_size
+Cache layout (kvcache/tensors.py): row `slot` of k_cache [S, Hkv, D] and v_cache [S, Hkv, Dv]
+holds the token of a sequence at position p, slot = block_table[b, p // block_size] * block_size
 + p % block_size. Every tensor is read through its strides, so v_cache may be a view of k_cache
 (MLA: one latent kv head, D = kv_lora_rank + rope, v = its first kv_lora_rank columns); when it is,
 each key tile is loaded once and used as both key and value. A float8 cache is upcast on load.
@@ -34,7 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_service.attention import mla_decode_flashmla
 from gpu_service.attention.paged_attention import LOG2E
 
 try:  # Gluon (Triton's explicit-layout dialect) is newer than some Triton releases
@@ -50,8 +49,7 @@ QUERY_DTYPES = tuple(_TL_DTYPES)
 # NOTE: Triton compiles a kernel once per specialization of its integer arguments (== 1, a
 # multiple of 16, else); arguments that change from step to step (sequences, the block table's
 # width, the splits a context takes) are left unspecialized, so a new mix of requests never
-# stalls a running step on a compile (on the GPU host a server's first 8-sequence prefill took
-# 1.5 s instead of 0.19 s, all of it outside the experts, until num_seqs was left unspecialized)
+# stalls a running step on a compile
 _PER_STEP = ("stride_bt", "window")
 # the decode's partial results [B, Hq, splits, Dv] and their log-sum-exps [B, Hq, splits]: strides
 # that move with the splits (1 at a short context: == 1 is a class of its own)
@@ -84,11 +82,10 @@ class Tiles:
 def decode_tiles(head_dim: int, group: int, elem_bytes: int = 2) -> Tiles:
     """Default decode tiles (elem_bytes: the query's). MLA's 576-wide latent at 64 heads per
     program: Hopper's warpgroup MMA (needs 64 rows) over 64 keys a step, 8 warps, 2 stages (216
-    KB of shared memory with a bf16 cache, 180 with fp8): in bench_attention's sweeps on the H200
-    (DeepSeek-V3, 32k context, 16-token blocks) 1.27x faster at batch 1 than 32 keys a step, which
-    was 1.43x / 1.61x faster than 16 keys at batch 1 / 16; fewer heads, mma.sync tiles over 32
-    keys. float32 queries of a head wider than 256: 32 heads over 16 keys (the 64 x 32 tiles take
-    258 KB of shared memory there, past the H200's 227 KB)."""
+    KB of shared memory with a bf16 cache, 180 with fp8), the fastest of bench_attention's
+    sweeps (docs/attention.md); fewer heads, mma.sync tiles over 32 keys. float32 queries of a
+    head wider than 256: 32 heads over 16 keys (the 64 x 32 tiles take 258 KB of shared memory
+    there, past the H200's 227 KB)."""
     block_h = max(16, min(triton.next_power_of_2(group), 64))
     if head_dim > 256 and elem_bytes > 2:
         return Tiles(block_h=min(block_h, 32), block_n=16, num_warps=4, num_stages=2)
@@ -549,15 +546,27 @@ def _check_cache(q, k_cache, v_cache, block_table, kv_len, block_size, window) -
 
 # the Hopper MLA kernel's launch shape: 64 heads, 64 keys a step, 8 warps, 2 stages
 HOPPER_MLA_TILES = Tiles(block_h=64, block_n=64, num_warps=8, num_stages=2)
-# "auto" takes it where it serves: 1.18-1.67x this module's split kernel on an H100 and 1.19-1.63x
-# on an H200 (2026-12-05, both with its CUDA tests passing; README)
-HOPPER_MLA_BY_DEFAULT = True
 
 
-def _hopper_takes(q, k_cache, group: int, v_from_k: bool, window) -> bool:
-    return mla_decode_hopper is not None and mla_decode_hopper.takes(
-        q, k_cache, group, v_from_k, window
-    )
+@dataclass(frozen=True)
+class DecodeCall:
+    """A checked decode call's shapes (check_decode): what the kernels launch from."""
+
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    dims: _HeadDims
+    v_from_k: bool  # MLA: one latent row is key and value
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def hopper_takes(self, q: torch.Tensor, k_cache: torch.Tensor, window: int | None) -> bool:
+        """Whether mla_decode_hopper's kernel serves this call (where Gluon imports)."""
+        return mla_decode_hopper is not None and mla_decode_hopper.takes(
+            q, k_cache, self.group, self.v_from_k, window
+        )
 
 
 def _v_from_k(k_cache: torch.Tensor, v_cache: torch.Tensor, dims: _HeadDims) -> bool:
@@ -580,22 +589,27 @@ def _dot_args(q: torch.Tensor) -> dict:
     return {"PRECISION": precision, "IN_DTYPE": in_dtype, "DOT_DTYPE": dot_dtype}
 
 
-def paged_decode(
+def check_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
     kv_len: torch.Tensor,
     block_size: int,
-    scale: float,
     window: int | None = None,
-    plans: dict | None = None,
-) -> torch.Tensor:
-    """q [B, Hq, D] (each sequence's query at position kv_len - 1) -> [B, Hq, Dv] in q's dtype.
-    plans: where a kernel keeps what it plans from kv_len for the other calls over the same
-    kv_len and block_table (AttentionGroup.plans: a step's layers); None plans each call."""
-    return decode_with(q, k_cache, v_cache, block_table, kv_len, block_size, scale, window,
-                       plans=plans)  # fmt: skip
+) -> DecodeCall:
+    """The shapes of a decode call q [B, Hq, D] over the caches; a TypeError or ValueError for
+    one no decode kernel takes."""
+    num_heads, num_kv_heads = _check_cache(
+        q, k_cache, v_cache, block_table, kv_len, block_size, window
+    )
+    if q.dim() != 3 or q.shape[0] != kv_len.shape[0] or block_table.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"q [B, Hq, D], block_table [B, max_blocks] and kv_len [B] must share B, got "
+            f"{tuple(q.shape)}, {tuple(block_table.shape)}, {tuple(kv_len.shape)}"
+        )
+    dims = _HeadDims.of(q.shape[-1], v_cache.shape[-1])
+    return DecodeCall(q.shape[0], num_heads, num_kv_heads, dims, _v_from_k(k_cache, v_cache, dims))
 
 
 def decode_with(
@@ -609,48 +623,47 @@ def decode_with(
     window: int | None = None,
     tiles: Tiles | None = None,
     num_splits: int | None = None,
-    kernel: str = "auto",
+    hopper: bool = False,
     partial_dtype: torch.dtype = torch.float32,
-    plans: dict | None = None,
 ) -> torch.Tensor:
-    """paged_decode with the launch shape chosen by the caller (benchmarks, tests). kernel:
-    "auto" or "triton" (this module's split kernel), "hopper" (mla_decode_hopper's) or
-    "flashmla" (mla_decode_flashmla's: FlashMLA, which splits and merges by itself); a named
-    kernel that cannot serve the call is a ValueError. "auto" takes FlashMLA where it serves and
-    no launch shape is given, else the Hopper kernel where it serves and no tiles are given
-    (HOPPER_MLA_BY_DEFAULT), else the split kernel. partial_dtype: the
-    splits' normalized partial outputs, written and read back by the merge (MLA at batch 1 and
-    32k: 16.8 MB each way in float32 against 37.7 MB of cache; bf16 / fp16 halve it, adding one
-    rounding of each partial); their log-sum-exps stay float32. plans: paged_decode's."""
+    """The split decode, q [B, Hq, D] (each sequence's query at position kv_len - 1) -> [B, Hq,
+    Dv] in q's dtype: this module's split kernel, or with hopper=True mla_decode_hopper's (a
+    ValueError where it does not take the call). tiles, num_splits: the launch shape (default:
+    chosen from the shapes). partial_dtype: the splits' normalized partial outputs, written and
+    read back by the merge (at MLA's width a traffic of their own beside the cache's); bf16 /
+    fp16 halve it, adding one rounding of each partial; their log-sum-exps stay float32. Which
+    kernel serves a model's decode is its AttentionBackend's choice (backend.py)."""
     if partial_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"partial_dtype must be float32, bfloat16 or float16, got {partial_dtype}")
-    if kernel not in ("auto", "triton", "hopper", "flashmla"):
-        raise ValueError(f"kernel must be auto, triton, hopper or flashmla, got {kernel!r}")
-    num_heads, num_kv_heads = _check_cache(
-        q, k_cache, v_cache, block_table, kv_len, block_size, window
-    )
-    if q.dim() != 3 or q.shape[0] != kv_len.shape[0] or block_table.shape[0] != q.shape[0]:
+    call = check_decode(q, k_cache, v_cache, block_table, kv_len, block_size, window)
+    if hopper and not call.hopper_takes(q, k_cache, window):
         raise ValueError(
-            f"q [B, Hq, D], block_table [B, max_blocks] and kv_len [B] must share B, got "
-            f"{tuple(q.shape)}, {tuple(block_table.shape)}, {tuple(kv_len.shape)}"
+            "the Hopper MLA decode kernel takes bf16/fp16 MLA caches (576-wide latent rows read "
+            "as key and value, heads a multiple of 64, no window) on a Hopper GPU with Gluon"
         )
-    batch, group = q.shape[0], num_heads // num_kv_heads
-    dims = _HeadDims.of(q.shape[-1], v_cache.shape[-1])
-    v_from_k = _v_from_k(k_cache, v_cache, dims)  # MLA: one latent row is key and value
-    shaped = tiles is not None or num_splits is not None or partial_dtype != torch.float32
-    if kernel == "flashmla" and shaped:
-        raise ValueError("FlashMLA splits and merges by itself: tiles, num_splits and "
-                         "partial_dtype do not apply to it")  # fmt: skip
-    if kernel == "flashmla" or (kernel == "auto" and not shaped):
-        refused = mla_decode_flashmla.call_refusal(q, k_cache, v_from_k, window, block_size)
-        if not refused and batch > 0:
-            return mla_decode_flashmla.decode(q, k_cache, block_table, kv_len, scale, plans)
-        if refused and kernel == "flashmla":
-            raise ValueError(
-                "FlashMLA takes bf16 MLA caches of 64-token blocks (576-wide latent rows read as "
-                f"key and value, no window) on a Hopper GPU (sm_90) with "
-                f"{mla_decode_flashmla.PACKAGE} installed; here: {refused}"
-            )
+    return split_decode(call, q, k_cache, v_cache, block_table, kv_len, block_size, scale,
+                        window, tiles, num_splits, hopper, partial_dtype)  # fmt: skip
+
+
+def split_decode(
+    call: DecodeCall,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_len: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int | None = None,
+    tiles: Tiles | None = None,
+    num_splits: int | None = None,
+    hopper: bool = False,
+    partial_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """decode_with after its checks (call: check_decode's); hopper: the call is one the Hopper
+    kernel takes (DecodeCall.hopper_takes), launched at HOPPER_MLA_TILES unless tiles says."""
+    batch, num_heads, num_kv_heads, dims = call.batch, call.num_heads, call.num_kv_heads, call.dims
+    group, v_from_k = call.group, call.v_from_k
     given_tiles = tiles
     tiles = tiles or decode_tiles(dims.d, group, q.element_size())
     out = torch.empty((batch, num_heads, dims.dv), dtype=q.dtype, device=q.device)
@@ -659,15 +672,6 @@ def decode_with(
     tiles_per_kv = triton.cdiv(group, tiles.block_h)
     block_dv = min(tiles.block_dv or dims.dv_pad, dims.dv_pad)
     v_blocks = triton.cdiv(dims.dv, block_dv)
-    hopper = kernel == "hopper" or (
-        kernel == "auto" and given_tiles is None and HOPPER_MLA_BY_DEFAULT
-    )
-    hopper = hopper and _hopper_takes(q, k_cache, group, v_from_k, window)
-    if kernel == "hopper" and not hopper:
-        raise ValueError(
-            "the Hopper MLA decode kernel takes bf16/fp16 MLA caches (576-wide latent rows read "
-            "as key and value, heads a multiple of 64, no window) on a Hopper GPU with Gluon"
-        )
     if hopper:
         tiles = given_tiles or HOPPER_MLA_TILES
         mla_decode_hopper.check_launch(

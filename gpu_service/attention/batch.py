@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_service.kvcache.kv_cache import KVCache, SeqCache
+from gpu_service.kvcache.sequence import SeqCache
+from gpu_service.kvcache.tensors import KVCacheTensors
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class SeqInput:
     """One sequence's part of a step: `token_ids` at positions start_pos, start_pos + 1, ...
 
     `cache` must already hold positions [0, start_pos) and have capacity for the new tokens
-    (KVCache.extend); the step writes the new tokens' K/V and sets cache.num_tokens.
+    (KVCacheManager.extend); the step writes the new tokens' K/V and sets cache.num_tokens.
     """
 
     token_ids: Sequence[int]
@@ -173,4 +174,4 @@ class StepContext:
     meta: AttentionMetadata
     cos: torch.Tensor  # [T, rope_dim/2] float32
     sin: torch.Tensor  # [T, rope_dim/2] float32
-    kv_cache: KVCache
+    kv_cache: KVCacheTensors

@@ -5,20 +5,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.batch import StepContext
-from gpu_service.attention.paged_attention import paged_attention
-from gpu_service.kvcache.kv_cache import write_cache
+from gpu_service.kvcache.tensors import write_cache
 from gpu_service.layers import fused_ops
 from gpu_service.layers.blocks import Linear, RMSNorm
 from gpu_service.layers.rope import apply_rotary
 
 
 class GQAAttention(nn.Module):
-    fused_kernels = True  # fused_ops where it applies (CausalLM.use_fused_kernels)
-
     """Grouped-query attention with RoPE; optional per-head q/k RMSNorm (Qwen3), qkv bias (Qwen2).
 
-    Cache components of its layer: key [S, Hkv, D], value [S, Hkv, D].
+    Cache components of its layer: key [S, Hkv, D], value [S, Hkv, D]. Its kernels: the model's
+    AttentionBackend (fused_ops where backend.fused_kernels and they apply).
     """
 
     def __init__(
@@ -32,6 +31,8 @@ class GQAAttention(nn.Module):
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
         window: int | None = None,
+        *,
+        backend: AttentionBackend,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -41,6 +42,7 @@ class GQAAttention(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window = window
+        self.backend = backend
         self.scale = head_dim**-0.5
         self._qkv_split = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
         # the fused kernel takes one eps for both norms
@@ -54,7 +56,7 @@ class GQAAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         k_cache, v_cache = ctx.kv_cache.layers[self.layer]  # [S, Hkv, D] each
         q = self._norm_rope_and_cache(q, k, v, k_cache, v_cache, ctx)
-        out = paged_attention(q, k_cache, v_cache, ctx.meta, self.scale, self.window)  # [T, Hq, D]
+        out = self.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale, self.window)
         return self.o_proj(out.reshape(t, -1))
 
     def _norm_rope_and_cache(self, q, k, v, k_cache, v_cache, ctx: StepContext) -> torch.Tensor:
@@ -64,8 +66,9 @@ class GQAAttention(nn.Module):
         weights = (
             (None, None) if q_norm is None or k_norm is None else (q_norm.weight, k_norm.weight)
         )
+        fused = self.backend.fused_kernels
         if (
-            self.fused_kernels
+            fused
             and self._fusable
             and fused_ops.qk_rope_cache_fits(q, k, v, k_cache, v_cache, ctx.cos, ctx.sin, weights)
         ):
@@ -74,8 +77,8 @@ class GQAAttention(nn.Module):
                                            v_cache, ctx.meta.slot_mapping)  # fmt: skip
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, ctx.cos, ctx.sin, interleaved=False, fused=self.fused_kernels)
-        k = apply_rotary(k, ctx.cos, ctx.sin, interleaved=False, fused=self.fused_kernels)
+        q = apply_rotary(q, ctx.cos, ctx.sin, interleaved=False, fused=fused)
+        k = apply_rotary(k, ctx.cos, ctx.sin, interleaved=False, fused=fused)
         write_cache(k_cache, ctx.meta.slot_mapping, k)
         write_cache(v_cache, ctx.meta.slot_mapping, v)
         return q

@@ -6,15 +6,15 @@ FlashMLA's dense decode (the package's legacy, SM90 kernels) attends each sequen
 columns of a row as its value, and merges its own splits. It plans the splits from the
 sequences' lengths on the device, in a kernel of its own inside the call given an empty schedule,
 so a call captured in a CUDA graph serves every replay's kv_len; a step's other layers are given
-the filled schedule and plan nothing (AttentionGroup.plans; ~12 us a layer on an H100). Both
-are checked on a Hopper GPU (tests/gpu_service/attention/test_mla_decode_flashmla.py). A
-warp-specialized kernel of its kind is what MLA decode needs at 128 heads, where the step is
-bound by the tensor cores as much as by HBM (mla_decode_hopper's docstring; docs/attention.md:
-"FlashMLA, where it is installed", for its figures).
+the filled schedule and plan nothing (AttentionGroup.plans). Both are checked on a Hopper GPU
+(tests/gpu_service/attention/test_mla_decode_flashmla.py). A warp-specialized kernel of its kind
+is what MLA decode needs at 128 heads, where the step is bound by the tensor cores as much as by
+HBM (mla_decode_hopper's docstring; docs/attention.md: "FlashMLA, where it is installed").
 
 It takes only what its kernel takes: a bf16 cache of 64-token blocks read as key and value, bf16
-queries, no window, a Hopper GPU (sm_90). The server makes its cache blocks 64 tokens where
-this serves its model (cache_block_size); everywhere else attention_triton's kernels run.
+queries, no window, a Hopper GPU (sm_90). A model's AttentionBackend (backend.py) takes it at
+load where it serves the model, and the server makes its cache blocks 64 tokens then
+(cache_block_size); everywhere else attention_triton's kernels run.
 """
 
 from __future__ import annotations
@@ -81,13 +81,13 @@ def cache_block_size(latent_width: int, device, query_dtype: torch.dtype,
                      allowed: bool = True) -> tuple[int, str]:  # fmt: skip
     """The KV cache's block size for a model whose MLA cache rows are latent_width wide (0: no
     MLA), and the MLA decode kernel that leads to, in words for the start-up log ("" without
-    MLA). allowed=False (--no-flashmla): never FlashMLA."""
+    MLA). allowed=False (KTSERVE_FLASHMLA=0): never FlashMLA."""
     if not latent_width:
         return default, ""
     why = (
         refusal(device, query_dtype, cache_dtype, latent_width)
         if allowed
-        else "FlashMLA off: --no-flashmla"
+        else "FlashMLA off: KTSERVE_FLASHMLA=0"
     )
     if why:
         return default, f"ktserve's own kernels ({why})"
@@ -96,8 +96,8 @@ def cache_block_size(latent_width: int, device, query_dtype: torch.dtype,
 
 def call_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, window,
                  block_size: int) -> str:  # fmt: skip
-    """Why this does not serve a decode call of attention_triton.decode_with (q [B, H, 576],
-    k_cache [S, 1, 576] read as key and value; "" where it does)."""
+    """Why this does not serve a decode call (q [B, H, 576], k_cache [S, 1, 576] read as key and
+    value; "" where it does)."""
     if not v_from_k or k_cache.shape[1] != 1:
         return "not an MLA cache (one latent row read as key and value)"
     if window is not None:
@@ -109,6 +109,28 @@ def call_refusal(q: torch.Tensor, k_cache: torch.Tensor, v_from_k: bool, window,
     if q.stride(-1) != 1:
         return "a query with strided columns"
     return refusal(q.device, q.dtype, k_cache.dtype, k_cache.shape[-1])
+
+
+def decode_checked(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_table: torch.Tensor, kv_len: torch.Tensor, block_size: int, scale: float,
+                   window: int | None = None,
+                   plans: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """decode for a caller that names this kernel (tests, benchmarks; the caches as
+    attention_triton.check_decode takes them): a ValueError that says what it takes where
+    call_refusal refuses the call."""
+    from gpu_service.attention.attention_triton import check_decode
+
+    call = check_decode(q, k_cache, v_cache, block_table, kv_len, block_size, window)
+    refused = call_refusal(q, k_cache, call.v_from_k, window, block_size)
+    if refused:
+        raise ValueError(
+            "FlashMLA takes bf16 MLA caches of 64-token blocks (576-wide latent rows read as "
+            f"key and value, no window) on a Hopper GPU (sm_90) with {PACKAGE} installed; "
+            f"here: {refused}"
+        )
+    if not call.batch:
+        return q.new_empty((0, call.num_heads, VALUE_DIM))
+    return decode(q, k_cache, block_table, kv_len, scale, plans)
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,

@@ -3,9 +3,10 @@
 DeepSeek's absorbed MLA decode attends 128 query heads to one latent cache row a token (512 latent
 + 64 rope columns; the value is the latent): per key the heads do ~240 FLOPs a cache byte, so on
 an H200 the step is bound by the tensor cores as much as by HBM. attention_triton's split kernel
-does it at 18-27% of that FLOP roof: Triton lays a chained dot's first product over all 8 warps
-along its 64 rows, so both warpgroups compute the same scores, and its pipeliner issues the next
-key tile's copy only after this tile's products. Here the layouts and the pipeline are explicit:
+stays far from that FLOP roof (docs/attention.md): Triton lays a chained dot's first product
+over all 8 warps along its 64 rows, so both warpgroups compute the same scores, and its
+pipeliner issues the next key tile's copy only after this tile's products. Here the layouts and
+the pipeline are explicit:
 
     per program: 64 heads of one sequence, one key range (a split), 8 warps = 2 warpgroups
     smem: Q [64, 512] + [64, 64] | STAGES x (keys [N, 512] + rope [N, 64]) | P [64, N]
@@ -24,8 +25,8 @@ Block ids are loaded one tile ahead of the copies that use them, so no load late
 a tile's products and the next copy. Cache rows are gathered by cp.async through the block table
 (any block size); masked rows are zero-filled, so keys past a split's end score -inf and add 0.
 Only bf16 / fp16 caches with queries of the same dtype and head groups that are multiples of 64
-take this path (attention_triton.decode_with decides); an fp8 cache must be upcast on load, which
-cp.async cannot do.
+take this path (a model's AttentionBackend decides: backend.py); an fp8 cache must be upcast on
+load, which cp.async cannot do.
 """
 
 from __future__ import annotations

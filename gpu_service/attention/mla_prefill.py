@@ -9,12 +9,11 @@ expanded when n * (2r - nope - v) > r * (nope + v): above 171 queries at DeepSee
 (r 512, nope 128, v 128; 2.4x fewer FLOPs at 1,024), 64 at the demo model's. Decode rows stay
 absorbed.
 
-It runs where attention_triton's prefill kernel does (CUDA: expanded_kernel), as multi-head
-attention with D = nope + rope and Dv = v (padded to the kernel's 16 where smaller) over the
-expanded keys laid out as a one-block cache (slot = position). On the CPU the absorbed form
-stays: there torch ran it 1.2-2.5x faster than the torch reference over expanded keys at the
-demo model's shapes and 5-8x faster at DeepSeek-V3's (bench/bench_mla_prefill.py, 2 cores):
-one kv head stacks all heads' queries into one GEMM, while expanded each head is its own.
+It runs where attention_triton's prefill kernel does (AttentionBackend.expanded_prefill_kernel:
+CUDA), as multi-head attention with D = nope + rope and Dv = v (padded to the kernel's 16 where
+smaller) over the expanded keys laid out as a one-block cache (slot = position). On the CPU the
+absorbed form stays, faster there (bench/bench_mla_prefill.py): one kv head stacks all heads'
+queries into one GEMM, while expanded each head is its own.
 
 The keys are expanded a block at a time, EXPANDED_BLOCK_BYTES of keys and values per block, so
 the transient memory is bounded at any context: blocks wholly before the chunk go through the
@@ -30,8 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from gpu_service.attention.paged_attention import triton_kernels
-from gpu_service.kvcache.kv_cache import read_cache
+from gpu_service.kvcache.tensors import read_cache
 
 if TYPE_CHECKING:
     from gpu_service.attention.batch import AttentionGroup
@@ -40,14 +38,6 @@ if TYPE_CHECKING:
 # (MIN_HEADROOM); the chunk's own block may be larger, as the plan's profile prefill measured it
 EXPANDED_BLOCK_BYTES = 256 << 20
 MIN_DIM = 16  # the kernel's smallest head dims (tensor-core tiles)
-
-
-def expanded_kernel(device: torch.device) -> Callable | None:
-    """attention_triton.paged_prefill where the expanded form runs (CUDA, Triton importing)."""
-    if device.type != "cuda":
-        return None
-    kernels = triton_kernels()
-    return None if kernels is None else kernels.paged_prefill
 
 
 def worth_expanding(num_queries: int, rank: int, nope: int, v_dim: int) -> bool:

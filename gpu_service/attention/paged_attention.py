@@ -1,15 +1,15 @@
 """Paged attention over the block table, without padding: batched decode and ragged prefill.
 
-The cache (kv_cache.py) is one tensor per component, [S, Hkv, D]; a sequence's position p lives in
-slot block_table[p // block_size] * block_size + p % block_size. A step's sequences split in
-groups (batch.py, AttentionMetadata): decodes (one query each, at position kv_len - 1; on the CPU
-one group per width class) and prefills (n_i queries at positions kv_len_i - n_i .. kv_len_i - 1,
-causal over their own keys).
+The cache (kvcache/tensors.py) is one tensor per component, [S, Hkv, D]; a sequence's position
+p lives in slot block_table[p // block_size] * block_size + p % block_size. A step's sequences
+split in groups (batch.py, AttentionMetadata): decodes (one query each, at position kv_len - 1;
+on the CPU one group per width class) and prefills (n_i queries at positions
+kv_len_i - n_i .. kv_len_i - 1, causal over their own keys).
 
 The functions here are the plain-torch reference, the CPU path and the oracle of the GPU kernels
-(`gpu_service.attention.attention_triton`, same signatures); `attention_kernels` picks which run.
-Their math is transformers' eager attention: (q k^T) * scale in q's dtype, masked, softmax in
-float32, cast back to q's dtype, times v. Query head h reads kv head h // (Hq / Hkv), as
+(`gpu_service.attention.attention_triton`); a model's AttentionBackend (backend.py) picks which
+run. Their math is transformers' eager attention: (q k^T) * scale in q's dtype, masked, softmax
+in float32, cast back to q's dtype, times v. Query head h reads kv head h // (Hq / Hkv), as
 transformers' repeat_kv; kv heads are broadcast, never copied. A cache stored in another dtype
 (FP8) is upcast to q's dtype as it is read. MLA passes its latent as one kv head (Hkv = 1) with
 v_cache a view of k_cache's first Dv columns: then the keys are gathered once, not twice.
@@ -21,23 +21,10 @@ never exceed PREFILL_SCORE_ELEMENTS (_CUDA on a GPU; or one query's row).
 
 from __future__ import annotations
 
-import functools
-import importlib
-import logging
-from collections.abc import Callable
-from types import ModuleType
-from typing import TYPE_CHECKING
-
 import torch
 
-from gpu_service.kvcache.kv_cache import read_cache
+from gpu_service.kvcache.tensors import read_cache
 
-if TYPE_CHECKING:
-    from gpu_service.attention.batch import AttentionGroup, AttentionMetadata
-
-log = logging.getLogger("ktserve.gpu")
-
-TRITON_MODULE = "gpu_service.attention.attention_triton"
 # per query chunk: Hq x chunk x keys; on the CPU a chunk's scores stay cache-sized (8 MiB fp32)
 PREFILL_SCORE_ELEMENTS = 1 << 21
 PREFILL_SCORE_ELEMENTS_CUDA = 1 << 26
@@ -146,12 +133,12 @@ def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The keys and values of these slots [*, Hkv, D] / [*, Hkv, Dv], as `dtype`."""
     keys = read_cache(k_cache, slots).to(dtype)
-    if _is_leading_view(v_cache, k_cache):
+    if is_leading_view(v_cache, k_cache):
         return keys, keys[..., : v_cache.shape[-1]]
     return keys, read_cache(v_cache, slots).to(dtype)
 
 
-def _is_leading_view(v_cache: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def is_leading_view(v_cache: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether v_cache is k_cache's first columns (MLA's values: the latent without its rope)."""
     return (
         v_cache.data_ptr() == k_cache.data_ptr()
@@ -159,83 +146,3 @@ def _is_leading_view(v_cache: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and v_cache.stride() == k_cache.stride()
         and v_cache.shape[-1] <= k_cache.shape[-1]
     )
-
-
-# ---------------------------------------------------------------------- dispatch
-@functools.cache
-def triton_kernels() -> ModuleType | None:
-    """The GPU kernels' module, or None where it does not import (not built, no Triton)."""
-    try:
-        return importlib.import_module(TRITON_MODULE)
-    except ImportError as exc:
-        log.info("paged attention on CUDA runs the torch reference: %s does not import (%s)",
-                 TRITON_MODULE, exc)  # fmt: skip
-        return None
-
-
-TRITON_MIN_HEAD_DIM = 16  # attention_triton's tensor-core tiles; smaller heads (tiny test models)
-
-
-def attention_kernels(
-    device: torch.device, latent: bool = False, head_dim: int = TRITON_MIN_HEAD_DIM
-) -> tuple[Callable, Callable]:
-    """(paged_decode, paged_prefill) for tensors on `device`: the GPU kernels on CUDA where their
-    module imports, else the torch reference. latent: MLA's absorbed cache (values a view of the
-    keys), whose prefill (short chunks: long ones expand the keys, mla_prefill.py) stays on the
-    torch reference: on the GPU host at DeepSeek-V3 shapes the
-    Triton prefill took 92.9 ms per 1k-token chunk at a 32k context against the torch gather's
-    62.0 (bench/bench_attention.py), while its decode took half the torch time. head_dim: the
-    smaller of the key and value head dims; below TRITON_MIN_HEAD_DIM the reference runs."""
-    if device.type == "cuda" and head_dim >= TRITON_MIN_HEAD_DIM:
-        kernels = triton_kernels()
-        if kernels is not None:
-            return kernels.paged_decode, paged_prefill if latent else kernels.paged_prefill
-    return paged_decode, paged_prefill
-
-
-def group_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    group: AttentionGroup,
-    block_size: int,
-    scale: float,
-    window: int | None = None,
-    *,
-    prefill: bool,
-) -> torch.Tensor:
-    """One group's attention, q [n, Hq, D] (its rows) -> [n, Hq, Dv], through the decode or the
-    prefill kernel attention_kernels picks (latent: v_cache a leading view of k_cache)."""
-    latent = _is_leading_view(v_cache, k_cache)
-    head_dim = min(q.shape[-1], v_cache.shape[-1])
-    decode, prefill_kernel = attention_kernels(q.device, latent, head_dim)
-    if prefill:
-        return prefill_kernel(q, k_cache, v_cache, group.block_table, group.cu_seqlens_q,
-                              group.kv_len, block_size, scale, window)  # fmt: skip
-    return decode(q, k_cache, v_cache, group.block_table, group.kv_len, block_size, scale, window,
-                  plans=group.plans)  # fmt: skip
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    window: int | None = None,
-) -> torch.Tensor:
-    """A step's attention, q [T, Hq, D] -> [T, Hq, Dv]: each of the metadata's decode groups and
-    its prefill group through their kernel, one call per group, the new tokens' K/V already in
-    the cache."""
-    groups = [(group, False) for group in meta.decodes]
-    if meta.prefill is not None:
-        groups.append((meta.prefill, True))
-    args = (k_cache, v_cache)
-    if len(groups) == 1:  # its rows are all of T
-        ((group, prefill),) = groups
-        return group_attention(q, *args, group, meta.block_size, scale, window, prefill=prefill)
-    out = q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))  # [T, Hq, Dv]
-    for group, prefill in groups:
-        out[group.rows] = group_attention(q[group.rows], *args, group, meta.block_size, scale,
-                                          window, prefill=prefill)  # fmt: skip
-    return out

@@ -68,7 +68,7 @@ class Engine:
                  graph_config: DecodeGraphConfig | None = None) -> None:  # fmt: skip
         """graph_config: decode steps as CUDA graphs (Runner); None: every step eagerly."""
         self.model = model
-        self.scheduler = Scheduler(scheduler_config, model.kv_cache)
+        self.scheduler = Scheduler(scheduler_config, model.kv_cache.config)
         self.runner = Runner(model, graph_config, eos_token_ids)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = RequestLimits(
@@ -213,7 +213,7 @@ class Engine:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = scheduled_at
                 self.metrics.queue_time.observe(scheduled_at - s.request.arrival)
-        self.metrics.observe_prefix_cache(self.model.kv_cache.stats)
+        self.metrics.observe_prefix_cache(self.scheduler.kv_manager.stats)
         if not step.seqs:
             if self.scheduler.waiting and not self.scheduler.running:
                 # nothing can ever run it: its prompt fit, but prompt + output outgrew the cache
@@ -288,7 +288,7 @@ class Engine:
         log.exception("step failed", exc_info=exc)
         error = step_error(exc)
         if step.block_copies:  # NOTE: a block brought back may hold what a failed copy left
-            self.model.kv_cache.reset_prefix_cache()
+            self.scheduler.kv_manager.reset_prefix_cache()
         for s in step.seqs:
             tracked = self._tracked.get(s.request.request_id)
             if tracked is not None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gpu_service.kvcache.kv_cache import PrefixCacheStats
+from gpu_service.kvcache.manager import PrefixCacheStats
 
 if TYPE_CHECKING:
     from gpu_service.engine.request import Request
@@ -143,7 +143,7 @@ class EngineMetrics:
         self.chained_steps = counter(
             "ktserve_chained_steps",
             "Decode steps chained to the step before them: launched as soon as its device work "
-            "ended, their tokens its samples on the device (--no-chain-decode-steps: none)",
+            "ended, their tokens its samples on the device (KTSERVE_CHAIN_DECODE_STEPS=0: none)",
         )
         self.step_tokens = counter("ktserve_step_tokens", "Tokens run through the model")
         self.steps = counter(

@@ -18,7 +18,7 @@ from gpu_service.engine.errors import EngineError
 from gpu_service.engine.grammar import GrammarMatcher
 from gpu_service.engine.logits_processors import TokenHistory
 from gpu_service.engine.sampling import SampledToken, SamplingParams
-from gpu_service.kvcache.kv_cache import SeqCache
+from gpu_service.kvcache.sequence import SeqCache
 
 
 class RequestState(enum.Enum):
@@ -87,8 +87,8 @@ class Request:
 
     def ids(self, start: int, end: int) -> list[int]:
         """all_ids[start:end], without building all_ids: a decode step reads one id of a
-        context of tens of thousands (building it took 70 us at 20k tokens, per request and
-        step)."""
+        context of tens of thousands (building it would cost a copy of the context per request
+        and step)."""
         p = len(self.prompt_ids)
         if start >= p:
             return self.output_ids[start - p : end - p]

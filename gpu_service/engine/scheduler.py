@@ -18,10 +18,13 @@ chunk gets at least min_prefill_chunk_tokens whatever the prediction (and while 
 fit yet: those steps are what it learns from). A step without decode rows is bounded by
 max_num_batched_tokens alone.
 
-With prefix caching (the KV cache's), a request is admitted with the longest cached prefix of its
-tokens (prompt and, after a preemption, output) and its prefill starts after it: those tokens
-never run through the model, nor through the experts. Each step first offers the blocks the last
-step filled to the prefix cache, and so does a request's end or preemption before it frees them.
+The scheduler owns the KV cache's books (kvcache/manager.py's KVCacheManager: blocks, prefix
+cache, host tier); a step carries what the runner needs of them as data (each sequence's blocks,
+the copies between tiers). With prefix caching, a request is admitted with the longest cached
+prefix of its tokens (prompt and, after a preemption, output) and its prefill starts after it:
+those tokens never run through the model, nor through the experts. Each step first offers the
+blocks the last step filled to the prefix cache, and so does a request's end or preemption
+before it frees them.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from gpu_service.engine.errors import EngineError
 from gpu_service.engine.request import FinishReason, Request, RequestState
 from gpu_service.engine.step_cost import StepCostModel, StepShape
 from gpu_service.kvcache.block_pool import extend_block_hashes
+from gpu_service.kvcache.config import KVCacheConfig
 from gpu_service.kvcache.host_tier import BlockCopy
-from gpu_service.kvcache.kv_cache import KVCache
+from gpu_service.kvcache.manager import KVCacheManager
 
 
 @dataclass(frozen=True)
@@ -70,11 +74,11 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCache) -> None:
+    def __init__(self, config: SchedulerConfig, kv_config: KVCacheConfig) -> None:
         if config.max_model_len is None:
             raise ValueError("max_model_len is None: resolve it to the model's context length")
         self.config = config
-        self.kv_cache = kv_cache
+        self.kv_manager = KVCacheManager(kv_config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # fed the measured steps by the engine; None: chunks by max_num_batched_tokens only
@@ -106,7 +110,7 @@ class Scheduler:
             n = 1 if unprocessed == 1 else chunks.size(seqs, start, min(unprocessed, budget))
             if n == 0:
                 continue
-            while not self.kv_cache.can_extend(request.cache, start + n):
+            while not self.kv_manager.can_extend(request.cache, start + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -114,7 +118,7 @@ class Scheduler:
                     break
             if request.state != RequestState.RUNNING:
                 continue
-            self.kv_cache.extend(request.cache, start + n)
+            self.kv_manager.extend(request.cache, start + n)
             seqs.append(ScheduledSeq(request, request.ids(start, start + n), start))
             budget -= n
         # admit: the prompt (plus output after a preemption), its first chunk in this step
@@ -123,10 +127,10 @@ class Scheduler:
             request = self.waiting[0]
             ids = request.all_ids
             hashes = self._block_hashes(request, ids)
-            if not self.kv_cache.can_allocate(len(ids), hashes):
+            if not self.kv_manager.can_allocate(len(ids), hashes):
                 break
             self.waiting.popleft()
-            request.cache = self.kv_cache.allocate(len(ids), hashes)
+            request.cache = self.kv_manager.allocate(len(ids), hashes)
             request.state = RequestState.RUNNING
             self.running.append(request)
             start = request.cache.num_tokens  # the cached prefix
@@ -137,7 +141,7 @@ class Scheduler:
                 break
             seqs.append(ScheduledSeq(request, ids[start : start + n], start))
             budget -= n
-        copies = self.kv_cache.take_copies()
+        copies = self.kv_manager.take_copies()
         return ScheduledStep(tuple(seqs), tuple(preempted), copies, chunks.bound_s)
 
     def chain(self, step: ScheduledStep,
@@ -167,19 +171,19 @@ class Scheduler:
             if (len(request.output) + 1 >= request.params.max_tokens
                     or end_pos >= self.config.max_model_len):  # fmt: skip
                 continue
-            if not self.kv_cache.can_extend(request.cache, end_pos):
+            if not self.kv_manager.can_extend(request.cache, end_pos):
                 return None
-            self.kv_cache.extend(request.cache, end_pos)
+            self.kv_manager.extend(request.cache, end_pos)
             seqs.append(ScheduledSeq(request, [0], s.start_pos + 1, chained=True))
         if not seqs:
             return None
-        return ScheduledStep(tuple(seqs), (), self.kv_cache.take_copies())
+        return ScheduledStep(tuple(seqs), (), self.kv_manager.take_copies())
 
     def _block_hashes(self, request: Request, ids: list[int] | None = None) -> list[bytes]:
         """The chained hashes of the request's full blocks (kept on it, extended as it grows)."""
-        if not self.kv_cache.prefix_caching:
+        if not self.kv_manager.prefix_caching:
             return []
-        bs = self.kv_cache.block_size
+        bs = self.kv_manager.block_size
         if len(request.block_hashes) < request.num_tokens // bs:
             extend_block_hashes(request.block_hashes, ids or request.all_ids, bs)
         return request.block_hashes
@@ -187,15 +191,15 @@ class Scheduler:
     def _cache_computed(self, request: Request) -> None:
         """Offer the request's blocks that are full of computed tokens to the prefix cache."""
         cache = request.cache
-        if cache is None or not self.kv_cache.prefix_caching:
+        if cache is None or not self.kv_manager.prefix_caching:
             return
-        if cache.num_tokens // self.kv_cache.block_size > cache.num_hashed_blocks:
-            self.kv_cache.cache_blocks(cache, self._block_hashes(request))
+        if cache.num_tokens // self.kv_manager.block_size > cache.num_hashed_blocks:
+            self.kv_manager.cache_blocks(cache, self._block_hashes(request))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._cache_computed(request)
-        self.kv_cache.free(request.cache)
+        self.kv_manager.free(request.cache)
         request.cache = None
         request.state = RequestState.WAITING
         self.waiting.appendleft(request)
@@ -210,7 +214,7 @@ class Scheduler:
             self.waiting.remove(request)
         if request.cache is not None:
             self._cache_computed(request)
-            self.kv_cache.free(request.cache)
+            self.kv_manager.free(request.cache)
             request.cache = None
         request.state = RequestState.FINISHED
         request.finish_reason = reason
@@ -218,8 +222,8 @@ class Scheduler:
 
     @property
     def kv_usage(self) -> float:
-        cfg = self.kv_cache.config
-        return 1.0 - self.kv_cache.num_free_blocks / cfg.num_blocks
+        cfg = self.kv_manager.config
+        return 1.0 - self.kv_manager.num_free_blocks / cfg.num_blocks
 
 
 class _ChunkSizer:

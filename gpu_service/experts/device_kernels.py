@@ -1,4 +1,4 @@
-"""The device calls' hand-off as two Triton kernels per call (`--device-handoff kernels`).
+"""The device calls' hand-off as two Triton kernels per call (`KTSERVE_DEVICE_HANDOFF=kernels`).
 
 `CudaStream` (device_calls.py) makes each call with five driver operations on the stream: a
 pack into the staging buffer, a copy into the worker's mapped slot, a bell write, a bell wait

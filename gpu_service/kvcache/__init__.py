@@ -1,2 +1,3 @@
-"""The paged KV cache: its block pool with prefix hashing (block_pool), the cache the model's
-attention reads and writes (kv_cache) and its second tier in host RAM (host_tier)."""
+"""The paged KV cache: its sizes (config), the books the scheduler keeps (manager: a block pool
+with prefix hashing, block_pool, and a host tier's index, host_tier; a sequence's share,
+sequence) and the tensors the model and runner hold (tensors)."""

@@ -17,16 +17,18 @@ __all__ = ["DenseMLP", "Linear", "RMSNorm"]
 
 
 class RMSNorm(nn.Module):
-    fused_kernels = True  # fused_ops where it applies (CausalLM.use_fused_kernels)
+    """fused_kernels: fused_ops' kernels where they apply (False: the torch code only)."""
 
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+    def __init__(self, weight: torch.Tensor, eps: float, *, fused_kernels: bool = True) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
         self.eps = eps
+        self.fused_kernels = fused_kernels
 
     @classmethod
-    def load(cls, loader: WeightLoader, name: str, size: int, eps: float) -> RMSNorm:
-        return cls(loader.get(f"{name}.weight", (size,)), eps)
+    def load(cls, loader: WeightLoader, name: str, size: int, eps: float, *,
+             fused_kernels: bool) -> RMSNorm:  # fmt: skip
+        return cls(loader.get(f"{name}.weight", (size,)), eps, fused_kernels=fused_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.fused_kernels and self.weight.dtype == x.dtype

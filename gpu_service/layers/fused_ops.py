@@ -1,6 +1,6 @@
 """One CUDA kernel each for RMSNorm and the rotary embedding (Triton), where torch runs 6-8.
 
-At decode batch 1 a layer's GPU part is launch-bound: its ~90 kernels, most of them tiny
+At decode batch 1 a layer's GPU part is launch-bound: its kernels, most of them tiny
 elementwise steps of RMSNorm's float32 math and of RoPE, cost more in their gaps than in their
 work. These kernels compute what the torch code in layers.py / rope.py computes (the oracle; it
 stays the CPU path), in the same float32 steps and with the same roundings:
@@ -17,7 +17,8 @@ their slots), where torch runs 6-8 launches; and MLA's (mla_rope_cache: the late
 RoPE of the query's and the key's rotary parts, the latent row written into the cache), where
 torch runs five. `supports(...)` says when a tensor can take
 them (CUDA, Triton importable, unit last stride); otherwise callers keep the torch code, as they
-do when their model's `fused_kernels` is off (CausalLM.use_fused_kernels: --no-fused-kernels).
+do where their model's AttentionBackend has `fused_kernels` off (KTSERVE_FUSED_KERNELS=0), a choice
+the layers are given when they are built.
 """
 
 from __future__ import annotations
@@ -354,7 +355,7 @@ def qk_rope_cache(q, k, v, q_weight, k_weight, eps, cos, sin, k_cache, v_cache, 
     and k [T, Hkv, D] RMSNorm'd per head (q_weight / k_weight [D]; None: no norm) and rotated
     (halves, not interleaved) by cos/sin [T, D/2] float32; k and v [T, Hkv, D] written into
     k_cache / v_cache [S, Hkv, D] at slots [T]. Returns the rotated q [T, Hq, D] (q's dtype).
-    The torch code it replaces (the oracle): RMSNorm, apply_rotary, kv_cache.write_cache."""
+    The torch code it replaces (the oracle): RMSNorm, apply_rotary, kvcache.tensors.write_cache."""
     tokens, heads_q, dim = q.shape
     heads_kv = k.shape[1]
     out = torch.empty((tokens, heads_q, dim), dtype=q.dtype, device=q.device)
@@ -385,7 +386,7 @@ def mla_rope_cache(q_rot, kv_a, weight, eps, cos, sin, cache, slots, interleaved
     [T, rank + rope] row (rows of unit stride) written into cache [S, rank + rope] at slots [T]
     as [RMSNorm(latent) by weight [rank] | its rotary part rotated]. Returns the rotated q_rot
     [T, H, rope] (q_rot's dtype). The torch code it replaces (the oracle): RMSNorm,
-    apply_rotary twice, torch.cat and kv_cache.write_cache."""
+    apply_rotary twice, torch.cat and kvcache.tensors.write_cache."""
     tokens, heads, rope = q_rot.shape
     rank = weight.shape[0]
     out = torch.empty((tokens, heads, rope), dtype=q_rot.dtype, device=q_rot.device)

@@ -38,7 +38,7 @@ from gpu_service.layers.sharding import SINGLE, TensorParallel
 
 
 class GroupedSigmoidRouter(nn.Module):
-    fused_kernels = True  # fused_ops where it applies (CausalLM.use_fused_kernels)
+    """fused_kernels: fused_ops' top-k where it applies (False: the torch code only)."""
 
     def __init__(
         self,
@@ -49,6 +49,8 @@ class GroupedSigmoidRouter(nn.Module):
         topk_groups: int,
         norm_topk_prob: bool,
         scaling: float,
+        *,
+        fused_kernels: bool = True,
     ) -> None:
         super().__init__()
         num_experts = weight.shape[0]
@@ -61,6 +63,7 @@ class GroupedSigmoidRouter(nn.Module):
         self.register_buffer("bias", bias.float())  # [E]
         self.top_k, self.num_groups, self.topk_groups = top_k, num_groups, topk_groups
         self.norm_topk_prob, self.scaling = norm_topk_prob, scaling
+        self.fused_kernels = fused_kernels
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         e = self.weight.shape[0]
@@ -87,7 +90,7 @@ class GroupedSigmoidRouter(nn.Module):
 
 
 class SoftmaxRouter(nn.Module):
-    fused_kernels = True  # fused_ops where it applies (CausalLM.use_fused_kernels)
+    """fused_kernels: fused_ops' top-k where it applies (False: the torch code only)."""
 
     def __init__(
         self,
@@ -100,12 +103,14 @@ class SoftmaxRouter(nn.Module):
         round_to_model_dtype: bool = False,
         num_groups: int | None = None,
         topk_groups: int | None = None,
+        fused_kernels: bool = True,
     ) -> None:
         super().__init__()
         self.register_buffer("weight", weight.float() if logits_fp32 else weight)  # [E, H]
         self.top_k, self.norm_topk_prob, self.scaling = top_k, norm_topk_prob, scaling
         self.logits_fp32, self.round_to_model_dtype = logits_fp32, round_to_model_dtype
         self.num_groups, self.topk_groups = num_groups, topk_groups
+        self.fused_kernels = fused_kernels
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float() if self.logits_fp32 else x, self.weight)  # [T, E]

@@ -32,11 +32,12 @@ from functools import partial
 import torch
 from torch import nn
 
+from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.batch import StepContext, num_rows
-from gpu_service.attention.mla_prefill import expanded_kernel, expanded_prefill, worth_expanding
-from gpu_service.attention.paged_attention import group_attention, paged_attention
+from gpu_service.attention.mla_prefill import expanded_prefill, worth_expanding
 from gpu_service.experts.routed import RoutedExperts
-from gpu_service.kvcache.kv_cache import KVCache, KVCacheConfig, write_cache
+from gpu_service.kvcache.config import KVCacheConfig
+from gpu_service.kvcache.tensors import KVCacheTensors, write_cache
 from gpu_service.layers import fused_ops
 from gpu_service.layers.blocks import DenseMLP, Linear, RMSNorm
 from gpu_service.layers.loader import WeightLoader
@@ -119,10 +120,14 @@ class DeepseekConfig:
 
 
 class MLAttention(nn.Module):
-    fused_kernels = True  # fused_ops where it applies (CausalLM.use_fused_kernels)
+    """Its kernels: the model's AttentionBackend (fused_ops where backend.fused_kernels and they
+    apply)."""
 
-    def __init__(self, cfg: DeepseekConfig, loader: WeightLoader, layer: int) -> None:
+    def __init__(self, cfg: DeepseekConfig, loader: WeightLoader, layer: int,
+                 backend: AttentionBackend) -> None:  # fmt: skip
         super().__init__()
+        self.backend = backend
+        fused = backend.fused_kernels
         p, hidden, heads = (
             f"model.layers.{layer}.self_attn",
             cfg.base.hidden_size,
@@ -140,10 +145,12 @@ class MLAttention(nn.Module):
             # NOTE: q_a and kv_a read the same x: one GEMM, [T, q_lora_rank + latent]
             parts = [(f"{p}.q_a_proj", cfg.q_lora_rank, None), (kv_a, latent, None)]
             self.qkv_a_proj = Linear.load_stacked(loader, parts, hidden, bias=bias)
-            self.q_a_norm = RMSNorm.load(loader, f"{p}.q_a_layernorm", cfg.q_lora_rank, 1e-6)
+            self.q_a_norm = RMSNorm.load(loader, f"{p}.q_a_layernorm", cfg.q_lora_rank, 1e-6,
+                                         fused_kernels=fused)  # fmt: skip
             self.q_b_proj = Linear.load(loader, f"{p}.q_b_proj", cfg.q_lora_rank, q_out,
                                         shard=tp.column())  # fmt: skip
-        self.kv_a_norm = RMSNorm.load(loader, f"{p}.kv_a_layernorm", cfg.kv_lora_rank, 1e-6)
+        self.kv_a_norm = RMSNorm.load(loader, f"{p}.kv_a_layernorm", cfg.kv_lora_rank, 1e-6,
+                                      fused_kernels=fused)  # fmt: skip
         kv_out = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
         kv_b = loader.get(f"{p}.kv_b_proj.weight", (kv_out, cfg.kv_lora_rank), shard=tp.column())
         kv_b = kv_b.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
@@ -164,8 +171,8 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_norm(q_a))
         q_nope, q_rot = q.view(t, heads, nope + rope).split([nope, rope], dim=-1)  # [T, h, *]
         (cache,) = ctx.kv_cache.layers[self.layer]  # [S, r + rope]
-        meta, norm = ctx.meta, self.kv_a_norm
-        fused = self.fused_kernels and fused_ops.mla_rope_cache_fits(
+        meta, norm, backend = ctx.meta, self.kv_a_norm, self.backend
+        fused = backend.fused_kernels and fused_ops.mla_rope_cache_fits(
             q_rot, kv_a, norm.weight, cache, ctx.cos, ctx.sin
         )
         if fused:
@@ -179,21 +186,21 @@ class MLAttention(nn.Module):
                 cos=ctx.cos,
                 sin=ctx.sin,
                 interleaved=cfg.rope.interleaved,
-                fused=self.fused_kernels,
+                fused=backend.fused_kernels,
             )
             q_rot = rotate(q_rot)
             k_rot = rotate(k_rot[:, None, :])[:, 0]  # [T, rope]
             write_cache(cache, meta.slot_mapping, torch.cat((norm(c), k_rot), dim=-1))
-        prefill, kernel = meta.prefill, expanded_kernel(x.device)
+        prefill, kernel = meta.prefill, backend.expanded_prefill_kernel()
         per_seq = 0 if prefill is None else num_rows(prefill.rows) // len(prefill.kv_len)
         w_uk, w_uv, scale = self.w_uk, self.w_uv, self.scale
         if kernel is None or not worth_expanding(per_seq, rank, nope, cfg.v_head_dim):
             out = absorbed_attention(q_nope, q_rot, cache, w_uk, w_uv,
-                                     partial(paged_attention, meta=meta, scale=scale))  # fmt: skip
+                                     partial(backend.attend, meta=meta, scale=scale))  # fmt: skip
         else:  # NOTE: the prompt chunks expanded (mla_prefill.py), the decode rows absorbed
             out = q_nope.new_empty((t, heads, cfg.v_head_dim))
             for group in meta.decodes:
-                attend = partial(group_attention, group=group, block_size=meta.block_size,
+                attend = partial(backend.attend_group, group=group, block_size=meta.block_size,
                                  scale=scale, prefill=False)  # fmt: skip
                 out[group.rows] = absorbed_attention(q_nope[group.rows], q_rot[group.rows], cache,
                                                      w_uk, w_uv, attend)  # fmt: skip
@@ -223,7 +230,9 @@ def absorbed_attention(
     return torch.einsum("thr,hvr->thv", out, w_uv)  # [n, h, v]
 
 
-def _router(cfg: DeepseekConfig, loader: WeightLoader, prefix: str) -> nn.Module:
+def _router(
+    cfg: DeepseekConfig, loader: WeightLoader, prefix: str, fused_kernels: bool
+) -> nn.Module:
     hidden, num = cfg.base.hidden_size, cfg.num_experts
     weight = loader.get(f"{prefix}.weight", (num, hidden), torch.float32)
     if cfg.topk_method == "noaux_tc":
@@ -236,6 +245,7 @@ def _router(cfg: DeepseekConfig, loader: WeightLoader, prefix: str) -> nn.Module
             cfg.topk_groups,
             cfg.norm_topk_prob,
             cfg.routed_scaling_factor,
+            fused_kernels=fused_kernels,
         )
     grouped = cfg.topk_method == "group_limited_greedy"
     return SoftmaxRouter(
@@ -246,6 +256,7 @@ def _router(cfg: DeepseekConfig, loader: WeightLoader, prefix: str) -> nn.Module
         logits_fp32=True,
         num_groups=cfg.num_groups if grouped else None,
         topk_groups=cfg.topk_groups if grouped else None,
+        fused_kernels=fused_kernels,
     )
 
 
@@ -256,6 +267,7 @@ def build(
     experts: RoutedExperts,
     max_num_tokens_in_cache: int,
     block_size: int,
+    backend: AttentionBackend,
 ) -> CausalLM:
     cfg = DeepseekConfig.from_hf(hf, spec)
     hidden, eps = cfg.base.hidden_size, cfg.base.rms_norm_eps
@@ -268,14 +280,15 @@ def build(
                 inter = cfg.moe_intermediate_size * cfg.num_shared_experts
                 shared = DenseMLP.load(loader, f"{p}.mlp.shared_experts", hidden, inter,
                                        reduce=not loader.tp.sharded)  # fmt: skip
-            router = _router(cfg, loader, f"{p}.mlp.gate")
+            router = _router(cfg, loader, f"{p}.mlp.gate", backend.fused_kernels)
             mlp: nn.Module = MoE(i, router, experts, shared, tp=loader.tp)
         else:
             mlp = DenseMLP.load(
                 loader, f"{p}.mlp", hidden, cfg.intermediate_size, bias=cfg.mlp_bias
             )
-        layers.append(DecoderLayer.load(loader, i, MLAttention(cfg, loader, i), mlp, hidden, eps))
+        attn = MLAttention(cfg, loader, i, backend)
+        layers.append(DecoderLayer.load(loader, i, attn, mlp, hidden, eps, backend))
     latent = (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)
     kv_config = KVCacheConfig(cfg.base.num_layers, (latent,), max_num_tokens_in_cache, block_size)
-    kv_cache = KVCache(kv_config, loader.dtype, loader.device)
-    return CausalLM(cfg.base, loader, layers, Rotary(cfg.rope, loader.device), kv_cache)
+    kv_cache = KVCacheTensors(kv_config, loader.dtype, loader.device)
+    return CausalLM(cfg.base, loader, layers, Rotary(cfg.rope, loader.device), kv_cache, backend)

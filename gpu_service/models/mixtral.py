@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gpu_service.attention.backend import AttentionBackend
 from gpu_service.experts.routed import RoutedExperts
 from gpu_service.layers.loader import WeightLoader
 from gpu_service.layers.moe import MoE, SoftmaxRouter
@@ -48,6 +49,7 @@ def build(
     experts: RoutedExperts,
     max_num_tokens_in_cache: int,
     block_size: int,
+    backend: AttentionBackend,
 ) -> CausalLM:
     cfg = MixtralConfig.from_hf(hf, spec)
     base = cfg.base
@@ -59,12 +61,13 @@ def build(
             loader.get(f"{p}.block_sparse_moe.gate.weight", (cfg.num_experts, hidden)),
             cfg.num_experts_per_tok,
             norm_topk_prob=True,
+            fused_kernels=backend.fused_kernels,
         )
-        attn = load_gqa(loader, i, base, cfg.num_kv_heads, cfg.head_dim, window=cfg.sliding_window)
-        layers.append(
-            DecoderLayer.load(loader, i, attn, MoE(i, router, experts, tp=loader.tp), hidden, eps)
-        )
+        attn = load_gqa(loader, i, base, cfg.num_kv_heads, cfg.head_dim,
+                        window=cfg.sliding_window, backend=backend)  # fmt: skip
+        moe = MoE(i, router, experts, tp=loader.tp)
+        layers.append(DecoderLayer.load(loader, i, attn, moe, hidden, eps, backend))
     kv_cache = gqa_cache(
         base, cfg.num_kv_heads, cfg.head_dim, loader, max_num_tokens_in_cache, block_size
     )
-    return CausalLM(base, loader, layers, Rotary(cfg.rope, loader.device), kv_cache)
+    return CausalLM(base, loader, layers, Rotary(cfg.rope, loader.device), kv_cache, backend)

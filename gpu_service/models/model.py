@@ -6,14 +6,18 @@
                     layer's deferred experts: moe.py)
     logits = lm_head(norm(h))                              # [B, V] (last tokens) or [T, V]
 
-Families (deepseek.py, qwen_moe.py, mixtral.py) build the attention and MLP modules per layer and
-hand them to `CausalLM` with the KV cache they need. The step is written as methods that split it
-at each MoE layer's expert call (embed_tokens, attend_then_norm, the MoE's route / shared_out /
-combine, logits): the engine's decode graphs run the same methods segment by segment. Usage:
+Families (deepseek.py, qwen_moe.py, mixtral.py) build the attention and MLP modules per layer,
+each given the AttentionBackend chosen at load (its kernels), and hand them to `CausalLM` with
+the KV cache's tensors they need (which blocks a sequence holds is the business of the KV
+manager, kvcache/manager.py, which the engine's scheduler owns). The step is written as
+methods that split it at each MoE layer's expert call (embed_tokens, attend_then_norm, the
+MoE's route / shared_out / combine, logits): the engine's decode graphs run the same methods
+segment by segment. Usage:
 
-    cache = model.kv_cache.allocate(len(prompt))
+    kv = KVCacheManager(model.kv_cache.config)
+    cache = kv.allocate(len(prompt))
     logits = model.forward(Batch((SeqInput(prompt, cache, 0),)))        # prefill, [1, V]
-    model.kv_cache.extend(cache, len(prompt) + 1)
+    kv.extend(cache, len(prompt) + 1)
     logits = model.forward(Batch((SeqInput([tok], cache, len(prompt)),)))  # decode
 """
 
@@ -24,9 +28,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.batch import AttentionMetadata, Batch, StepContext
 from gpu_service.experts.routed import abandon
-from gpu_service.kvcache.kv_cache import KVCache
+from gpu_service.kvcache.tensors import KVCacheTensors
 from gpu_service.layers.blocks import Linear, RMSNorm
 from gpu_service.layers.linear import make_linear
 from gpu_service.layers.loader import WeightLoader
@@ -48,14 +53,17 @@ class DecoderLayer(nn.Module):
 
     @classmethod
     def load(cls, loader: WeightLoader, layer: int, attn: nn.Module, mlp: nn.Module,
-             hidden: int, eps: float) -> DecoderLayer:  # fmt: skip
+             hidden: int, eps: float, backend: AttentionBackend) -> DecoderLayer:  # fmt: skip
         """The layer with its two norms read from the checkpoint (names every family shares)."""
         p = f"model.layers.{layer}"
+        fused = backend.fused_kernels
         return cls(
             attn,
             mlp,
-            RMSNorm.load(loader, f"{p}.input_layernorm", hidden, eps),
-            RMSNorm.load(loader, f"{p}.post_attention_layernorm", hidden, eps),
+            RMSNorm.load(loader, f"{p}.input_layernorm", hidden, eps, fused_kernels=fused),
+            RMSNorm.load(
+                loader, f"{p}.post_attention_layernorm", hidden, eps, fused_kernels=fused
+            ),  # fmt: skip
         )
 
     def attend_then_norm(
@@ -82,7 +90,8 @@ class CausalLM(nn.Module):
         loader: WeightLoader,
         layers: list[DecoderLayer],
         rotary: Rotary,
-        kv_cache: KVCache,
+        kv_cache: KVCacheTensors,
+        backend: AttentionBackend,
     ) -> None:
         super().__init__()
         self.config = config
@@ -90,7 +99,9 @@ class CausalLM(nn.Module):
         vocab, hidden = config.vocab_size, config.hidden_size
         self.register_buffer("embed", loader.get("model.embed_tokens.weight", (vocab, hidden)))
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm.load(loader, "model.norm", hidden, config.rms_norm_eps)
+        self.backend = backend  # its layers' kernels, chosen at load
+        self.norm = RMSNorm.load(loader, "model.norm", hidden, config.rms_norm_eps,
+                                 fused_kernels=backend.fused_kernels)  # fmt: skip
         quant = loader.linear_quant
         if config.tie_word_embeddings and not loader.has("lm_head.weight"):
             fmt = quant.format if quant.quantize_lm_head else "bf16"
@@ -122,13 +133,6 @@ class CausalLM(nn.Module):
         """Routed experts per token each MoE layer but the last defers to the next (moe.py)."""
         return max((moe.num_deferred for moe in self.moes), default=0)
 
-    def use_fused_kernels(self, enabled: bool) -> None:
-        """fused_ops' Triton kernels (RMSNorm, RoPE, the routers) where they apply, or the torch
-        code only (--no-fused-kernels): for this model's modules, not the process's."""
-        for module in self.modules():
-            if hasattr(type(module), "fused_kernels"):
-                module.fused_kernels = enabled
-
     def defer_experts(self, num: int) -> None:
         """Defer each token's `num` lowest-weight routed experts of every MoE layer but the
         last to the next MoE layer (0: none); num must be below the experts per token."""
@@ -144,16 +148,17 @@ class CausalLM(nn.Module):
 
     def check_batch(self, batch: Batch) -> None:
         """Raises ValueError (or InvalidSequenceCache) for a batch this model cannot run: caches
-        not live or too small, ids outside the embedding table (on CUDA, indexing past it is a
+        freed or too small, ids outside the embedding table (on CUDA, indexing past it is a
         device-side assert that breaks the context for everyone). These are invariants of the
         batches the runner builds; requests are checked where they enter the engine
         (engine/validation.py)."""
         for s in batch.seqs:
-            self.kv_cache.check_live(s.cache)
+            s.cache.check_not_freed()
             if s.end_pos > s.cache.capacity:
                 raise ValueError(
                     f"sequence {s.cache.seq_id}: positions up to {s.end_pos} do not fit its cache "
-                    f"capacity {s.cache.capacity}; call kv_cache.extend(cache, {s.end_pos}) first"
+                    f"capacity {s.cache.capacity}; call KVCacheManager.extend(cache, "
+                    f"{s.end_pos}) first"
                 )
             if max(s.token_ids) >= self.config.vocab_size or min(s.token_ids) < 0:
                 raise ValueError(

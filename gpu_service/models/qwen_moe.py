@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.gqa import GQAAttention
 from gpu_service.experts.routed import RoutedExperts
-from gpu_service.kvcache.kv_cache import KVCache, KVCacheConfig
+from gpu_service.kvcache.config import KVCacheConfig
+from gpu_service.kvcache.tensors import KVCacheTensors
 from gpu_service.layers.blocks import DenseMLP, Linear, RMSNorm
 from gpu_service.layers.loader import WeightLoader
 from gpu_service.layers.moe import MoE, SoftmaxRouter
@@ -92,6 +94,7 @@ def load_gqa(
     o_bias: bool = False,
     qk_norm: bool = False,
     window: int | None = None,
+    backend: AttentionBackend,
 ) -> GQAAttention:
     """The `model.layers.{layer}.self_attn` GQA block (also Mixtral's): with tensor
     parallelism (loader.tp) the rank's share of the query heads and the kv heads they use."""
@@ -99,8 +102,11 @@ def load_gqa(
     tp = loader.tp
     q_norm = k_norm = None
     if qk_norm:
-        q_norm = RMSNorm.load(loader, f"{p}.q_norm", head_dim, base.rms_norm_eps)
-        k_norm = RMSNorm.load(loader, f"{p}.k_norm", head_dim, base.rms_norm_eps)
+        fused = backend.fused_kernels
+        q_norm = RMSNorm.load(loader, f"{p}.q_norm", head_dim, base.rms_norm_eps,
+                              fused_kernels=fused)  # fmt: skip
+        k_norm = RMSNorm.load(loader, f"{p}.k_norm", head_dim, base.rms_norm_eps,
+                              fused_kernels=fused)  # fmt: skip
     local_kv_heads, kv_shard = tp.kv_heads(num_kv_heads)
     kv_out = num_kv_heads * head_dim
     qkv = [(f"{p}.q_proj", heads * head_dim, tp.column()), (f"{p}.k_proj", kv_out, kv_shard),
@@ -115,6 +121,7 @@ def load_gqa(
         q_norm,
         k_norm,
         window,
+        backend=backend,
     )
 
 
@@ -125,10 +132,10 @@ def gqa_cache(
     loader: WeightLoader,
     tokens: int,
     block: int,
-) -> KVCache:
+) -> KVCacheTensors:
     """Keys and values of the rank's kv heads only (loader.tp)."""
     entry = (loader.tp.kv_heads(num_kv_heads)[0], head_dim)
-    return KVCache(
+    return KVCacheTensors(
         KVCacheConfig(base.num_layers, (entry, entry), tokens, block), loader.dtype, loader.device
     )
 
@@ -140,6 +147,7 @@ def build(
     experts: RoutedExperts,
     max_num_tokens_in_cache: int,
     block_size: int,
+    backend: AttentionBackend,
 ) -> CausalLM:
     cfg = QwenMoeConfig.from_hf(hf, spec)
     base = cfg.base
@@ -153,6 +161,7 @@ def build(
                 cfg.num_experts_per_tok,
                 norm_topk_prob=cfg.norm_topk_prob,
                 round_to_model_dtype=True,
+                fused_kernels=backend.fused_kernels,
             )
             shared = shared_gate = None
             if cfg.shared_expert_intermediate_size:
@@ -175,9 +184,10 @@ def build(
             o_bias=cfg.o_bias,
             qk_norm=cfg.qwen3,
             window=cfg.windows[i],
+            backend=backend,
         )
-        layers.append(DecoderLayer.load(loader, i, attn, mlp, hidden, eps))
+        layers.append(DecoderLayer.load(loader, i, attn, mlp, hidden, eps, backend))
     kv_cache = gqa_cache(
         base, cfg.num_kv_heads, cfg.head_dim, loader, max_num_tokens_in_cache, block_size
     )
-    return CausalLM(base, loader, layers, Rotary(cfg.rope, loader.device), kv_cache)
+    return CausalLM(base, loader, layers, Rotary(cfg.rope, loader.device), kv_cache, backend)

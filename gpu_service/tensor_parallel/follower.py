@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_service.layers.sharding import TensorParallel
-from gpu_service.models import Batch, KVCache, SeqInput, load_model
+from gpu_service.models import Batch, KVCacheTensors, SeqInput, load_model
 from gpu_service.models.model import CausalLM
 from gpu_service.tensor_parallel.messages import Cache, Setup, Step, Stop, read_message
 from ktserve.parent_process import follow_parent
@@ -50,7 +50,7 @@ def load(setup: Setup, tp: TensorParallel) -> CausalLM:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // setup.world_size))
     return load_model(setup.model_dir, device, setup.dtype, experts=None,
                       max_num_tokens_in_cache=16, linear_quant=setup.linear_quant,
-                      tp=tp, fused_kernels=setup.fused_kernels)  # fmt: skip
+                      tp=tp, attention=setup.attention)  # fmt: skip
 
 
 def run_step(model: CausalLM, step: Step) -> None:
@@ -78,7 +78,7 @@ def serve(stdin) -> None:
                                  block_size=message.block_size, enable_prefix_caching=False,
                                  max_num_host_tokens=0)  # fmt: skip
                 model.kv_cache = None  # NOTE: free the old one before the new one is allocated
-                model.kv_cache = KVCache(config, message.dtype, model.device)
+                model.kv_cache = KVCacheTensors(config, message.dtype, model.device)
             elif isinstance(message, Step):
                 run_step(model, message)
             else:

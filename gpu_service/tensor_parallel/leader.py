@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.batch import Batch
 from gpu_service.layers.sharding import TensorParallel
 from gpu_service.layers.weight_formats import LinearQuantConfig
@@ -60,7 +61,7 @@ class LeaderConfig:
     device: torch.device  # rank 0's; rank r runs on the same type, index + r on CUDA
     dtype: torch.dtype
     linear_quant: LinearQuantConfig
-    fused_kernels: bool
+    attention: AttentionBackend  # rank 0's, chosen at its load: every rank runs the same kernels
     timeout_s: float
 
     def device_of(self, rank: int) -> torch.device:
@@ -127,7 +128,7 @@ class TensorParallelLeader:
         cfg = self.config
         return Setup(rank, cfg.world_size, self.store.port, self.backend, cfg.timeout_s,
                      str(Path(cfg.model_dir).resolve()), str(cfg.device_of(rank)), cfg.dtype,
-                     cfg.linear_quant, cfg.fused_kernels)  # fmt: skip
+                     cfg.linear_quant, cfg.attention)  # fmt: skip
 
     def ready(self, model: CausalLM) -> None:
         """Wait until every follower has loaded its share; then hand them model's steps."""

@@ -21,8 +21,9 @@ from typing import BinaryIO
 
 import torch
 
+from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.batch import Batch
-from gpu_service.kvcache.kv_cache import SeqCache
+from gpu_service.kvcache.sequence import SeqCache
 from gpu_service.layers.weight_formats import LinearQuantConfig
 
 _LENGTH = struct.Struct("<Q")
@@ -39,7 +40,7 @@ class Setup:
     device: str
     dtype: torch.dtype
     linear_quant: LinearQuantConfig
-    fused_kernels: bool
+    attention: AttentionBackend
 
 
 @dataclass(frozen=True)

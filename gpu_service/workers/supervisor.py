@@ -46,7 +46,7 @@ from ktserve.worker_auth import worker_channel
 from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV
 
 if TYPE_CHECKING:
-    from gpu_service.serve_config import WorkerPlan
+    from gpu_service.workers.plan import WorkerPlan
     from ktserve.checkpoint.spec import ModelSpec
 
 log = logging.getLogger("ktserve.supervisor")
@@ -86,7 +86,7 @@ def worker_specs(
     threads: int | None,
     socket_dir: str | None = None,
 ) -> list[WorkerSpec]:
-    """plans: what each worker holds and where it runs (WorkersConfig.worker_plans).
+    """plans: what each worker holds and where it runs (workers/plan.py).
     socket_dir: the workers listen on Unix sockets there (a 0700 directory: no other user
     reaches them); None: on free loopback ports (then the Supervisor needs a token)."""
     specs = []

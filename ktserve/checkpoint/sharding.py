@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
+from ktserve import envs
 from ktserve.checkpoint.errors import InsufficientMemory, InvalidExpertRange, ShardOutOfRange
 from ktserve.checkpoint.spec import ModelSpec
 
@@ -41,12 +41,9 @@ def estimate_shard_bytes(spec: ModelSpec, num_experts: int, bytes_per_weight: fl
 
 def available_memory_bytes() -> tuple[int, str]:
     """(bytes, where the number came from): $KTSERVE_MEMORY_LIMIT_BYTES, else MemAvailable."""
-    override = os.environ.get(MEMORY_LIMIT_ENV)
+    override = envs.MEMORY_LIMIT_BYTES.read()
     if override is not None:
-        try:
-            return int(override), f"${MEMORY_LIMIT_ENV}"
-        except ValueError as exc:
-            raise ValueError(f"${MEMORY_LIMIT_ENV}={override!r} is not an integer") from exc
+        return override, f"${MEMORY_LIMIT_ENV}"
     for line in MEMINFO_PATH.read_text().splitlines():
         if line.startswith("MemAvailable:"):
             value, unit = line.split()[1:3]

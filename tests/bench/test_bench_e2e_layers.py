@@ -10,6 +10,7 @@ import torch
 
 from bench.bench_e2e import expert_tensor_bytes, layer_view
 from gpu_service.attention.batch import Batch, SeqInput
+from gpu_service.kvcache.manager import KVCacheManager
 from gpu_service.models import TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader, ModelSpec
 from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
@@ -34,7 +35,7 @@ def test_a_layer_view_is_the_first_layers_of_the_checkpoint(tmp_path, seed):
     prompt = torch.randint(3, 100, (9,), generator=torch.Generator().manual_seed(seed)).tolist()
     with torch.no_grad():
         want = reference(torch.tensor([prompt])).logits[0, -1].float()
-    cache = model.kv_cache.allocate(len(prompt))
+    cache = KVCacheManager(model.kv_cache.config).allocate(len(prompt))
     got = model.forward(Batch((SeqInput(prompt, cache, 0),)))[0]
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 

@@ -19,7 +19,7 @@ def prefix_cache_hits(service) -> float:
 
 def test_prefill_prompts_miss_the_prefix_cache_and_a_hit_stops_the_run(tmp_path, seed):
     with tiny_served(tmp_path, seed, max_model_len=256, kv_cache_tokens=2048) as service:
-        assert service.engine.model.kv_cache.prefix_caching
+        assert service.engine.scheduler.kv_manager.prefix_caching
         # the lengths bench_e2e times, scaled down: each longer one, for each repeat, once
         # began with the shorter ones (blocks of 16 tokens: 48 of 64 could have hit)
         for n in (48, 64, 128):

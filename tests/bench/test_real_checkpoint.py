@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench.real_checkpoint import SHAPES, write
+from gpu_service.kvcache.manager import KVCacheManager
 from gpu_service.models import Batch, SeqInput, TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
 from tests.support.checkpoints import load_reference_model
@@ -34,7 +35,7 @@ def test_written_checkpoint_loads_and_matches_transformers(tmp_path, seed, name,
                        experts=TorchExperts(reader, "cpu", torch.float32),
                        max_num_tokens_in_cache=64)  # fmt: skip
     prompt = torch.randint(0, shape.vocab, (9,), generator=torch.Generator().manual_seed(seed))
-    cache = model.kv_cache.allocate(len(prompt))
+    cache = KVCacheManager(model.kv_cache.config).allocate(len(prompt))
     ours = model.forward(Batch((SeqInput(prompt.tolist(), cache, 0),)))[0]
     reference = load_reference_model(tmp_path)
     with torch.no_grad():

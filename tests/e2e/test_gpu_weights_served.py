@@ -55,11 +55,12 @@ def test_served_quantized_gpu_part(checkpoint, seed, fmt):
         service.engine.stop()  # the eager forwards below run on this thread
         for prompt, tokens in zip(prompts, outputs):
             seq = prompt + tokens
-            cache = model.kv_cache.allocate(len(seq))
+            kv = service.engine.scheduler.kv_manager
+            cache = kv.allocate(len(seq))
             try:
                 logits = model.forward(Batch((SeqInput(seq, cache, 0),)), all_positions=True)
             finally:
-                model.kv_cache.free(cache)
+                kv.free(cache)
             rows = logits[len(prompt) - 1 : len(seq) - 1]  # [n, V]
             chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
             gap = float((rows.max(dim=1).values - chosen).max())

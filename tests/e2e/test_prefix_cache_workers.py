@@ -42,7 +42,7 @@ def test_hits_through_an_expert_worker_give_the_same_tokens_and_skip_its_calls(
                 prefix_caching=caching, kv_host_cache_gib=0.001 if caching else 0.0,
             )  # fmt: skip
             try:
-                cache = service.engine.model.kv_cache
+                cache = service.engine.scheduler.kv_manager
                 assert cache.prefix_caching == caching
                 per_token = cache.config.bytes_per_token(torch.float32)
                 host_blocks = int(0.001 * 2**30) // per_token // cache.block_size

@@ -136,12 +136,12 @@ def test_served_by_a_worker(model_dir):
     service = None
     try:
         service = worker_service(model_dir, worker, dtype="float32", kv_cache_tokens=256)
-        model = service.engine.model
-        cache = model.kv_cache.allocate(5)
+        model, kv = service.engine.model, service.engine.scheduler.kv_manager
+        cache = kv.allocate(5)
         try:
             logits = model.forward(Batch((SeqInput([1, 2, 3, 4, 5], cache, 0),)))
         finally:
-            model.kv_cache.free(cache)
+            kv.free(cache)
         assert logits.shape == (1, SHAPE.vocab) and torch.isfinite(logits).all()
         assert float(logits.std()) > 0
     finally:

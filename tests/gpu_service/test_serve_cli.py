@@ -12,10 +12,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from gpu_service.cli import DEMO_MODEL_DIR, serve_config
+from gpu_service.cli import DEMO_MODEL_DIR, MOVED_FLAGS, serve_config
 from gpu_service.config import GPUServiceConfig
-from gpu_service.serve_config import HTTPConfig, ServeConfig, split_experts
+from gpu_service.serve_config import HTTPConfig, ServeConfig
 from gpu_service.workers.external_workers import ExpertCoverageError, WorkerShard, check_coverage
+from gpu_service.workers.plan import expert_ranges, split_experts
+from ktserve import envs
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.cli import build_parser
 from ktserve.worker_token import TOKEN_ENV, new_token
@@ -37,14 +39,16 @@ GPU_FLAGS = (
     "1024",
 )
 FLAGS = ("--threads", "1", "--format", "bf16", *GPU_FLAGS)  # the workers serve starts, too
-
-
 CHECKPOINT = ServedCheckpoint(max_position_embeddings=128)
 
 
 def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
     monkeypatch.setenv("KTSERVE_API_KEY", "from-env")
     monkeypatch.delenv("KTSERVE_DEVICE", raising=False)
+    moved = {envs.WIRE_DTYPE: "float32", envs.GPU_EXPERTS_REFRESH_S: "30",
+             envs.MIN_PREFILL_CHUNK_TOKENS: "8"}  # fmt: skip
+    for var, value in moved.items():
+        monkeypatch.setenv(var.name, value)
     args = build_parser().parse_args(
         [
             "serve",
@@ -60,8 +64,6 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
             "3",
             "--port",
             "0",
-            "--wire-dtype",
-            "float32",
             "--format",
             "int4",
             "--threads",
@@ -70,8 +72,6 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
             "96",
             "--gpu-experts",
             "2",
-            "--gpu-experts-refresh",
-            "30",
             "--no-cuda-graphs",
             "--cuda-graph-max-batch",
             "4",
@@ -82,14 +82,12 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
             "0.5",
             "--mixed-step-time-factor",
             "2.5",
-            "--min-prefill-chunk-tokens",
-            "8",
         ]
     )
     config = serve_config(args)
     workers, gpu, http = config.workers, config.gpu, config.http
     assert workers.experts_per_worker == ("0-3", "4-11")
-    assert workers.expert_ranges(12) == ("0-3", "4-11")
+    assert expert_ranges(workers, 12) == ("0-3", "4-11")
     assert not workers.restart_workers and gpu.experts.worker_timeout_s == 5
     assert gpu.scheduler.max_num_seqs == 3 and gpu.experts.wire_dtype == "float32"
     assert workers.weight_format == "int4" and workers.threads == 2
@@ -107,6 +105,8 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
     on_workers = gpu.with_workers(("127.0.0.1:1", "127.0.0.1:2"))
     assert on_workers.experts.workers == ("127.0.0.1:1", "127.0.0.1:2")
     assert on_workers.experts.worker_timeout_s == 5 and on_workers.scheduler == gpu.scheduler
+    for var in moved:
+        monkeypatch.delenv(var.name)
     defaults = serve_config(build_parser().parse_args(["serve", str(checkpoint)]))
     assert defaults == ServeConfig(
         gpu=GPUServiceConfig(model_dir=str(checkpoint)), http=HTTPConfig(api_key="from-env")
@@ -146,20 +146,34 @@ def test_no_model_serves_the_demo_or_says_how_to_pass_one(tmp_path):
         (("--expert-workers", "0"), "--expert-workers must be >= 1"),
         (("--expert-workers", "2", "--experts-per-worker", "0-11"), "one range per worker"),
         (("--expert-workers", "50"), "use at most 12 workers"),
-        (
-            ("--max-deferred-experts-per-token", "-1"),
-            "--max-deferred-experts-per-token must be >= 0",
-        ),
-        (("--max-deferred-experts-per-token", "9"), "must be below the model's"),
         (("--gpu-memory-utilization", "1.5"), "--gpu-memory-utilization must be in (0, 1]"),
         (("--gpu-weight-format", "bf16", "--quantize-lm-head"), "--quantize-lm-head needs"),
         (("--quantize-lm-head",), "auto chose bf16 here"),
         (("--mixed-step-time-factor", "0.5"), "--mixed-step-time-factor must be 0 (off) or >= 1"),
-        (("--mixed-step-time-ms", "-1"), "--mixed-step-time-ms must be > 0"),
+        *(((flag, "1"), f"variable {var} instead") for flag, var in MOVED_FLAGS.items()),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(checkpoint, args, message):
     result = ktserve("serve", str(checkpoint), "--port", "0", *FLAGS, *args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+
+
+@pytest.mark.parametrize(
+    "var, value, message",
+    [
+        (
+            envs.MAX_DEFERRED_EXPERTS_PER_TOKEN,
+            "-1",
+            "KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN must be >= 0",
+        ),
+        (envs.MAX_DEFERRED_EXPERTS_PER_TOKEN, "9", "must be below the model's"),
+        (envs.MIXED_STEP_TIME_MS, "-1", "KTSERVE_MIXED_STEP_TIME_MS must be > 0"),
+        (envs.WIRE_DTYPE, "float16", "KTSERVE_WIRE_DTYPE='float16': expected one of"),
+    ],
+)
+def test_bad_variables_exit_2_with_a_message(checkpoint, var, value, message):
+    result = ktserve("serve", str(checkpoint), "--port", "0", *FLAGS, env={var.name: value})
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
 

@@ -17,14 +17,17 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from ktserve import envs
 from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import shm_entries
 from tests.support.watched_process import WatchedProcess
 
 # one expert worker with one thread, everything on the CPU in float32
 CPU_FLAGS = ("--expert-workers", "1", "--threads", "1", "--device", "cpu", "--dtype", "float32")
-# ... and exact: float32 on the wire, bf16 experts (the tiny checkpoints' own weights)
-EXACT_FLAGS = (*CPU_FLAGS, "--wire-dtype", "float32", "--format", "bf16")
+# ... and exact: bf16 experts (the tiny checkpoints' own weights) and, an experiment switch,
+# float32 on the wire (pass EXACT_ENV with EXACT_FLAGS or TINY_FLAGS)
+EXACT_FLAGS = (*CPU_FLAGS, "--format", "bf16")
+EXACT_ENV = {envs.WIRE_DTYPE.name: "float32"}
 TINY_MODEL_LEN = 256
 TINY_FLAGS = (*EXACT_FLAGS, "--max-model-len", str(TINY_MODEL_LEN), "--kv-cache-tokens", "4096",
               "--served-model-name", "tiny")  # fmt: skip
@@ -194,9 +197,10 @@ def running_server(model_dir: str | Path | None, *flags: str, env: dict | None =
 
 
 def tiny_server(checkpoint: Path, api_key: str, max_num_seqs: int):
-    """running_server on a make_served_checkpoint: TINY_FLAGS, served as `tiny`, with a key."""
+    """running_server on a make_served_checkpoint: TINY_FLAGS and EXACT_ENV, served as `tiny`,
+    with a key."""
     return running_server(checkpoint, *TINY_FLAGS, "--max-num-seqs", str(max_num_seqs),
-                          env={"KTSERVE_API_KEY": api_key})  # fmt: skip
+                          env={**EXACT_ENV, "KTSERVE_API_KEY": api_key})  # fmt: skip
 
 
 def openai_client(server: ServerProcess, api_key: str = "unused"):

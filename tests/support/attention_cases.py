@@ -40,3 +40,14 @@ def check(got, want, dtype):
     err = (got.cpu().double() - want).abs().max().item()
     tol = TOLERANCE[dtype] * max(1.0, want.abs().max().item())
     assert err <= tol, f"max abs error {err} > {tol}"
+
+
+def backend_decode(q, k_cache, v_cache, *rest, **kwargs):
+    """A decode call through the AttentionBackend a model of these shapes and dtypes gets on q's
+    device (gpu_service/attention/backend.py), on its GPU kernels (on the CPU: under Triton's
+    interpreter, where the backend runs attention_triton's split kernel)."""
+    from gpu_service.attention.backend import AttentionBackend
+
+    latent = k_cache.shape[-1] if v_cache.data_ptr() == k_cache.data_ptr() else 0
+    backend = AttentionBackend.choose(q.device, q.dtype, k_cache.dtype, latent)
+    return backend.gpu_decode(q, k_cache, v_cache, *rest, **kwargs)

@@ -7,6 +7,7 @@ import socket
 import torch
 
 from gpu_service.engine.decode_graphs import DecodeGraphs
+from gpu_service.kvcache.manager import KVCacheManager
 from gpu_service.models import Batch, SeqInput
 from ktserve.worker_token import TOKEN_ENV
 from tests.support.expert_procs import ExpertProcess
@@ -30,7 +31,8 @@ class Decoder:
 
     def __init__(self, model, graphs: DecodeGraphs, prompts: list[list[int]]) -> None:
         self.model, self.graphs = model, graphs
-        self.caches = [model.kv_cache.allocate(len(p)) for p in prompts]
+        self.kv = KVCacheManager(model.kv_cache.config)
+        self.caches = [self.kv.allocate(len(p)) for p in prompts]
         self.pos = [len(p) for p in prompts]
         logits = model.forward(Batch(tuple(SeqInput(p, c, 0) for p, c in
                                            zip(prompts, self.caches))))  # fmt: skip
@@ -39,7 +41,7 @@ class Decoder:
     def step(self, tokens: list[int] | None = None) -> torch.Tensor:
         tokens = self.tokens if tokens is None else tokens
         for cache, p in zip(self.caches, self.pos):
-            self.model.kv_cache.extend(cache, p + 1)
+            self.kv.extend(cache, p + 1)
         batch = Batch(tuple(SeqInput([t], c, p) for t, c, p in
                             zip(tokens, self.caches, self.pos)))  # fmt: skip
         logits = self.graphs.forward(batch).clone()

@@ -102,14 +102,14 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def last_logits(service, batch_prompts: list[list[int]]) -> torch.Tensor:
     """One prefill of all prompts together through the model (GPU part + expert worker)."""
-    model = service.engine.model
-    caches = [model.kv_cache.allocate(len(p)) for p in batch_prompts]
+    model, kv = service.engine.model, service.engine.scheduler.kv_manager
+    caches = [kv.allocate(len(p)) for p in batch_prompts]
     try:
         batch = Batch(tuple(SeqInput(p, c, 0) for p, c in zip(batch_prompts, caches)))
         return model.forward(batch)  # [B, V]
     finally:
         for c in caches:
-            model.kv_cache.free(c)
+            kv.free(c)
 
 
 def greedy_together(service, batch_prompts, n: int) -> list[list[int]]:

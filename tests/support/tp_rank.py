@@ -8,6 +8,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from gpu_service.kvcache.manager import KVCacheManager
 from gpu_service.layers.sharding import TensorParallel
 from gpu_service.models import Batch, SeqInput, TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
@@ -27,7 +28,8 @@ def run_rank(rank: int, world: int, port: int, path: str, prompts, out) -> None:
         experts = TorchExperts(CheckpointReader(path)) if rank == 0 else None
         model = load_model(path, "cpu", torch.float32, experts=experts,
                            max_num_tokens_in_cache=64, tp=tp)  # fmt: skip
-        caches = [model.kv_cache.allocate(len(p)) for p in prompts]
+        kv = KVCacheManager(model.kv_cache.config)
+        caches = [kv.allocate(len(p)) for p in prompts]
         logits = model.run(Batch(tuple(SeqInput(p, c, 0) for p, c in zip(prompts, caches))))
         if rank == 0:
             out.put(logits)

@@ -33,6 +33,7 @@ from gpu_service.engine.errors import (
     step_error,
 )
 from tests.support.api_server import (
+    EXACT_ENV,
     EXACT_FLAGS,
     HELLO,
     NO_EOS,
@@ -534,7 +535,8 @@ def test_killed_worker_is_restarted_and_requests_wait(server, client):
 def fragile_server(checkpoint):
     """No worker restarts, a short worker deadline: a dead worker means 503."""
     flags = (*EXACT_FLAGS, "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", "4096")
-    with running_server(checkpoint, *flags, "--no-restart-workers", "--worker-timeout", "2") as p:
+    with running_server(checkpoint, *flags, "--no-restart-workers", "--worker-timeout", "2",
+                        env=EXACT_ENV) as p:  # fmt: skip
         yield p
 
 

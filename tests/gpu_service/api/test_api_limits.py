@@ -20,6 +20,7 @@ import pytest
 
 from tests.support.api_limits import FLAGS, NO_EOS, Stream
 from tests.support.api_server import (
+    EXACT_ENV,
     ServerProcess,
     pid_alive,
     running_server,
@@ -49,7 +50,8 @@ def server(checkpoint, api_key, tmp_path_factory):
     key_file.chmod(0o600)
     with running_server(checkpoint, *FLAGS, "--max-model-len", "1024", "--kv-cache-tokens",
                         "8192", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests",
-                        str(MAX_WAITING), "--api-key-file", str(key_file)) as proc:  # fmt: skip
+                        str(MAX_WAITING), "--api-key-file", str(key_file),
+                        env=EXACT_ENV) as proc:  # fmt: skip
         proc.auth = {"Authorization": f"Bearer {api_key}"}
         yield proc
 
@@ -227,7 +229,7 @@ def test_sigterm_ends_every_stream_with_its_tokens_and_done(checkpoint, api_key)
     server = ServerProcess(checkpoint, *FLAGS, "--max-model-len", "1024", "--kv-cache-tokens",
                            "16384", "--max-num-seqs", str(NUM_STREAMS + 2), "--shutdown-timeout",
                            str(SHUTDOWN_TIMEOUT_S), "--metrics-public",
-                           env={"KTSERVE_API_KEY": api_key})  # fmt: skip
+                           env={**EXACT_ENV, "KTSERVE_API_KEY": api_key})  # fmt: skip
     try:
         assert server.get("/metrics")[0] == 200
         assert json.loads(server.get("/health")[1]) == {"status": "ok"}
@@ -281,7 +283,7 @@ def test_sigterm_ends_every_stream_with_its_tokens_and_done(checkpoint, api_key)
 
 def test_sigterm_with_nothing_running_exits_at_once(checkpoint):
     server = ServerProcess(checkpoint, *FLAGS, "--max-model-len", "256", "--kv-cache-tokens",
-                           "1024", "--shutdown-timeout", "60")  # fmt: skip
+                           "1024", "--shutdown-timeout", "60", env=EXACT_ENV)  # fmt: skip
     try:
         start = time.monotonic()
         assert server.terminate() == 0

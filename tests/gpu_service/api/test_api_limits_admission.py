@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.support.api_limits import FLAGS, NO_EOS, Stream
-from tests.support.api_server import ServerProcess, make_served_checkpoint
+from tests.support.api_server import EXACT_ENV, ServerProcess, make_served_checkpoint
 from tests.support.expert_procs import shm_entries
 
 MAX_NUM_SEQS = 1
@@ -31,7 +31,7 @@ def server(tmp_path_factory, seed):
     proc = ServerProcess(checkpoint, *FLAGS, "--max-model-len", "1024", "--kv-cache-tokens",
                          "4096", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests",
                          str(MAX_WAITING), "--request-read-timeout",
-                         str(READ_TIMEOUT_S))  # fmt: skip
+                         str(READ_TIMEOUT_S), env=EXACT_ENV)  # fmt: skip
     proc.auth = {}
     yield proc
     assert proc.terminate() == 0, proc.stderr()[-3000:]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_service.config import GPUServiceConfig
-from gpu_service.kvcache.kv_cache import KVCacheConfig
+from gpu_service.kvcache.config import KVCacheConfig
 from gpu_service.models.config import model_max_len
 from gpu_service.service import context_length, kv_cache_dtype
 from ktserve.checkpoint import HFConfig

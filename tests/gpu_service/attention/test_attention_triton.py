@@ -26,7 +26,7 @@ if importlib.util.find_spec("triton") is None:
 
 from gpu_service.attention import attention_triton as at  # noqa: E402
 from gpu_service.attention.paged_attention import paged_prefill  # noqa: E402
-from tests.support.attention_cases import TOLERANCE, check, make_case  # noqa: E402
+from tests.support.attention_cases import TOLERANCE, backend_decode, check, make_case  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -62,7 +62,7 @@ def test_decode_matches_reference(name, dtype, seed):
     want = reference(q, k_cache, v_cache, table, cu, kv_len, block_size, scale, window)
     qd, kd, td, ld = to_device(q, k_cache, table, kv_len)
     vd = kd[..., :dv] if mla else v_cache.to(DEVICE)
-    got = at.paged_decode(qd, kd, vd, td, ld, block_size, scale, window)
+    got = backend_decode(qd, kd, vd, td, ld, block_size, scale, window)
     check(got, want, dtype)
 
 
@@ -182,7 +182,7 @@ def test_decode_reads_strided_queries_and_fp16(seed):
     want = reference(q, k_cache, v_cache, table, cu, kv_len, 16, 0.125, None)
     qd = wide.to(DEVICE)[:, :, 16:80]
     kd, vd, td, ld = to_device(k_cache, v_cache, table, kv_len)
-    check(at.paged_decode(qd, kd, vd, td, ld, 16, 0.125), want, torch.float16)
+    check(backend_decode(qd, kd, vd, td, ld, 16, 0.125), want, torch.float16)
 
 
 PREFILL_CASES = {
@@ -265,15 +265,15 @@ def test_rejects_mismatched_inputs():
     table = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)
     kv_len = torch.ones(2, dtype=torch.int32, device=DEVICE)
     with pytest.raises(TypeError, match="int32"):
-        at.paged_decode(q, cache, cache, table.long(), kv_len, 16, 1.0)
+        backend_decode(q, cache, cache, table.long(), kv_len, 16, 1.0)
     with pytest.raises(ValueError, match="multiple of"):
-        at.paged_decode(torch.zeros(2, 3, 32, device=DEVICE), cache, cache, table, kv_len, 16, 1.0)
+        backend_decode(torch.zeros(2, 3, 32, device=DEVICE), cache, cache, table, kv_len, 16, 1.0)
     with pytest.raises(ValueError, match="head dim"):
-        at.paged_decode(torch.zeros(2, 4, 16, device=DEVICE), cache, cache, table, kv_len, 16, 1.0)
+        backend_decode(torch.zeros(2, 4, 16, device=DEVICE), cache, cache, table, kv_len, 16, 1.0)
     with pytest.raises(ValueError, match="share B"):
-        at.paged_decode(q, cache, cache, table[:1], kv_len, 16, 1.0)
+        backend_decode(q, cache, cache, table[:1], kv_len, 16, 1.0)
     with pytest.raises(ValueError, match="window"):
-        at.paged_decode(q, cache, cache, table, kv_len, 16, 1.0, window=0)
+        backend_decode(q, cache, cache, table, kv_len, 16, 1.0, window=0)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         at.paged_prefill(q, cache, cache, table, kv_len, kv_len, 16, 1.0)
 
@@ -317,16 +317,16 @@ def test_decode_replays_in_a_cuda_graph(seed):
     k_cache, _, table, kv_len = make_case(gen, [700, 33, 1], 64, 1, 576, 512, torch.bfloat16, True)
     kd, td, ld = to_device(k_cache, table, kv_len)
     qd = torch.randn(3, 128, 576, generator=gen).to(torch.bfloat16).to(DEVICE)
-    at.paged_decode(qd, kd, kd[..., :512], td, ld, 64, 0.1)  # compiles outside the capture
+    backend_decode(qd, kd, kd[..., :512], td, ld, 64, 0.1)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = at.paged_decode(qd, kd, kd[..., :512], td, ld, 64, 0.1)
+        out = backend_decode(qd, kd, kd[..., :512], td, ld, 64, 0.1)
     for step in range(3):
         ld.copy_(torch.tensor([700 - 90 * step, 33 + step, 1 + 40 * step], dtype=torch.int32))
         td.copy_(td[:, torch.randperm(td.shape[1], generator=gen).to(DEVICE)])
         qd.copy_(torch.randn(qd.shape, generator=gen).to(torch.bfloat16))
         graph.replay()
-        eager = at.paged_decode(qd, kd, kd[..., :512], td, ld, 64, 0.1)
+        eager = backend_decode(qd, kd, kd[..., :512], td, ld, 64, 0.1)
         assert torch.equal(out, eager), f"replay {step} differs from the eager call"
         cu = torch.arange(4, dtype=torch.int32)
         latent = k_cache[..., :512]
@@ -359,7 +359,7 @@ def test_a_new_mix_of_sequences_compiles_nothing(seed):
         qd_decode = torch.randn(num_seqs, 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
         want = reference(q, k_cache, v_cache, table, cu, kv_len, 16, 0.125, None)
         check(at.paged_prefill(qd, kd, vd, td, cd, ld, 16, 0.125), want, torch.bfloat16)
-        at.paged_decode(qd_decode, kd, vd, td, ld, 16, 0.125)
+        backend_decode(qd_decode, kd, vd, td, ld, 16, 0.125)
         counts = [compiled_variants(k) for k in kernels]
         if after_first is None:
             after_first = counts

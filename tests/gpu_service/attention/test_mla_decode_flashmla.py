@@ -1,9 +1,10 @@
-"""FlashMLA (mla_decode_flashmla, the sgl-flash-mla package) through attention_triton.decode_with,
-against the naive float64 reference (tests/support): MLA's latent cache of 64-token blocks (the
-value a view of the key's first 512 columns) at ragged lengths, shuffled block tables wider than
-needed, 16, 64 and 128 heads, replays of one CUDA graph at new lengths, and the choice of the
-server's cache blocks. The kernels need a Hopper GPU with the package installed; everywhere, the
-refusals and the block-size choice are checked (on a machine without them, what they say)."""
+"""FlashMLA (mla_decode_flashmla, the sgl-flash-mla package), named or as the AttentionBackend's
+choice, against the naive float64 reference (tests/support): MLA's latent cache of 64-token
+blocks (the value a view of the key's first 512 columns) at ragged lengths, shuffled block tables
+wider than needed, 16, 64 and 128 heads, replays of one CUDA graph at new lengths, and the choice
+of the server's cache blocks. The kernels need a Hopper GPU with the package installed;
+everywhere, the refusals and the block-size choice are checked (on a machine without them, what
+they say)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ if importlib.util.find_spec("triton") is None:
 
 from gpu_service.attention import attention_triton as at  # noqa: E402
 from gpu_service.attention import mla_decode_flashmla as flashmla  # noqa: E402
-from gpu_service.models.registry import DEFAULT_BLOCK_SIZE, kv_cache_block_size  # noqa: E402
+from gpu_service.models.registry import DEFAULT_BLOCK_SIZE, choose_attention  # noqa: E402
 from ktserve.checkpoint import HFConfig  # noqa: E402
-from tests.support.attention_cases import check, make_case  # noqa: E402
+from tests.support.attention_cases import backend_decode, check, make_case  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -56,17 +57,17 @@ def mla_case(name, seed, device="cuda"):
 @pytest.mark.parametrize("name", list(CASES))
 def test_flashmla_decode_matches_reference(name, seed):
     args, want = mla_case(name, seed)
-    got = at.decode_with(*args, kernel="flashmla")
+    got = flashmla.decode_checked(*args)
     check(got, want, torch.bfloat16)
 
 
 @needs_flashmla
 def test_auto_takes_flashmla_at_64_token_blocks(seed):
-    """paged_decode (decode_with's "auto") gives FlashMLA's output exactly; a launch shape named
-    by the caller keeps the split kernels."""
+    """The AttentionBackend's decode gives FlashMLA's output exactly; a launch shape named by
+    the caller keeps the split kernels."""
     args, want = mla_case("ragged-128-heads", seed)
-    ours = at.decode_with(*args, kernel="flashmla")
-    assert torch.equal(at.paged_decode(*args), ours)
+    ours = flashmla.decode_checked(*args)
+    assert torch.equal(backend_decode(*args), ours)
     split = at.decode_with(*args, num_splits=7)
     check(split, want, torch.bfloat16)
 
@@ -77,10 +78,10 @@ def test_flashmla_replays_in_a_cuda_graph_at_new_lengths(seed):
     place: FlashMLA plans its splits from kv_len inside the captured call."""
     args, _ = mla_case("ragged-128-heads", seed)
     q, kd, vd, table, kv_len, block_size, scale = args
-    at.decode_with(*args, kernel="flashmla")  # NOTE: loads the library before the capture
+    flashmla.decode_checked(*args)  # NOTE: loads the library before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = at.decode_with(*args, kernel="flashmla")
+        out = flashmla.decode_checked(*args)
     gen = torch.Generator().manual_seed(seed + 1)
     q.copy_(torch.randn(q.shape, generator=gen).to(q.dtype))
     kv_len.copy_(torch.tensor([1000, 2, 129, 1, 64], dtype=torch.int32))
@@ -110,8 +111,8 @@ def test_a_steps_layers_share_one_schedule_in_a_cuda_graph(seed):
     def step():
         plans = {}
         plans_seen.append(plans)
-        return [at.paged_decode(q, k, k[..., :512], table, kv_len, block_size, scale,
-                                plans=plans) for k in caches]  # fmt: skip
+        return [backend_decode(q, k, k[..., :512], table, kv_len, block_size, scale,
+                               plans=plans) for k in caches]  # fmt: skip
 
     step()  # NOTE: loads the library before the capture
     graph = torch.cuda.CUDAGraph()
@@ -130,32 +131,38 @@ def test_a_steps_layers_share_one_schedule_in_a_cuda_graph(seed):
 
 
 def test_flashmla_refuses_what_it_cannot_serve(seed):
-    """A 16-token-block cache, an fp16 query, a launch shape, or a machine without FlashMLA:
-    ValueErrors that say what it takes (and, where it cannot load, why)."""
+    """A 16-token-block cache, an fp16 query, or a machine without FlashMLA: ValueErrors that
+    say what it takes (and, where it cannot load, why); a launch shape has no argument to name
+    it by (it splits and merges by itself)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args, _ = mla_case("ragged-128-heads", seed, device)
     q, kd, vd, table, kv_len, block_size, scale = args
-    with pytest.raises(ValueError, match="splits and merges by itself"):
-        at.decode_with(*args, kernel="flashmla", num_splits=4)
-    with pytest.raises(ValueError, match="splits and merges by itself"):
-        at.decode_with(*args, kernel="flashmla", partial_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="num_splits"):
+        flashmla.decode_checked(*args, num_splits=4)
+    with pytest.raises(TypeError, match="partial_dtype"):
+        flashmla.decode_checked(*args, partial_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="64-token blocks"):
-        at.decode_with(q, kd, vd, table * 4, kv_len, 16, scale, kernel="flashmla")
+        flashmla.decode_checked(q, kd, vd, table * 4, kv_len, 16, scale)
     with pytest.raises(ValueError, match="64-token blocks"):
-        at.decode_with(q.half(), kd.half(), vd.half(), table, kv_len, block_size, scale,
-                       kernel="flashmla")  # fmt: skip
+        flashmla.decode_checked(q.half(), kd.half(), vd.half(), table, kv_len, block_size, scale)
     if not SERVES:
         with pytest.raises(ValueError, match=flashmla.PACKAGE):
-            at.decode_with(*args, kernel="flashmla")
+            flashmla.decode_checked(*args)
 
 
 def hf_config(model_type: str, **fields) -> HFConfig:
     return HFConfig({"model_type": model_type, **fields}, "test config.json")
 
 
+def kv_cache_block_size(hf, device, dtype, kv_dtype, flashmla=True) -> tuple[int, str]:
+    """(the KV cache's block size, the start-up line's words) of the backend chosen for hf."""
+    attention = choose_attention(hf, device, dtype, kv_dtype, flashmla=flashmla)
+    return attention.block_size, attention.mla_decode
+
+
 def test_the_cache_block_size_follows_the_mla_decode_kernel():
-    """64-token blocks exactly where FlashMLA serves the model's MLA decode and --no-flashmla is
-    not given, else the default; the start-up line names the kernel and, where FlashMLA does not
+    """64-token blocks exactly where FlashMLA serves the model's MLA decode and KTSERVE_FLASHMLA=0
+    is not set, else the default; the start-up line names the kernel and, where FlashMLA does not
     serve, why."""
     bf16 = torch.bfloat16
     qwen = hf_config("qwen3_moe")
@@ -167,14 +174,15 @@ def test_the_cache_block_size_follows_the_mla_decode_kernel():
     assert kv_cache_block_size(narrow, "cpu", bf16, bf16)[0] == DEFAULT_BLOCK_SIZE
     assert kv_cache_block_size(deepseek, "cpu", bf16, bf16, flashmla=False) == (
         DEFAULT_BLOCK_SIZE,
-        "ktserve's own kernels (FlashMLA off: --no-flashmla)",
+        "ktserve's own kernels (FlashMLA off: KTSERVE_FLASHMLA=0)",
     )
     if torch.cuda.is_available():
         block, said = kv_cache_block_size(deepseek, CUDA, bf16, bf16)
         assert (block == BLOCK) == SERVES, said
         assert said.startswith("FlashMLA") == SERVES, said
         off = kv_cache_block_size(deepseek, CUDA, bf16, bf16, flashmla=False)
-        assert off == (DEFAULT_BLOCK_SIZE, "ktserve's own kernels (FlashMLA off: --no-flashmla)")
+        off_said = "ktserve's own kernels (FlashMLA off: KTSERVE_FLASHMLA=0)"
+        assert off == (DEFAULT_BLOCK_SIZE, off_said)
         block, said = kv_cache_block_size(narrow, CUDA, bf16, bf16)
         assert block == DEFAULT_BLOCK_SIZE
         assert not SERVES or "this model's are 48" in said, said
@@ -204,7 +212,7 @@ def test_unavailable_library_says_why():
 def test_a_package_that_cannot_serve_is_unavailable_with_its_reason(init, says, tmp_path,
                                                                     monkeypatch):  # fmt: skip
     """A flash_mla package that fails to import, or has no SM90 kernels, is not used, and the
-    reason (which the start-up line and decode_with's refusal give) says why."""
+    reason (which the start-up line and decode_checked's refusal give) says why."""
     (tmp_path / "flash_mla").mkdir()
     (tmp_path / "flash_mla" / "__init__.py").write_text(init + "\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -1,10 +1,11 @@
 """mla_decode_hopper's split kernel (Gluon, Hopper GPUs) against the naive float64 reference
-(tests/support), through attention_triton.decode_with: MLA's latent cache (the value a view of
-the key's first 512 columns) at ragged lengths, block sizes 16 and 64, shuffled block tables wider
-than needed, 64 and 128 heads, its launch shapes, many splits (most past a short context), and
-decode_with's switch to it. Those need a Hopper GPU; without one, the kernel is still compiled
-for sm_90 at each launch shape (Triton's own compiler and ptxas, no GPU needed), so a Triton
-release that cannot build it, or a shape past Hopper's shared memory, fails here."""
+(tests/support), through attention_triton.decode_with(hopper=True): MLA's latent cache (the value
+a view of the key's first 512 columns) at ragged lengths, block sizes 16 and 64, shuffled block
+tables wider than needed, 64 and 128 heads, its launch shapes, many splits (most past a short
+context), and the AttentionBackend's choice of it. Those need a Hopper GPU; without one, the
+kernel is still compiled for sm_90 at each launch shape (Triton's own compiler and ptxas, no GPU
+needed), so a Triton release that cannot build it, or a shape past Hopper's shared memory, fails
+here."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from gpu_service.attention import attention_triton as at  # noqa: E402
+from gpu_service.attention import mla_decode_flashmla  # noqa: E402
+from gpu_service.attention.backend import AttentionBackend  # noqa: E402
 from tests.support.attention_cases import check, make_case  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
@@ -118,7 +121,7 @@ def test_launch_shapes_the_kernel_does_not_run_are_refused(tiles):
 @pytest.mark.parametrize("name", list(CASES))
 def test_hopper_decode_matches_reference(name, tiles, seed):
     args, want, dtype = mla_case(name, seed)
-    got = at.decode_with(*args, tiles=tiles, kernel="hopper")
+    got = at.decode_with(*args, tiles=tiles, hopper=True)
     check(got, want, dtype)
 
 
@@ -129,27 +132,28 @@ def test_hopper_decode_splits_merge(num_splits, partials, seed):
     """Any key partition, splits past a sequence's end (no keys) among them, and partial
     outputs in float32 or bf16."""
     args, want, dtype = mla_case("ragged-bs16", seed + num_splits)
-    got = at.decode_with(*args, num_splits=num_splits, kernel="hopper", partial_dtype=partials)
+    got = at.decode_with(*args, num_splits=num_splits, hopper=True, partial_dtype=partials)
     check(got, want, dtype)
 
 
 @needs_hopper
 def test_hopper_kernel_agrees_with_triton_and_auto_follows_the_switch(seed):
-    """Within rounding of attention_triton's own split kernel; decode_with's "auto" (and so
-    paged_decode) gives FlashMLA's output exactly where FlashMLA serves the call (this case's
-    64-token blocks, where sgl-flash-mla is installed), else the Hopper kernel's exactly when
-    HOPPER_MLA_BY_DEFAULT is on."""
+    """Within rounding of attention_triton's own split kernel; the AttentionBackend a model of
+    these shapes gets gives FlashMLA's output exactly where FlashMLA serves the call (this case's
+    64-token blocks, where sgl-flash-mla is installed), else the Hopper kernel's exactly where
+    the backend has it (hopper_mla)."""
     args, want, dtype = mla_case("ragged-bs64-128-heads", seed)
-    hopper = at.decode_with(*args, kernel="hopper")
-    triton_out = at.decode_with(*args, kernel="triton")
+    hopper = at.decode_with(*args, hopper=True)
+    triton_out = at.decode_with(*args)
     check(hopper, want, dtype)
     check(triton_out, want, dtype)
     q, k_cache, _, _, _, block_size, _ = args
-    if not at.mla_decode_flashmla.call_refusal(q, k_cache, True, None, block_size):
-        expected = at.decode_with(*args, kernel="flashmla")
+    backend = AttentionBackend.choose(q.device, q.dtype, k_cache.dtype, k_cache.shape[-1])
+    if not mla_decode_flashmla.call_refusal(q, k_cache, True, None, block_size):
+        expected = mla_decode_flashmla.decode_checked(*args)
     else:
-        expected = hopper if at.HOPPER_MLA_BY_DEFAULT else triton_out
-    assert torch.equal(at.paged_decode(*args), expected)
+        expected = hopper if backend.hopper_mla else triton_out
+    assert torch.equal(backend.gpu_decode(*args), expected)
 
 
 @needs_hopper
@@ -157,10 +161,10 @@ def test_hopper_decode_replays_in_a_cuda_graph(seed):
     """Captured once, replayed after the lengths and the queries change in place."""
     args, _, dtype = mla_case("ragged-bs16", seed)
     q, kd, vd, table, kv_len, block_size, scale = args
-    at.decode_with(*args, kernel="hopper")  # compile before capture
+    at.decode_with(*args, hopper=True)  # compile before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = at.decode_with(*args, kernel="hopper")
+        out = at.decode_with(*args, hopper=True)
     gen = torch.Generator().manual_seed(seed + 1)
     q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
     kv_len.copy_(torch.tensor([300, 2, 1025, 64], dtype=torch.int32))
@@ -178,10 +182,10 @@ def test_hopper_kernel_refuses_what_it_cannot_serve(seed):
     q, kd, vd, table, kv_len, block_size, scale = args
     with pytest.raises(ValueError, match="Hopper MLA decode kernel"):
         at.decode_with(q[:, :40].contiguous(), kd, vd, table, kv_len, block_size, scale,
-                       kernel="hopper")  # fmt: skip
+                       hopper=True)  # fmt: skip
     with pytest.raises(ValueError, match="Hopper MLA decode kernel"):
         fp8 = kd.to(torch.float8_e4m3fn)
-        at.decode_with(q, fp8, fp8[..., :512], table, kv_len, block_size, scale, kernel="hopper")
+        at.decode_with(q, fp8, fp8[..., :512], table, kv_len, block_size, scale, hopper=True)
     for tiles in (at.Tiles(32, 64, 8, 2), at.Tiles(64, 64, 4, 2), at.Tiles(64, 64, 8, 3)):
         with pytest.raises(ValueError, match="Hopper MLA kernel runs"):
-            at.decode_with(*args, tiles=tiles, kernel="hopper")
+            at.decode_with(*args, tiles=tiles, hopper=True)

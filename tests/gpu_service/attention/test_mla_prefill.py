@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("triton", reason="the expanded form runs in attention_triton's kernel")
 # without CUDA, tests/conftest.py has set TRITON_INTERPRET=1: the kernels run interpreted
 from gpu_service.attention import attention_triton, mla_prefill  # noqa: E402
+from gpu_service.attention.backend import AttentionBackend  # noqa: E402
 from gpu_service.attention.batch import AttentionGroup  # noqa: E402
-from gpu_service.attention.paged_attention import group_attention  # noqa: E402
 from gpu_service.models.deepseek import absorbed_attention  # noqa: E402
 from tests.support.attention_reference import reference  # noqa: E402
 
@@ -88,7 +88,8 @@ def test_expanded_equals_absorbed(seed):
     shapes = [(30, 70), (9, 9)]
     (q_nope, q_rot, cache, w_uk, w_uv), group = make_case(gen, shapes, 16, torch.float32)
     scale = 0.1
-    attend = partial(group_attention, group=group, block_size=16, scale=scale, prefill=True)
+    attend = partial(AttentionBackend().attend_group, group=group, block_size=16, scale=scale,
+                     prefill=True)  # fmt: skip
     absorbed = absorbed_attention(q_nope, q_rot, cache, w_uk, w_uv, attend)
     got = mla_prefill.expanded_prefill(q_nope, q_rot, cache, group, 16, w_uk, w_uv, scale,
                                        KERNEL, block_bytes=2000)  # fmt: skip
@@ -104,7 +105,8 @@ def test_worth_expanding_at_the_flop_crossover():
 
 def test_expanded_only_where_the_kernel_runs():
     """On the CPU MLA prefill stays absorbed (torch's absorbed form measured faster there)."""
-    assert mla_prefill.expanded_kernel(torch.device("cpu")) is None
+    cpu = AttentionBackend.choose(torch.device("cpu"), torch.float32, torch.float32)
+    assert cpu.expanded_prefill_kernel() is None
 
 
 def test_a_key_block_fits_the_memory_plans_headroom():

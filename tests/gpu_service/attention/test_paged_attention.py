@@ -12,11 +12,16 @@ import sys
 import pytest
 import torch
 
+from gpu_service.attention import backend as attention_backend
 from gpu_service.attention import paged_attention as pa
+from gpu_service.attention.backend import AttentionBackend
 from gpu_service.attention.batch import AttentionMetadata, Batch, SeqInput
-from gpu_service.kvcache.kv_cache import KVCache, KVCacheConfig, write_cache
+from gpu_service.kvcache.config import KVCacheConfig
+from gpu_service.kvcache.manager import KVCacheManager
+from gpu_service.kvcache.tensors import KVCacheTensors, write_cache
 
 FP8 = torch.float8_e4m3fn
+TORCH_REFERENCE = AttentionBackend()  # a CPU's backend: the reference runs every call
 
 
 def naive_attention(q, k_cache, v_cache, blocks, num_queries, kv_lens, block_size, scale,
@@ -193,17 +198,18 @@ def _real_step(
     dim: int,
     block_size: int,
 ) -> tuple[Batch, torch.Tensor, torch.Tensor]:
-    """A batch of sequences (new tokens, kv_len) on KVCache blocks allocated in turns with filler
-    ones (so their blocks interleave), and the layer's caches full of noise."""
-    cache = KVCache(KVCacheConfig(1, ((kv_heads, dim), (kv_heads, dim)), 4096, block_size,
-                                  enable_prefix_caching=False), torch.float32, "cpu")  # fmt: skip
+    """A batch of sequences (new tokens, kv_len) on KVCacheManager blocks allocated in turns with
+    filler ones (so their blocks interleave), and the layer's caches full of noise."""
+    config = KVCacheConfig(1, ((kv_heads, dim), (kv_heads, dim)), 4096, block_size,
+                           enable_prefix_caching=False)  # fmt: skip
+    cache, tensors = KVCacheManager(config), KVCacheTensors(config, torch.float32, "cpu")
     seqs, filler = [], []
     for n, length in shapes:
         filler.append(cache.allocate(rng.randint(1, 9)))
         seq = cache.allocate(length)
         seq.num_tokens = length - n
         seqs.append(SeqInput([0] * n, seq, length - n))
-    k_cache, v_cache = cache.layers[0]
+    k_cache, v_cache = tensors.layers[0]
     k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
     v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
     return Batch(tuple(seqs)), k_cache, v_cache
@@ -211,10 +217,11 @@ def _real_step(
 
 def _check_step(gen: torch.Generator, batch: Batch, meta: AttentionMetadata, k_cache, v_cache,
                 heads: int, window: int | None) -> None:  # fmt: skip
-    """paged_attention over the step's metadata against the naive attention of each sequence."""
+    """A step's attention (AttentionBackend.attend) over its metadata against the naive
+    attention of each sequence."""
     seqs, dim = batch.seqs, k_cache.shape[-1]
     q = torch.randn(batch.num_tokens, heads, dim, generator=gen)
-    got = pa.paged_attention(q, k_cache, v_cache, meta, dim**-0.5, window)
+    got = TORCH_REFERENCE.attend(q, k_cache, v_cache, meta, dim**-0.5, window)
     expected = naive_attention(q, k_cache, v_cache, [s.cache.block_ids for s in seqs],
                                [len(s.token_ids) for s in seqs], [s.end_pos for s in seqs],
                                meta.block_size, dim**-0.5, window)  # fmt: skip
@@ -246,7 +253,7 @@ def _decode_rows_by_width(batch: Batch, meta: AttentionMetadata) -> list[list[in
 
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_mixed_step_splits_decodes_and_prefills(seed, interleaved) -> None:
-    """AttentionMetadata of a real batch (KVCache blocks, decodes and prompt chunks mixed, in
+    """AttentionMetadata of a real batch (KVCacheManager blocks, decodes and prompt chunks mixed, in
     either order) and paged_attention over it, against the naive attention of each sequence."""
     rng, gen = random.Random(seed + 700), torch.Generator().manual_seed(seed + 700)
     bs = 4
@@ -307,13 +314,13 @@ def test_a_steps_layers_hand_their_decode_kernel_one_plans_dict(seed, monkeypatc
         handed.append(plans)
         return pa.paged_decode(*args)
 
-    monkeypatch.setattr(pa, "attention_kernels", lambda *a, **k: (decode, pa.paged_prefill))
+    monkeypatch.setattr(AttentionBackend, "kernels", lambda *a, **k: (decode, pa.paged_prefill))
     q = torch.randn(batch.num_tokens, 4, 16, generator=gen)
     layers = 3
     for step in range(2):
         meta = AttentionMetadata.build(batch, "cpu")
         assert len(meta.decodes) == 1 and meta.decodes[0].plans == {}
-        outs = [pa.paged_attention(q, k_cache, v_cache, meta, 0.25) for _ in range(layers)]
+        outs = [TORCH_REFERENCE.attend(q, k_cache, v_cache, meta, 0.25) for _ in range(layers)]
         this_step = handed[step * layers :]
         assert all(plans is meta.decodes[0].plans for plans in this_step)
         assert meta.decodes[0].plans == {"made by call": step * layers}
@@ -322,34 +329,38 @@ def test_a_steps_layers_hand_their_decode_kernel_one_plans_dict(seed, monkeypatc
 
 
 def test_dispatch_without_the_gpu_kernels(monkeypatch) -> None:
-    """With attention_triton absent every device gets the torch reference."""
-    monkeypatch.setitem(sys.modules, pa.TRITON_MODULE, None)  # import raises ImportError
-    pa.triton_kernels.cache_clear()
+    """With attention_triton absent every device's backend gets the torch reference."""
+    monkeypatch.setitem(sys.modules, attention_backend.TRITON_MODULE, None)  # an ImportError
+    attention_backend.triton_kernels.cache_clear()
     try:
-        assert pa.triton_kernels() is None
+        assert attention_backend.triton_kernels() is None
         for device in ("cpu", "cuda", "cuda:1"):
-            assert pa.attention_kernels(torch.device(device)) == (pa.paged_decode, pa.paged_prefill)
+            chosen = AttentionBackend.choose(torch.device(device), torch.bfloat16, torch.bfloat16)
+            assert chosen.kernels() == (pa.paged_decode, pa.paged_prefill)
     finally:
-        pa.triton_kernels.cache_clear()
+        attention_backend.triton_kernels.cache_clear()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_dispatch_on_cuda_uses_the_gpu_kernels_where_they_import() -> None:
-    pa.triton_kernels.cache_clear()
-    kernels = pa.triton_kernels()
+    attention_backend.triton_kernels.cache_clear()
+    kernels = attention_backend.triton_kernels()
+    bf16 = torch.bfloat16
+    cuda = AttentionBackend.choose(torch.device("cuda"), bf16, bf16)
     expected = (pa.paged_decode, pa.paged_prefill)
     if kernels is not None:
-        expected = (kernels.paged_decode, kernels.paged_prefill)
-    assert pa.attention_kernels(torch.device("cuda")) == expected
+        expected = (cuda.gpu_decode, kernels.paged_prefill)
+    assert cuda.kernels() == expected
     # MLA's latent prefill stays on the torch reference (measured faster there)
-    latent = pa.attention_kernels(torch.device("cuda"), latent=True)
+    latent = cuda.kernels(latent=True)
     assert latent == (expected[0], pa.paged_prefill)
     # heads narrower than the kernels' tiles (the tiny test checkpoints) take the reference
-    assert pa.attention_kernels(torch.device("cuda"), head_dim=12) == (
+    assert cuda.kernels(head_dim=12) == (
         pa.paged_decode,
         pa.paged_prefill,
     )
-    assert pa.attention_kernels(torch.device("cpu")) == (pa.paged_decode, pa.paged_prefill)
+    cpu = AttentionBackend.choose(torch.device("cpu"), bf16, bf16)
+    assert cpu.kernels() == (pa.paged_decode, pa.paged_prefill)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -2,7 +2,7 @@
 last one's tokens reach the host, its tokens taken from the last one's samples on the device.
 
 The oracles: transformers' greedy continuation (test_engine's), and the same requests in an
-engine that decides every step after the last one's tokens (--no-chain-decode-steps): seeded
+engine that decides every step after the last one's tokens (KTSERVE_CHAIN_DECODE_STEPS=0): seeded
 sampling, logit_bias, min_tokens, stop tokens and max_tokens give the same tokens either way,
 and requests that cannot chain (penalties, logprobs) break the chain and run as before. On CPU
 the decode graphs' segments run eagerly (capture off); KTSERVE_TEST_DEVICE=cuda captures them.
@@ -126,7 +126,7 @@ def test_chained_steps_give_the_tokens_of_unchained_ones(checkpoint, reference, 
             results[chain] = run_together(engine, requests)
         finally:
             engine.stop()
-        cache = engine.scheduler.kv_cache
+        cache = engine.scheduler.kv_manager
         assert cache.num_free_blocks == cache.config.num_blocks
         assert (chained(engine) > 0) == chain
     for i, (with_chain, without) in enumerate(zip(results[True], results[False])):
@@ -226,7 +226,7 @@ def test_an_abort_mid_chain_ends_the_request_and_frees_its_cache(checkpoint, dev
     assert isinstance(events[-1].error, RequestAborted)
     assert 5 <= len(tokens_of(events)) < 100
     assert len(tokens_of(after)) == 4
-    cache = engine.scheduler.kv_cache
+    cache = engine.scheduler.kv_manager
     assert cache.num_free_blocks == cache.config.num_blocks
     assert chained(engine) >= 4
 
@@ -245,7 +245,7 @@ def test_chain_stops_at_the_context_and_the_cache_bounds(checkpoint, device, see
             outputs[chain] = run_together(engine, [(p, params) for p in ps])
         finally:
             engine.stop()
-        cache = engine.scheduler.kv_cache
+        cache = engine.scheduler.kv_manager
         assert cache.num_free_blocks == cache.config.num_blocks
     for with_chain, without in zip(outputs[True], outputs[False]):
         assert tokens_of(with_chain) == tokens_of(without)

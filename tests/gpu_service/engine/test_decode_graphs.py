@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
+from gpu_service.kvcache.manager import KVCacheManager
 from gpu_service.models import Batch, CausalLM, SeqInput, TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
 from tests.support.checkpoint_fixtures import TinyCheckpoint
@@ -48,30 +49,31 @@ class Pair:
     def __init__(self, path, device: str, config: DecodeGraphConfig) -> None:
         self.eager, self.seg = _load(path, device), _load(path, device)
         self.graphs = DecodeGraphs(self.seg, config)
+        self.kvs = tuple(KVCacheManager(m.kv_cache.config) for m in (self.eager, self.seg))
         self.caches: dict[int, tuple] = {}
         self.next_token: dict[int, int] = {}
         self.pos: dict[int, int] = {}
 
     def add(self, key: int, prompt: list[int]) -> None:
-        caches = tuple(m.kv_cache.allocate(len(prompt)) for m in (self.eager, self.seg))
+        caches = tuple(kv.allocate(len(prompt)) for kv in self.kvs)
         models = (self.eager, self.seg)
         logits = [m.forward(Batch((SeqInput(prompt, c, 0),))) for m, c in zip(models, caches)]
         self.caches[key], self.pos[key] = caches, len(prompt)
         self.next_token[key] = int(logits[0][0].argmax())
 
     def drop(self, key: int) -> None:
-        for model, cache in zip((self.eager, self.seg), self.caches.pop(key)):
-            model.kv_cache.free(cache)
+        for kv, cache in zip(self.kvs, self.caches.pop(key)):
+            kv.free(cache)
 
     def step(self) -> float:
         """One decode step of every live sequence in both; the largest relative logits error."""
         keys = sorted(self.caches)
         batches = []
-        for side, model in enumerate((self.eager, self.seg)):
+        for side, kv in enumerate(self.kvs):
             seqs = []
             for key in keys:
                 cache = self.caches[key][side]
-                model.kv_cache.extend(cache, self.pos[key] + 1)
+                kv.extend(cache, self.pos[key] + 1)
                 seqs.append(SeqInput([self.next_token[key]], cache, self.pos[key]))
             batches.append(Batch(tuple(seqs)))
         reference = self.eager.forward(batches[0])
@@ -145,21 +147,22 @@ def _greedy_decode(graphs: DecodeGraphs, prompts: list[list[int]], joiner: list[
                    steps: int = 12, join_at: int = 4, leave_at: int = 8) -> list:  # fmt: skip
     """Each decode step's logits; `joiner` is prefilled at join_at and freed at leave_at."""
     model, out = graphs.model, []
-    caches = [model.kv_cache.allocate(len(p)) for p in prompts]
+    kv = KVCacheManager(model.kv_cache.config)
+    caches = [kv.allocate(len(p)) for p in prompts]
     logits = model.forward(Batch(tuple(SeqInput(p, c, 0) for p, c in zip(prompts, caches))))
     pos, tokens = [len(p) for p in prompts], logits.argmax(-1).tolist()
     for step in range(steps):
         if step == join_at:
-            caches.append(model.kv_cache.allocate(len(joiner)))
+            caches.append(kv.allocate(len(joiner)))
             logits = model.forward(Batch((SeqInput(joiner, caches[-1], 0),)))
             pos.append(len(joiner))
             tokens.append(int(logits[0].argmax()))
         if step == leave_at:
-            model.kv_cache.free(caches.pop())
+            kv.free(caches.pop())
             pos.pop()
             tokens.pop()
         for cache, p in zip(caches, pos):
-            model.kv_cache.extend(cache, p + 1)
+            kv.extend(cache, p + 1)
         batch = Batch(tuple(SeqInput([t], c, p) for t, c, p in zip(tokens, caches, pos)))
         out.append(graphs.forward(batch).clone())
         pos, tokens = [p + 1 for p in pos], out[-1].argmax(-1).tolist()
@@ -221,7 +224,8 @@ def test_replay_follows_the_capture_order(checkpoints, monkeypatch, seed, name: 
 def test_graphs_refuse_what_they_cannot_run(checkpoints) -> None:
     model = _load(checkpoints[NAMES[0]], "cpu")
     graphs = DecodeGraphs(model, DecodeGraphConfig(max_batch=2, capture=False))
-    caches = [model.kv_cache.allocate(4) for _ in range(3)]
+    kv = KVCacheManager(model.kv_cache.config)
+    caches = [kv.allocate(4) for _ in range(3)]
     prefill = Batch((SeqInput([1, 2], caches[0], 0),))
     too_many = Batch(tuple(SeqInput([1], c, 0) for c in caches))
     for batch in (prefill, too_many):
@@ -254,7 +258,7 @@ def test_a_bucket_row_keeps_what_its_sequence_wrote_and_a_new_sequence_rewrites_
     left as it was), a row whose sequence changed (another one, or the same one freed and
     allocated again: a new block list) is written anew."""
     from gpu_service.engine.decode_graphs import Bucket
-    from gpu_service.kvcache.kv_cache import SeqCache
+    from gpu_service.kvcache.sequence import SeqCache
 
     g = torch.Generator().manual_seed(seed)
     bucket = Bucket(4, 64, BLOCK, 8, torch.device("cpu"))

@@ -1,6 +1,6 @@
-"""Expert deferral (--max-deferred-experts-per-token, layers/moe.py) against a reference written
-here in plain torch: per MoE layer, each token's D lowest-weight routed experts (ids and weights
-from the router, which test_models checks against transformers; expert weights read from
+"""Expert deferral (KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN, layers/moe.py) against a reference
+written here in plain torch: per MoE layer, each token's D lowest-weight routed experts (ids and
+weights from the router, which test_models checks against transformers; expert weights read from
 transformers' own modules) are computed apart and their output added at the next MoE layer's
 output instead of their own; the last MoE layer defers nothing. Deferral is per token, so one
 reference pass over a sequence gives the logits of its prefill (whole or chunked) and of each of
@@ -20,9 +20,11 @@ from gpu_service.attention.batch import AttentionMetadata
 from gpu_service.config import ExpertClientConfig, GPUServiceConfig
 from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.experts.moe_client import ShmExperts
+from gpu_service.kvcache.manager import KVCacheManager
 from gpu_service.layers.moe import MoE
 from gpu_service.models import Batch, CausalLM, SeqInput, TorchExperts, load_model
 from gpu_service.serve_config import ServeConfig
+from ktserve import envs
 from ktserve.checkpoint import CheckpointReader
 from ktserve.config_flags import add_flags, from_args
 from tests.support.checkpoint_fixtures import one_per_family
@@ -76,7 +78,8 @@ class Reference:
     @torch.inference_mode()
     def logits(self, tokens: list[int], deferred: int) -> torch.Tensor:
         model = self.model
-        cache = model.kv_cache.allocate(len(tokens))
+        kv = KVCacheManager(model.kv_cache.config)
+        cache = kv.allocate(len(tokens))
         try:
             batch = Batch((SeqInput(tokens, cache, 0),))
             ctx = model.context(AttentionMetadata.build(batch, model.device))
@@ -111,7 +114,7 @@ class Reference:
                 h = h + out
             return model.logits(h)
         finally:
-            model.kv_cache.free(cache)
+            kv.free(cache)
 
 
 def test_no_deferral_is_the_forward_of_today(checkpoints, seed) -> None:
@@ -122,7 +125,7 @@ def test_no_deferral_is_the_forward_of_today(checkpoints, seed) -> None:
         assert model.num_deferred_experts == 0
         gen = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, 101, (11,), generator=gen).tolist()
-        cache = model.kv_cache.allocate(len(tokens))
+        cache = KVCacheManager(model.kv_cache.config).allocate(len(tokens))
         got = model.forward(Batch((SeqInput(tokens, cache, 0),)), all_positions=True)
         with torch.inference_mode():
             batch = Batch((SeqInput(tokens, cache, 0),))
@@ -159,8 +162,9 @@ def test_deferral_matches_the_reference(checkpoints, seed, family: str) -> None:
         gen = torch.Generator().manual_seed(seed + deferred)
         prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (9, 4, 6)]
         seqs, caches, worst = [list(p) for p in prompts], [], 0.0
+        kvs = (KVCacheManager(eager.kv_cache.config), KVCacheManager(seg.kv_cache.config))
         for i, prompt in enumerate(prompts):
-            pair = (eager.kv_cache.allocate(len(prompt)), seg.kv_cache.allocate(len(prompt)))
+            pair = (kvs[0].allocate(len(prompt)), kvs[1].allocate(len(prompt)))
             caches.append(pair)
             cut = len(prompt) // 2 if i == 0 else len(prompt)  # the first: in two chunks
             chunks = [eager.forward(Batch((SeqInput(prompt[:cut], pair[0], 0),)),
@@ -176,10 +180,10 @@ def test_deferral_matches_the_reference(checkpoints, seed, family: str) -> None:
         steps = []
         for _ in range(4):
             batches = []
-            for side, model in enumerate((eager, seg)):
+            for side, kv in enumerate(kvs):
                 inputs = []
                 for seq, pair in zip(seqs, caches):
-                    model.kv_cache.extend(pair[side], len(seq))
+                    kv.extend(pair[side], len(seq))
                     inputs.append(SeqInput([seq[-1]], pair[side], len(seq) - 1))
                 batches.append(Batch(tuple(inputs)))
             got_eager, got_seg = eager.forward(batches[0]), graphs.forward(batches[1])
@@ -207,7 +211,7 @@ def test_invalid_deferral_is_a_clear_error(checkpoints) -> None:
         with pytest.raises(ValueError, match="max_deferred_experts_per_token must be >= 0 and "
                                               f"below the model's {top_k}"):  # fmt: skip
             _load(path, bad)
-    with pytest.raises(ValueError, match="--max-deferred-experts-per-token must be >= 0"):
+    with pytest.raises(ValueError, match="KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN must be >= 0"):
         GPUServiceConfig(model_dir=str(path), max_deferred_experts_per_token=-1)
     with pytest.raises(ValueError, match="needs 3 slots per expert channel"):
         GPUServiceConfig(model_dir=str(path), max_deferred_experts_per_token=1,
@@ -218,13 +222,16 @@ def test_invalid_deferral_is_a_clear_error(checkpoints) -> None:
         model.moes[0](torch.zeros(1, model.config.hidden_size))
 
 
-def test_the_flag_sets_the_field(checkpoints) -> None:
+def test_the_variable_sets_the_field(checkpoints, monkeypatch) -> None:
     parser = argparse.ArgumentParser()
     add_flags(parser, ServeConfig)
-    assert "--max-deferred-experts-per-token" in parser.format_help()
+    assert "--max-deferred-experts-per-token" not in parser.format_help()
+    assert envs.ENV_VARS["KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN"].doc
     path = str(checkpoints[FAMILIES[0]])
-    args = parser.parse_args([path, "--max-deferred-experts-per-token", "2"])
+    monkeypatch.setenv(envs.MAX_DEFERRED_EXPERTS_PER_TOKEN.name, "2")
+    args = parser.parse_args([path])
     assert from_args(ServeConfig, args).gpu.max_deferred_experts_per_token == 2
+    monkeypatch.delenv(envs.MAX_DEFERRED_EXPERTS_PER_TOKEN.name)
     args = parser.parse_args([path])
     assert from_args(ServeConfig, args).gpu.max_deferred_experts_per_token == 0
 
@@ -272,18 +279,19 @@ def test_a_real_worker_gives_the_tokens_of_torch_experts(checkpoints, seed, fami
         prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (7, 3)]
         sides = []
         for model in (shm, oracle):
-            caches = [model.kv_cache.allocate(len(p)) for p in prompts]
+            kv = KVCacheManager(model.kv_cache.config)
+            caches = [kv.allocate(len(p)) for p in prompts]
             logits = model.forward(Batch(tuple(SeqInput(p, c, 0) for p, c in
                                                zip(prompts, caches))))  # fmt: skip
-            sides.append((model, caches, logits))
-        worst, mismatches = _rel_err(sides[0][2], sides[1][2]), 0
-        tokens = [sides[1][2].argmax(-1).tolist()]
+            sides.append((model, kv, caches, logits))
+        worst, mismatches = _rel_err(sides[0][3], sides[1][3]), 0
+        tokens = [sides[1][3].argmax(-1).tolist()]
         pos = [len(p) for p in prompts]
         for step in range(6):
             outs = []
-            for (model, caches, _), g in zip(sides, (graphs, reference)):
+            for (model, kv, caches, _), g in zip(sides, (graphs, reference)):
                 for c, p in zip(caches, pos):
-                    model.kv_cache.extend(c, p + 1)
+                    kv.extend(c, p + 1)
                 batch = Batch(tuple(SeqInput([t], c, p) for t, c, p in
                                     zip(tokens[-1], caches, pos)))  # fmt: skip
                 outs.append((g if step % 2 else model).forward(batch))  # segments, eager
@@ -342,15 +350,16 @@ def test_device_calls_with_deferral_give_the_calls_between_segments(
         prompts = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (5, 9, 2)]
         sides = []
         for model, g in ((in_graph, graphs), (between, segmented), (eager, reference)):
-            caches = [model.kv_cache.allocate(len(p)) for p in prompts]
+            kv = KVCacheManager(model.kv_cache.config)
+            caches = [kv.allocate(len(p)) for p in prompts]
             model.forward(Batch(tuple(SeqInput(p, c, 0) for p, c in zip(prompts, caches))))
-            sides.append((model, g, caches))
+            sides.append((kv, g, caches))
         tokens, pos, worst = [1, 2, 3], [len(p) for p in prompts], 0.0
         for step in range(6):
             outs = []
-            for model, g, caches in sides:
+            for kv, g, caches in sides:
                 for c, p in zip(caches, pos):
-                    model.kv_cache.extend(c, p + 1)
+                    kv.extend(c, p + 1)
                 batch = Batch(tuple(SeqInput([t], c, p) for t, c, p in
                                     zip(tokens, caches, pos)))  # fmt: skip
                 outs.append(g.forward(batch).clone())
@@ -394,7 +403,7 @@ def test_an_expert_error_abandons_the_deferred_call_in_flight(checkpoints, seed,
     moe_layers = reader.spec.moe_layers
     backend = _Failing(TorchExperts(reader, "cpu", torch.float32), fail_layer=-1)
     model = _load(path, 1, backend)
-    cache = model.kv_cache.allocate(4)
+    cache = KVCacheManager(model.kv_cache.config).allocate(4)
     model.forward(Batch((SeqInput([1, 2, 3], cache, 0),)))
     backend.fail_layer = moe_layers[1]
     if path_kind == "eager":

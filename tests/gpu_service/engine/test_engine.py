@@ -144,7 +144,7 @@ def test_long_prompts_are_fed_in_chunks(checkpoint, reference, seed):
         assert tokens_of(whole.generate(ps[0], seeded)) == chunked_sample
     finally:
         whole.stop()
-    assert eng.scheduler.kv_cache.num_free_blocks == eng.scheduler.kv_cache.config.num_blocks
+    assert eng.scheduler.kv_manager.num_free_blocks == eng.scheduler.kv_manager.config.num_blocks
 
 
 def run_beside_decodes(eng: Engine, decode_prompts, long_prompts, decode_tokens: int,
@@ -206,7 +206,7 @@ def test_time_bounded_chunks_beside_decodes_leave_greedy_outputs_unchanged(
             runs[name] = run_beside_decodes(eng, decode_prompts, long_prompts, 40, 4)
         finally:
             eng.stop()
-        cache = eng.scheduler.kv_cache
+        cache = eng.scheduler.kv_manager
         assert cache.num_free_blocks == cache.config.num_blocks
         assert eng.metrics.steps.labels(mode="graph")._value.get() > 0
     outputs, sizes = runs["off"]
@@ -229,7 +229,7 @@ def test_preemption_when_the_cache_is_full_keeps_outputs_exact(checkpoint, refer
     for prompt, events in zip(ps, results):
         assert len(tokens_of(events)) == 20
         assert_greedy_under_reference(reference, prompt, tokens_of(events))
-    assert eng.scheduler.kv_cache.num_free_blocks == eng.scheduler.kv_cache.config.num_blocks
+    assert eng.scheduler.kv_manager.num_free_blocks == eng.scheduler.kv_manager.config.num_blocks
 
 
 def test_logprobs_match_transformers(engine, reference, seed):
@@ -318,7 +318,7 @@ def test_the_kv_cache_bounds_a_request(checkpoint, seed):
     assert isinstance(events[-1].error, KVCacheTooSmall), events[-1].error
     assert len(tokens_of(events)) == 16 - len(prompt) + 1  # the last one sampled at slot 15
     assert len(tokens_of(after)) == 3  # the engine goes on
-    cache = eng.scheduler.kv_cache
+    cache = eng.scheduler.kv_manager
     assert cache.num_free_blocks == cache.config.num_blocks
 
 
@@ -382,7 +382,7 @@ def test_abort_frees_the_cache(checkpoint, seed):
         assert events[-1].finish_reason == FinishReason.ABORT
         assert isinstance(events[-1].error, RequestAborted)
         assert len(tokens_of(events)) < 100
-        cache = eng.scheduler.kv_cache
+        cache = eng.scheduler.kv_manager
         assert cache.num_free_blocks == cache.config.num_blocks
     finally:
         eng.stop()

@@ -92,7 +92,7 @@ def test_constrained_greedy_is_the_masked_argmax_beside_free_requests(
         assert_masked_greedy(reference, compiler, grammar, prompt, tokens)
     assert [tokens_of(e) for e in results[2:]] == alone
     assert preempted
-    assert eng.scheduler.kv_cache.num_free_blocks == eng.scheduler.kv_cache.config.num_blocks
+    assert eng.scheduler.kv_manager.num_free_blocks == eng.scheduler.kv_manager.config.num_blocks
 
 
 def test_bad_grammars_raise_and_good_ones_are_cached(compiler):

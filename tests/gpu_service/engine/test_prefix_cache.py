@@ -1,7 +1,8 @@
-"""Prefix caching: the block pool's reference counts and LRU, the KV cache's prefix matching and
-its host tier, and the engine's greedy outputs with cache hits against an engine without them.
-The caches and the engines live on the `device` fixture's device (KTSERVE_TEST_DEVICE=cuda on
-the GPU host: the host tier's copies between GPU and pinned host memory, CUDA graphs)."""
+"""Prefix caching: the block pool's reference counts and LRU, the KV manager's prefix matching and
+its host tier (the tensors' copies between tiers), and the engine's greedy outputs with cache hits
+against an engine without them. The caches and the engines live on the `device` fixture's device
+(KTSERVE_TEST_DEVICE=cuda on the GPU host: the host tier's copies between GPU and pinned host
+memory, CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from gpu_service.config import GPUServiceConfig
 from gpu_service.engine import Engine, FinishReason, SamplingParams, SchedulerConfig
 from gpu_service.engine.decode_graphs import DecodeGraphConfig
 from gpu_service.kvcache.block_pool import BlockPool, extend_block_hashes
-from gpu_service.models import KVCache, KVCacheConfig, TorchExperts, load_model
+from gpu_service.kvcache.manager import KVCacheManager
+from gpu_service.models import KVCacheConfig, KVCacheTensors, TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
 from ktserve.cli import build_parser
 from tests.support.checkpoint_fixtures import one_per_family
@@ -42,7 +44,7 @@ def make_engine(checkpoint, device: torch.device, *, prefix_caching: bool = True
                        max_num_tokens_in_cache=cache_tokens, block_size=BLOCK)  # fmt: skip
     config = replace(model.kv_cache.config, enable_prefix_caching=prefix_caching,
                      max_num_host_tokens=host_tokens)  # fmt: skip
-    model.kv_cache = KVCache(config, torch.float32, device)
+    model.kv_cache = KVCacheTensors(config, torch.float32, device)
     scheduler_config = SchedulerConfig(**{"max_model_len": 128, **scheduler})
     return Engine(model, scheduler_config, graph_config=graphs).start()
 
@@ -107,31 +109,33 @@ def test_block_hashes_chain_over_the_whole_prefix():
     assert partial == one
 
 
-def cache_with_data(num_tokens: int, device: torch.device, host_tokens: int = 0,
-                    dtype: torch.dtype = torch.float32) -> KVCache:  # fmt: skip
+def cache_with_data(
+    num_tokens: int, device: torch.device, host_tokens: int = 0, dtype: torch.dtype = torch.float32
+) -> tuple[KVCacheManager, KVCacheTensors]:
+    """One cache's manager and tensors."""
     config = KVCacheConfig(num_layers=2, entry_shapes=((2, 3), (5,)), max_num_tokens=num_tokens,
                            block_size=BLOCK, max_num_host_tokens=host_tokens)  # fmt: skip
-    return KVCache(config, dtype, device)
+    return KVCacheManager(config), KVCacheTensors(config, dtype, device)
 
 
-def write(cache: KVCache, seq, tokens: int, value: float) -> None:
+def write(tensors: KVCacheTensors, seq, tokens: int, value: float) -> None:
     """Stand-in for a forward: K/V of positions [num_tokens, tokens) = value + position."""
     for pos in range(seq.num_tokens, tokens):
         [slot] = seq.slots(pos, pos + 1)
-        for layer in cache.layers:
+        for layer in tensors.layers:
             for t in layer:
                 t[slot] = value + pos
     seq.num_tokens = tokens
 
 
 def test_allocation_reuses_the_longest_cached_prefix(device):
-    cache = cache_with_data(40, device)
+    cache, tensors = cache_with_data(40, device)
     ids = list(range(10))
     hashes: list[bytes] = []
     extend_block_hashes(hashes, ids, BLOCK)
     a = cache.allocate(10, hashes)
     assert a.num_tokens == 0 and cache.stats.queries == 10 and cache.stats.device_hits == 0
-    write(cache, a, 10, 0.0)
+    write(tensors, a, 10, 0.0)
     cache.cache_blocks(a, hashes)
     b = cache.allocate(10, hashes)  # shares both full blocks, computes the last 2 tokens
     assert b.num_tokens == 8 and b.block_ids[:2] == a.block_ids[:2]
@@ -153,36 +157,37 @@ def test_allocation_reuses_the_longest_cached_prefix(device):
     assert d.num_tokens == 8 and cache.num_free_blocks == 0
     cache.free(held)
     cache.free(d)
-    off = KVCache(replace(cache.config, enable_prefix_caching=False), torch.float32, device)
+    off = KVCacheManager(replace(cache.config, enable_prefix_caching=False))
     e = off.allocate(10, hashes)
-    write(off, e, 10, 0.0)
+    write(tensors, e, 10, 0.0)
     off.cache_blocks(e, hashes)
     assert off.allocate(10, hashes).num_tokens == 0 and off.stats.queries == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 def test_evicted_blocks_go_to_host_ram_and_come_back_with_their_contents(device, dtype):
-    cache = cache_with_data(12, device, host_tokens=16, dtype=dtype)  # 3 device, 4 host blocks
+    # 3 device, 4 host blocks
+    cache, tensors = cache_with_data(12, device, host_tokens=16, dtype=dtype)
     ids = list(range(9))
     hashes: list[bytes] = []
     extend_block_hashes(hashes, ids, BLOCK)
     a = cache.allocate(9, hashes)
-    write(cache, a, 9, 100.0)
+    write(tensors, a, 9, 100.0)
     cache.cache_blocks(a, hashes)
-    want = [t[a.slots(0, 8)].clone() for layer in cache.layers for t in layer]
+    want = [t[a.slots(0, 8)].clone() for layer in tensors.layers for t in layer]
     assert all(w.dtype == dtype and w.float().abs().min() >= 96 for w in want)
     cache.free(a)
     assert cache.take_copies() == ()
     other = cache.allocate(12)  # evicts both cached blocks: copies to the host tier
     copies = cache.take_copies()
     assert [c.to_host for c in copies] == [True, True] and cache.host.num_stored == 2
-    cache.copy_blocks(copies)
-    write(cache, other, 12, -1.0)  # the device blocks are overwritten
+    tensors.copy_blocks(copies)
+    write(tensors, other, 12, -1.0)  # the device blocks are overwritten
     cache.free(other)
     b = cache.allocate(9, hashes)  # found in host RAM, brought back into fresh blocks
     assert b.num_tokens == 8 and cache.stats.host_hits == 8 and cache.stats.device_hits == 0
-    cache.copy_blocks(cache.take_copies())
-    got = [t[b.slots(0, 8)] for layer in cache.layers for t in layer]
+    tensors.copy_blocks(cache.take_copies())
+    got = [t[b.slots(0, 8)] for layer in tensors.layers for t in layer]
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     cache.free(b)
     c = cache.allocate(9, hashes)  # back on the device now: no copy
@@ -213,7 +218,7 @@ def test_greedy_outputs_with_cache_hits_equal_those_without(family, checkpoints,
             tokens, hit = generate(cached, prompt, n)
             hits.append(hit)
             assert tokens == generate(plain, prompt, n)[0], f"{family}: {len(prompt)} tokens"
-        metrics, stats = cached.metrics, cached.model.kv_cache.stats
+        metrics, stats = cached.metrics, cached.scheduler.kv_manager.stats
     finally:
         cached.stop()
         plain.stop()
@@ -222,7 +227,7 @@ def test_greedy_outputs_with_cache_hits_equal_those_without(family, checkpoints,
     assert metrics.prefix_cache_queries._value.get() == stats.queries
     assert metrics.prefix_cache_hits.labels(tier="gpu")._value.get() == sum(hits)
     assert metrics.prefix_cache_hit_rate["gpu"]._value.get() == sum(hits) / stats.queries
-    assert plain.model.kv_cache.stats.queries == 0
+    assert plain.scheduler.kv_manager.stats.queries == 0
     exported = generate_latest(metrics.registry).decode()
     for line in (f"ktserve_prefix_cache_queries_total {float(stats.queries)}",
                  f'ktserve_prefix_cache_hits_total{{tier="gpu"}} {float(sum(hits))}',
@@ -230,7 +235,8 @@ def test_greedy_outputs_with_cache_hits_equal_those_without(family, checkpoints,
                  "ktserve_cpu_prefix_cache_hit_rate 0.0"):  # fmt: skip
         assert line in exported
     for eng in (cached, plain):
-        assert eng.model.kv_cache.num_free_blocks == eng.model.kv_cache.config.num_blocks
+        kv = eng.scheduler.kv_manager
+        assert kv.num_free_blocks == kv.config.num_blocks
 
 
 @pytest.mark.parametrize("family", [f for f in ("deepseek_v3", "qwen3_moe") if f in FAMILIES])
@@ -245,8 +251,8 @@ def test_a_prefix_evicted_to_host_ram_is_restored_exactly(family, checkpoints, s
     try:
         want = [generate(plain, p, 4)[0] for p in prompts]
         assert [generate(cached, p, 4) for p in prompts] == [(w, 0) for w in want]
-        stats = cached.model.kv_cache.stats
-        assert stats.host_hits == 0 and cached.model.kv_cache.host.num_stored > 0
+        stats = cached.scheduler.kv_manager.stats
+        assert stats.host_hits == 0 and cached.scheduler.kv_manager.host.num_stored > 0
         assert generate(cached, prompts[0], 4) == (want[0], 12)
         assert stats.host_hits > 0  # some or all of it from host RAM
         assert generate(cached, prompts[0], 4) == (want[0], 12)  # then from the device
@@ -277,7 +283,7 @@ def test_stress_shared_prefixes_aborts_and_preemption_never_free_a_used_block(
     eng = make_engine(checkpoints["deepseek_v3"], device, cache_tokens=64, host_tokens=32,
                       max_num_seqs=5, max_num_batched_tokens=9, mixed_step_time_factor=0,
                       graphs=graphs)  # fmt: skip
-    cache, violations, preempted = eng.model.kv_cache, [], []
+    cache, violations, preempted = eng.scheduler.kv_manager, [], []
 
     def checked(decide):
         """The scheduler's decision (a step, or a decode step chained to the last one), then
@@ -361,7 +367,8 @@ def test_a_failed_step_with_tier_copies_forgets_the_cached_prefixes(checkpoints,
         events = eng.generate(prompts[0], SamplingParams(max_tokens=4, **GREEDY))
         eng.runner.run = run
         assert events[-1].finish_reason == FinishReason.ERROR
-        assert eng.model.kv_cache.pool.num_cached == 0 and eng.model.kv_cache.host.num_stored == 0
+        kv = eng.scheduler.kv_manager
+        assert kv.pool.num_cached == 0 and kv.host.num_stored == 0
         assert generate(eng, prompts[0], 4) == (generate(plain, prompts[0], 4)[0], 0)
     finally:
         eng.stop()

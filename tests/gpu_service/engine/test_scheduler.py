@@ -8,14 +8,13 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from gpu_service.config import SchedulerConfig
 from gpu_service.engine.request import FinishReason, Request, RequestState
 from gpu_service.engine.sampling import SampledToken, SamplingParams
 from gpu_service.engine.scheduler import Scheduler
 from gpu_service.engine.step_cost import StepCostFit, StepCostModel, StepShape
-from gpu_service.kvcache.kv_cache import KVCache, KVCacheConfig
+from gpu_service.kvcache.config import KVCacheConfig
 
 LAW = StepCostFit(fixed_s=0.05, per_token_s=0.002, per_pair_s=2e-7)
 BLOCK = 4
@@ -24,9 +23,8 @@ FLOOR = SchedulerConfig().min_prefill_chunk_tokens
 
 def make_scheduler(cache_tokens: int = 8192, prefix_caching: bool = False,
                    **config) -> Scheduler:  # fmt: skip
-    kv = KVCache(KVCacheConfig(num_layers=1, entry_shapes=((1,),), max_num_tokens=cache_tokens,
-                               block_size=BLOCK, enable_prefix_caching=prefix_caching),
-                 torch.float32, "cpu")  # fmt: skip
+    kv = KVCacheConfig(num_layers=1, entry_shapes=((1,),), max_num_tokens=cache_tokens,
+                       block_size=BLOCK, enable_prefix_caching=prefix_caching)  # fmt: skip
     return Scheduler(SchedulerConfig(**{"max_model_len": 4096, **config}), kv)
 
 
@@ -277,7 +275,7 @@ def test_preemption_beside_time_bounded_chunks_completes_every_request(seed):
             prompt = [len(s.token_ids) for s in step.seqs if len(s.token_ids) > 1]
             within = LAW.seconds(StepShape.of(step.seqs)) <= step.time_bound_s * 1.001
             assert within or sum(prompt) <= 8
-    kv = scheduler.kv_cache
+    kv = scheduler.kv_manager
     assert kv.num_free_blocks == kv.config.num_blocks
 
 
@@ -286,8 +284,8 @@ def test_preemption_beside_time_bounded_chunks_completes_every_request(seed):
     [
         (dict(mixed_step_time_factor=0.5), "--mixed-step-time-factor must be 0 (off) or >= 1"),
         (dict(mixed_step_time_factor=float("nan")), "--mixed-step-time-factor must be 0"),
-        (dict(mixed_step_time_ms=0), "--mixed-step-time-ms must be > 0"),
-        (dict(min_prefill_chunk_tokens=0), "--min-prefill-chunk-tokens must be >= 1"),
+        (dict(mixed_step_time_ms=0), "KTSERVE_MIXED_STEP_TIME_MS must be > 0"),
+        (dict(min_prefill_chunk_tokens=0), "KTSERVE_MIN_PREFILL_CHUNK_TOKENS must be >= 1"),
     ],
 )
 def test_bad_values_are_refused(config, message):

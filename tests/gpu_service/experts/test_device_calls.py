@@ -23,8 +23,8 @@ from tests.support.device_decode import Decoder, free_port, start_worker
 
 FAMILIES = [f for f in ("deepseek_v3", "qwen3_moe") if f in available_families()]
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-# (device, --device-handoff): on CUDA, both ways of reaching the workers' slots, and the kernels
-# keeping their stamps (a benchmark's option: the GPU times the hand-off)
+# (device, KTSERVE_DEVICE_HANDOFF): on CUDA, both ways of reaching the workers' slots, and the
+# kernels keeping their stamps (a benchmark's option: the GPU times the hand-off)
 HANDOFFS = [("cpu", "memops")] + (
     [("cuda", "memops"), ("cuda", "kernels"), ("cuda", "kernels+stamps")]
     if torch.cuda.is_available()

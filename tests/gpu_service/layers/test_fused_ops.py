@@ -196,7 +196,7 @@ def test_qk_rope_cache_matches_the_torch_code(seed, monkeypatch, norm, dtype, to
     """One kernel for GQA's q/k RMSNorm, RoPE and the cache writes: q, and both whole caches
     (slots not written included), equal the torch code's, q/k/v as views of one projection."""
     skip_interpreted_bf16(dtype)
-    from gpu_service.kvcache.kv_cache import write_cache
+    from gpu_service.kvcache.tensors import write_cache
 
     g = torch.Generator().manual_seed(seed)
     width = (heads_q + 2 * heads_kv) * dim
@@ -241,7 +241,7 @@ def test_mla_rope_cache_matches_the_torch_code(seed, monkeypatch, interleaved, d
     write: q's rotary part and the whole cache (slots not written included) equal the torch
     code's, q_rot and kv_a as views of their projections, as DeepSeekV3 slices them."""
     skip_interpreted_bf16(dtype)
-    from gpu_service.kvcache.kv_cache import write_cache
+    from gpu_service.kvcache.tensors import write_cache
 
     g = torch.Generator().manual_seed(seed)
     nope = 2 * rope

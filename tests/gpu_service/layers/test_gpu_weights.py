@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from gpu_service.config import GPUServiceConfig
 from gpu_service.engine import EngineMetrics
+from gpu_service.kvcache.manager import KVCacheManager
 from gpu_service.layers.linear import (
     FP8Linear,
     Int4Linear,
@@ -229,7 +230,8 @@ def test_tiny_model_per_format(tiny: dict, family: str, fmt: str) -> None:
     assert linears["lm_head"] is Linear  # the head stays in the model dtype by default
     assert all(t is Linear for n, t in linears.items() if n.endswith("shared_gate"))
     prompt = torch.randint(0, 101, (11,), generator=torch.Generator().manual_seed(seed)).tolist()
-    cache = model.kv_cache.allocate(len(prompt))
+    kv = KVCacheManager(model.kv_cache.config)
+    cache = kv.allocate(len(prompt))
     logits = model.forward(Batch((SeqInput(prompt, cache, 0),)), all_positions=True)
     with torch.no_grad():
         ref = reference(torch.tensor([prompt])).logits[0].double()
@@ -238,9 +240,9 @@ def test_tiny_model_per_format(tiny: dict, family: str, fmt: str) -> None:
     for _ in range(6):  # greedy decode, one token a step
         tokens.append(int(logits[-1].argmax()))
         pos = cache.num_tokens
-        model.kv_cache.extend(cache, pos + 1)
+        kv.extend(cache, pos + 1)
         logits = model.forward(Batch((SeqInput([tokens[-1]], cache, pos),)))
-    model.kv_cache.free(cache)
+    kv.free(cache)
     print(f"[{family} {fmt}] seed={seed} logits error vs transformers {err:.2e}, greedy {tokens}")
     assert err < LOGITS_TOL[fmt]
     assert all(0 <= t < 101 for t in tokens)
@@ -301,7 +303,7 @@ def test_fp8_checkpoint_kept_in_fp8(tmp_path) -> None:
         ref = reference(torch.tensor([prompt])).logits[0].double()
     logits_errors = {}
     for fmt, model in (("bf16", dense), ("fp8", fp8)):
-        cache = model.kv_cache.allocate(len(prompt))
+        cache = KVCacheManager(model.kv_cache.config).allocate(len(prompt))
         logits = model.forward(Batch((SeqInput(prompt, cache, 0),)), all_positions=True)
         logits_errors[fmt] = _norm_err(logits, ref)
     print(f"seed={seed} FP8 checkpoint requantized per channel: weight errors up to "
@@ -371,12 +373,12 @@ def test_cuda_plan_fits_budget(tiny: dict) -> None:
     assert plan.parts["weights"] == weight_bytes(model)
     from dataclasses import replace
 
-    from gpu_service.models import KVCache
+    from gpu_service.models import KVCacheTensors
 
-    model.kv_cache = KVCache(replace(model.kv_cache.config, max_num_tokens=plan.kv_cache_tokens),
-                             torch.bfloat16, "cuda")  # fmt: skip
+    config = replace(model.kv_cache.config, max_num_tokens=plan.kv_cache_tokens)
+    model.kv_cache = KVCacheTensors(config, torch.bfloat16, "cuda")
     torch.cuda.reset_peak_memory_stats()
-    cache = model.kv_cache.allocate(batched)
+    cache = KVCacheManager(config).allocate(batched)
     model.forward(Batch((SeqInput([3] * batched, cache, 0),)))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() + plan.parts["non_torch"]

@@ -1,16 +1,6 @@
-"""Paged KV cache: one allocation up front, handed out to sequences in fixed-size blocks, with
-automatic prefix caching over them (and, optionally, a second tier in host RAM).
-
-Memory layout, per layer and per component (GQA: key and value; MLA: one compressed latent):
-    tensor [num_blocks * block_size, *entry_shape]      slot s = block_id * block_size + offset
-A sequence owns a list of blocks (`SeqCache.block_ids`); its token at position p lives in slot
-    block_ids[p // block_size] * block_size + p % block_size.
-Entry shapes: GQA (num_kv_heads, head_dim) for k and for v; MLA (kv_lora_rank + qk_rope_head_dim,),
-the normalized compressed kv followed by the roped shared key, per token.
-Storage dtype: the model's, or FP8 (float8_e4m3fn, --kv-cache-dtype fp8): written with a saturating
-cast (write_cache; per-tensor scale 1.0, values beyond +-448 clamp), upcast as attention reads it.
-One more slot past the blocks, `scratch_slot`, belongs to no sequence: padding rows of a fixed-size
-decode batch (CUDA graphs) write their K/V there.
+"""The KV cache's books, owned by the scheduler: which blocks each sequence holds, the prefix
+cache over them and its host tier. It touches no tensor: the blocks it hands out are rows of
+the cache's tensors (tensors.py), which the model and the runner hold.
 
 Lifecycle (paired verbs): can_allocate/allocate a sequence for its prompt, can_extend/extend it as
 decoding grows it, free it when finished. Running out raises `KVCacheFull` (never blocks).
@@ -23,38 +13,20 @@ freed, they stay findable until a later allocation reuses them, least recently f
 NOTE: a step writes K/V only at positions >= num_tokens, never into a full (shared) block.
 With a host tier (host_tier.py) an evicted block is copied to host RAM, and a prefix found there
 is copied back into fresh blocks. Those copies are decided here and queued; `take_copies` hands
-them to the step, and the runner runs them (`copy_blocks`, in the order queued) before its forward.
+them to the step, and the runner runs them (KVCacheTensors.copy_blocks, in the order queued)
+before its forward.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from gpu_service.kvcache.block_pool import BlockPool
+from gpu_service.kvcache.config import KVCacheConfig
 from gpu_service.kvcache.host_tier import BlockCopy, HostTier
-
-FP8 = torch.float8_e4m3fn
-
-
-def write_cache(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """cache[slots] = values, cast to the cache's dtype (saturating where it is FP8)."""
-    if cache.dtype != FP8:
-        cache[slots] = values.to(cache.dtype)
-        return
-    limit = torch.finfo(FP8).max
-    # NOTE: FP8 moves as bytes: indexing kernels do not cover FP8 on every device and version
-    cache.view(torch.uint8)[slots] = values.clamp(-limit, limit).to(FP8).view(torch.uint8)
-
-
-def read_cache(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache[slots], in the cache's dtype."""
-    if cache.dtype != FP8:
-        return cache[slots]
-    return cache.view(torch.uint8)[slots].view(FP8)
+from gpu_service.kvcache.sequence import InvalidSequenceCache, SeqCache
 
 
 class KVCacheFull(RuntimeError):
@@ -68,71 +40,6 @@ class KVCacheFull(RuntimeError):
         )
 
 
-class InvalidSequenceCache(ValueError):
-    """A handle that this cache did not hand out, or that was already freed."""
-
-
-@dataclass
-class SeqCache:
-    """One sequence's share of the cache. `num_tokens`: positions [0, num_tokens) hold K/V.
-    `num_hashed_blocks`: its first blocks already offered to the prefix cache."""
-
-    seq_id: int
-    block_size: int
-    block_ids: list[int] = field(default_factory=list)
-    num_tokens: int = 0
-    freed: bool = False
-    num_hashed_blocks: int = 0
-
-    @property
-    def capacity(self) -> int:
-        return len(self.block_ids) * self.block_size
-
-    def slots(self, start: int, end: int) -> list[int]:
-        """Cache slots of positions [start, end)."""
-        bs = self.block_size
-        return [self.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-
-
-@dataclass(frozen=True)
-class KVCacheConfig:
-    num_layers: int
-    entry_shapes: tuple[tuple[int, ...], ...]  # per component, e.g. ((kvh, d), (kvh, d))
-    max_num_tokens: int
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_num_host_tokens: int = 0  # the host tier's size; 0: none
-
-    def __post_init__(self) -> None:
-        if self.num_layers <= 0 or not self.entry_shapes:
-            raise ValueError("a KV cache needs at least one layer and one component")
-        if self.max_num_tokens <= 0 or self.block_size <= 0:
-            raise ValueError(
-                f"max_num_tokens={self.max_num_tokens} and block_size={self.block_size} "
-                "must be positive"
-            )
-        if self.max_num_host_tokens < 0:
-            raise ValueError(f"max_num_host_tokens must be >= 0, got {self.max_num_host_tokens}")
-
-    @property
-    def num_blocks(self) -> int:
-        return math.ceil(self.max_num_tokens / self.block_size)
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def num_host_blocks(self) -> int:
-        """Blocks of the host tier (none without prefix caching)."""
-        return self.max_num_host_tokens // self.block_size if self.enable_prefix_caching else 0
-
-    def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Cache bytes one token takes over all layers: what the engine sizes the cache by."""
-        elems = sum(math.prod(shape) for shape in self.entry_shapes)
-        return self.num_layers * elems * torch.empty((), dtype=dtype).element_size()
-
-
 @dataclass
 class PrefixCacheStats:
     """Tokens, since the cache was made: looked up at allocation, and found per tier."""
@@ -142,34 +49,17 @@ class PrefixCacheStats:
     host_hits: int = 0
 
 
-class KVCache:
-    def __init__(self, config: KVCacheConfig, dtype: torch.dtype, device: torch.device | str):
+class KVCacheManager:
+    def __init__(self, config: KVCacheConfig):
         self.config = config
         self.block_size = config.block_size
-        self.scratch_slot = config.num_slots
-        self.layers: list[tuple[torch.Tensor, ...]] = [
-            tuple(
-                torch.zeros((config.num_slots + 1, *shape), dtype=dtype, device=device)
-                for shape in config.entry_shapes
-            )
-            for _ in range(config.num_layers)
-        ]
         self.pool = BlockPool(config.num_blocks, config.enable_prefix_caching)
-        self.host: HostTier | None = None
-        if config.num_host_blocks:
-            pin = torch.device(device).type == "cuda"
-            self.host = HostTier(config.num_host_blocks, self.block_size, self.layers, pin)
+        self.host = HostTier(config.num_host_blocks) if config.num_host_blocks else None
         self.stats = PrefixCacheStats()
         self._copies: list[BlockCopy] = []
         self._reading: set[int] = set()  # host blocks being brought back by this allocation
         self._live: dict[int, SeqCache] = {}
         self._next_seq_id = 0
-
-    def release(self) -> None:
-        """Drop the cache's tensors (a closed service's device memory goes back at once, whoever
-        still holds the service); nothing may use the cache afterwards."""
-        self.layers = []
-        self.host = None
 
     @property
     def prefix_caching(self) -> bool:
@@ -252,13 +142,12 @@ class KVCache:
         self.pool.release(reversed(seq.block_ids))
         seq.block_ids, seq.num_tokens, seq.freed = [], 0, True
 
-    def check_live(self, seq: SeqCache) -> None:
-        self._check_live(seq)
-
     def _check_live(self, seq: SeqCache) -> None:
-        if seq.freed or self._live.get(seq.seq_id) is not seq:
-            state = "was freed" if seq.freed else "was not allocated by this cache"
-            raise InvalidSequenceCache(f"sequence cache {seq.seq_id} {state}")
+        seq.check_not_freed()
+        if self._live.get(seq.seq_id) is not seq:
+            raise InvalidSequenceCache(
+                f"sequence cache {seq.seq_id} was not allocated by this cache"
+            )
 
     # ------------------------------------------------------------------ prefix cache
     def cache_blocks(self, seq: SeqCache, block_hashes: Sequence[bytes]) -> None:
@@ -271,16 +160,10 @@ class KVCache:
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
     def take_copies(self) -> tuple[BlockCopy, ...]:
-        """The copies between tiers decided since the last call, in order: run them (copy_blocks)
-        before anything writes to the cache."""
+        """The copies between tiers decided since the last call, in order: run them
+        (KVCacheTensors.copy_blocks) before anything writes to the cache."""
         copies, self._copies = tuple(self._copies), []
         return copies
-
-    def copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
-        """Run copies between the tiers (take_copies), in order."""
-        if copies:
-            assert self.host is not None, "copies between tiers need a host tier"
-            self.host.copy(self.layers, copies)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, in both tiers (sequences keep their blocks)."""

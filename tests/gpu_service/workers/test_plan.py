@@ -1,12 +1,13 @@
-"""`ktserve serve --numa auto` and `--expert-split intermediate`: the workers' plans and command
-lines on a topology read from a fake sysfs tree or this machine's, and the coverage check of
-intermediate slices."""
+"""`ktserve serve --numa auto` and `--expert-split intermediate`: the workers' plans
+(workers/plan.py) and command lines on a topology read from a fake sysfs tree or this machine's,
+and the coverage check of intermediate slices."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpu_service.serve_config import WorkerPlan, WorkersConfig
+from gpu_service.serve_config import WorkersConfig
+from gpu_service.workers.plan import WorkerPlan, worker_plans
 from gpu_service.workers.shard_coverage import ExpertCoverageError, WorkerShard, check_coverage
 from gpu_service.workers.supervisor import worker_specs
 from ktserve.checkpoint.spec import ModelSpec
@@ -22,30 +23,30 @@ def test_numa_auto_on_one_node_is_todays_workers():
     if topology.num_nodes != 1:
         pytest.skip(f"this machine has {topology.num_nodes} NUMA nodes")
     for numa in ("auto", "off"):
-        plans = WorkersConfig(numa=numa).worker_plans(SPEC, topology)
+        plans = worker_plans(WorkersConfig(numa=numa), SPEC, topology)
         assert plans == (WorkerPlan("0-7"),)
 
 
 def test_numa_auto_places_one_worker_per_node(tmp_path):
     topology = read_topology(sysfs(tmp_path, {0: "0-3", 1: "4-7"}), allowed=range(8))
-    plans = WorkersConfig(numa="auto").worker_plans(SPEC, topology)
+    plans = worker_plans(WorkersConfig(numa="auto"), SPEC, topology)
     assert plans == (WorkerPlan("0-3", None, "0-3", 0), WorkerPlan("4-7", None, "4-7", 1))
-    split = WorkersConfig(numa="auto", expert_split="intermediate").worker_plans(SPEC, topology)
+    split = worker_plans(WorkersConfig(numa="auto", expert_split="intermediate"), SPEC, topology)
     assert split == (WorkerPlan("0-7", "0-127", "0-3", 0), WorkerPlan("0-7", "128-255", "4-7", 1))
     argv = [s.argv for s in worker_specs("/m", split, "int8", None, "/tmp/d")]
     assert argv[1][-6:] == ("--intermediate-rows", "128-255", "--cpus", "4-7", "--numa-node", "1")
-    assert WorkersConfig(numa="off").worker_plans(SPEC, topology) == (WorkerPlan("0-7"),)
+    assert worker_plans(WorkersConfig(numa="off"), SPEC, topology) == (WorkerPlan("0-7"),)
     with pytest.raises(ValueError, match=r"one expert worker per NUMA node \(2 here\)"):
-        WorkersConfig(numa="auto", expert_workers=3).worker_plans(SPEC, topology)
+        worker_plans(WorkersConfig(numa="auto", expert_workers=3), SPEC, topology)
 
 
 def test_intermediate_split_without_numa_and_its_refusals():
     one = read_topology(allowed={0})
-    plans = WorkersConfig(expert_workers=4, expert_split="intermediate").worker_plans(SPEC, one)
+    plans = worker_plans(WorkersConfig(expert_workers=4, expert_split="intermediate"), SPEC, one)
     assert [p.intermediate_rows for p in plans] == ["0-63", "64-127", "128-191", "192-255"]
     assert {p.experts for p in plans} == {"0-7"}
     with pytest.raises(ValueError, match=r"256 does not split into 3 slices.*split it: 1, 2, 4"):
-        WorkersConfig(expert_workers=3, expert_split="intermediate").worker_plans(SPEC, one)
+        worker_plans(WorkersConfig(expert_workers=3, expert_split="intermediate"), SPEC, one)
     with pytest.raises(ValueError, match="--experts-per-worker gives each worker expert ids"):
         WorkersConfig(expert_workers=2, experts_per_worker=("0-3", "4-7"),
                       expert_split="intermediate")  # fmt: skip
