@@ -1,10 +1,10 @@
-"""Another source tree's build of the kernel extension, loaded beside this tree's in one process,
-so that a benchmark can alternate the two kernels call by call on the same packed weights (the
-same memory, the same routings) instead of comparing two processes, whose timings on the GPU host
-moved 10-15% between runs of the same code. The tree's packed layout must be this tree's: the
-benchmark checks the two outputs agree before it times them. A process loads one file once: the
-extension this tree imports cannot also be its own baseline (a copy of it can). Several trees load
-side by side, each under a module name of its own (`index`).
+"""Another source tree's build of the kernel extension, loaded beside this tree's in one process, so
+that a benchmark can alternate the two kernels call by call on the same packed weights (the same
+memory, the same routings) instead of comparing two processes, whose timings of the same code drift
+apart (expert_service/kernels/README.md has the spread). The tree's packed layout must be this
+tree's: the benchmark checks the two outputs agree before it times them. A process loads one file
+once: the extension this tree imports cannot also be its own baseline (a copy of it can). Several
+trees load side by side, each under a module name of its own (`index`).
 
     ext = load_kernel_ext(Path("/tmp/base-tree"))   # its extensions built in place
     with MoEKernel(15, ext=ext) as baseline: ...

@@ -38,8 +38,8 @@ def histogram_sum(metric, **labels) -> tuple[float, float]:
 def run_batch(service, batch: int, tokens: int, after_prefill=None) -> dict[str, float]:
     """`batch` greedy requests of 16-token prompts, `tokens` new tokens each. Decode is timed
     from the moment every request has its first token (the prefill's) to the last one's end:
-    tok/s = batch * (tokens - 1) / that time, the step split per decode step alike; at DeepSeek-V3
-    shapes a 16-token prefill reads ~100 experts a layer and took ~15% of a 32-token run.
+    tok/s = batch * (tokens - 1) / that time, the step split per decode step alike (a 16-token
+    prefill reads many more experts a layer than a decode step: docs/decode-graphs.md).
     after_prefill: called then, in this thread (a caller's snapshot of its own counters)."""
     if tokens < 2:
         raise ValueError("decode needs at least 2 tokens a request (the first is the prefill's)")

@@ -24,9 +24,9 @@ imported, or lacks a format's class, one line says why and the run goes on witho
 place; bench/baseline_kernel.py), loaded in this process beside ours and timed in turn with it on
 the same packed weights, routings and inputs: rows "baseline <fmt>", "ours/them" = our time / its
 time. DIR,DIR2,... times several (variants of one change): rows "baseline:<folder name> <fmt>".
-Each one's output must agree with ours (same packed layout) or its rows are dropped. Between two
-processes the same code's timings moved 10-15% on the GPU host; within one they alternate call
-batch by call batch.
+Each one's output must agree with ours (same packed layout) or its rows are dropped. Two
+processes of the same code time apart (expert_service/kernels/README.md); within one the kernels
+alternate call batch by call batch.
 
 --huge-pages also times ours on a copy of the packed weights in memory advised for transparent
 huge pages (rows "<fmt> ... huge pages"; "ours/them" = time on 4 KiB pages / time on huge ones),

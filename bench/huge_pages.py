@@ -1,6 +1,6 @@
 """Weights in transparent huge pages, for bench_moe_kernel.py --huge-pages: whether the kernel's
-weight stream gains from one page-table entry per 2 MiB instead of per 4 KiB (measured on the GPU
-host: it does not, within the run's spread; see the kernels README)."""
+weight stream gains from one page-table entry per 2 MiB instead of per 4 KiB (the finding:
+expert_service/kernels/README.md)."""
 
 from __future__ import annotations
 

@@ -103,8 +103,8 @@ def load(model_dir: str | Path, experts: range | None, weight_format: str, *,
 def fill_expert(out: dict[str, np.ndarray], fmt: str, H: int, I: int, j: int,  # noqa: E741
                 seed: tuple[int, int, int]) -> None:  # fmt: skip
     """Expert row j of every packed buffer in `out`, from the generator of `seed`: random bytes,
-    then bit masks that make each value what its format needs (integer work only, ~1 GB/s a
-    core: quantizing floats would be several times slower)."""
+    then bit masks that make each value what its format needs (integer work only, where
+    quantizing floats would be float work per value)."""
     gen = np.random.SFC64(np.random.SeedSequence(list(seed)))
     row = {name: buf[j] for name, buf in out.items()}  # [elements per expert]
     for name in sorted(row):  # NOTE: in one order, however `out` was built

@@ -9,6 +9,9 @@ import secrets
 import pytest
 import torch
 
+# The `checkpoint` and `checkpoints` fixtures every test module shares.
+pytest_plugins = ["tests.support.checkpoint_fixtures"]
+
 # One random seed per run, printed with pytest's summary (a test that fails after the fixture's
 # first use does not show the fixture's own print); KTSERVE_TEST_SEED=N reproduces a run.
 RUN_SEED = int(os.environ.get("KTSERVE_TEST_SEED", random.randrange(2**31)))

@@ -1,5 +1,6 @@
-"""The test run imports the packages from this tree: not tests/expert_service or tests/gpu_service
-(the same names), and not another checkout an installed copy points at; the same in subprocesses."""
+"""The test run imports the packages from this tree: not tests/expert_service, tests/gpu_service,
+tests/ktserve or tests/ktshm (the same names), and not another checkout an installed copy points
+at; the same in subprocesses."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_packages_are_this_trees_top_level_ones(name):
 
 def test_test_directories_are_packages_of_their_own():
     assert __name__ == "tests.test_layout"
-    for name in ("expert_service", "gpu_service", "ktshm"):
+    for name in PACKAGES:
         module = importlib.import_module(f"tests.{name}")
         assert Path(module.__file__).resolve() == REPO / "tests" / name / "__init__.py"
 

@@ -7,9 +7,9 @@
 #      fastapi, starlette, pydantic, pydantic-core, annotated-types, typing-inspection,
 #      annotated-doc, opentelemetry-api, jsonschema, jsonschema-specifications, referencing,
 #      rpds-py, typing-extensions, anyio; then the extensions built in place
-#   2. KTSERVE_TEST_DEVICE=cuda: tests/gpu_service/test_{sampling,grammar,prefix_cache}.py on the
-#      GPU (the sampler and masks against CPU references; caches, host-tier copies, engines and
-#      captured decode graphs on CUDA); a test skipped for want of CUDA fails this script
+#   2. KTSERVE_TEST_DEVICE=cuda: tests/gpu_service/engine/test_{sampling,grammar,prefix_cache}.py
+#      on the GPU (the sampler and masks against CPU references; caches, host-tier copies, engines
+#      and captured decode graphs on CUDA); a test skipped for want of CUDA fails this script
 #   3. bench/bench_prefix_cache.py --device cuda on the demo model: its table
 # Logs go to $OUT (or ./gpu-host-out).
 #   usage: bash tools/gpu_host_agents.sh [tests|bench|all]   (REPEATS, THREADS in the environment)

@@ -30,5 +30,5 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     2>&1 | tee "$out/bench-worker-call.log"
   python3 bench/bench_worker_call.py --threads 15 --layers 48 --format int4 --tokens 1 \
     --gap-us 300 2>&1 | tee "$out/bench-worker-call-gap.log"
-  python3 bench/bench_worker_dispatch.py --rounds 5 2>&1 | tee "$out/bench-worker-dispatch.log"
+  python3 tools/bench_worker_dispatch.py --rounds 5 2>&1 | tee "$out/bench-worker-dispatch.log"
 fi

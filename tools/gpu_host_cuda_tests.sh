@@ -11,7 +11,7 @@
 #   kernels  tests/gpu_service: attention, MLA, fused ops, weight formats, streamed prefill
 #   steps    tests/gpu_service: decode graphs, the device's expert calls, engine, sampling, ...
 #   serve    tests/gpu_service: the serve command, services and workers as processes
-#   rest     tests/e2e, tests/bench, tests/expert_service and the rest
+#   rest     tests/e2e, tests/bench, tests/tools, tests/ktserve, tests/expert_service and the rest
 #   all      every part, one after the other
 # The summary lines (pytest's, per part, with the commit) go to $OUT/cuda-tests-summary.txt.
 #   usage: bash tools/gpu_host_cuda_tests.sh [kernels|steps|serve|rest|all] [pytest arguments]

@@ -1,9 +1,10 @@
 """What the host's call that launches a CUDA graph costs, by the graph's size and node kinds.
 
-A 48-layer decode step's graph took 0.27 ms of the engine thread to launch on the GPU host
-(`ktserve_engine_host_seconds{part="launch"}`), and a chained step is launched only after the
-step before it ends. This captures graphs of N small kernels (N about a step's node count:
-~21 a layer) and times `CUDAGraph.replay()` on the host, the GPU idle before each call, for:
+A decode step's graph costs the engine thread its launch (`ktserve_engine_host_seconds{part=
+"launch"}`; docs/results/2026-12-02-chained-decode-steps.md has the figures), and a chained step is
+launched only after the step before it ends. This captures graphs of N small kernels (N about a
+step's node count: ~21 a layer) and times `CUDAGraph.replay()` on the host, the GPU idle before each
+call, for:
 
     kernels        N elementwise kernels
     kernels+write  the same and, last, a stream write of a word in mapped host memory

@@ -8,9 +8,9 @@ Activation precision follows the dtype of x (the output dtype, f32 or bf16, is i
   fp32 activations). The result is fp32 math with the bf16 weights up to the summation order
   (~1e-7 relative); this is what a parity check against an fp32 forward pass needs.
 - bf16 weights, x bfloat16 (numpy uint16 or torch.bfloat16): x and h in bf16 (vdpbf16ps,
-  AMX-BF16 for prefill), ~0.2-0.3% normalized error against fp32 math. Faster than the exact mode
-  where compute-bound (prefill: 1.7x with AVX-512 on the development machine, more with AMX);
-  decode is memory-bound in both (see README.md for the measured rates).
+  AMX-BF16 for prefill), rounded where the exact mode is not. Faster than the exact mode where
+  compute-bound (prefill), decode is memory-bound in both (the errors and rates measured:
+  expert_service/kernels/README.md).
 - int8 / int4 weights: x and h quantized to int8 per token (symmetric), whatever x's dtype.
 """
 

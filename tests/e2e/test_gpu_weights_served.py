@@ -12,7 +12,7 @@ from prometheus_client import generate_latest
 from gpu_service.layers.linear import FP8Linear, Int4Linear, Int8Linear
 from gpu_service.memory_plan import PARTS
 from gpu_service.models import Batch, SeqInput
-from tests.support.checkpoints import make_tiny_checkpoint
+from tests.support.checkpoint_fixtures import TinyCheckpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
 from tests.support.parity import greedy_together
 from tests.support.worker_services import DEVICE, worker_service
@@ -25,9 +25,7 @@ NUM_TOKENS = 8
 ARGMAX_SLACK = {"cpu": 1e-4, "cuda": 0.05}
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, seed):
-    return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("gw") / "ds", seed=seed)
+CHECKPOINT = TinyCheckpoint("deepseek_v3")
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from gpu_service.experts.gpu_experts import worker_activation_counts
-from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
+from tests.support.checkpoint_fixtures import one_per_family
+from tests.support.checkpoints import load_reference_model
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
 from tests.support.parity import (
     BOUNDS,
@@ -25,11 +26,7 @@ from tests.support.parity import (
 )
 from tests.support.worker_services import DEVICE, worker_service
 
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, seed):
-    root = tmp_path_factory.mktemp("e2e")
-    return {f: make_tiny_checkpoint(f, root / f, seed=seed) for f in FAMILIES}
+CHECKPOINTS = one_per_family(FAMILIES)
 
 
 def routing_margin(reference, prompt: list[int]) -> float:

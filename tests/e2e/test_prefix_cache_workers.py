@@ -11,17 +11,14 @@ import torch
 
 from gpu_service.engine import FinishReason, SamplingParams
 from gpu_service.experts.gpu_experts import worker_activation_counts
-from tests.support.checkpoints import make_tiny_checkpoint
+from tests.support.checkpoint_fixtures import one_per_family
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
 from tests.support.worker_services import worker_service
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, seed):
-    root = tmp_path_factory.mktemp("prefix-e2e")
-    return {f: make_tiny_checkpoint(f, root / f, seed=seed) for f in FAMILIES}
+CHECKPOINTS = one_per_family(FAMILIES)
 
 
 def routed(service) -> int:

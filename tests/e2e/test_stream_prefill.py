@@ -18,7 +18,8 @@ from gpu_service.experts.stream_prefill.build import AUTO_MAX_MEMORY_FRACTION
 from gpu_service.models import Batch, SeqInput
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.worker_token import TOKEN_ENV
-from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
+from tests.support.checkpoint_fixtures import one_per_family
+from tests.support.checkpoints import load_reference_model
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401
 from tests.support.parity import (
     clear_routing_prompts,
@@ -40,10 +41,7 @@ if DEVICE == "cuda":  # the GPU part in float32 still rounds GEMMs to TF32 where
     BOUNDS["bf16"] = 1e-3
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, seed):
-    root = tmp_path_factory.mktemp("stream")
-    return {f: make_tiny_checkpoint(f, root / f, seed=seed) for f in FAMILIES}
+CHECKPOINTS = one_per_family(FAMILIES)
 
 
 def service(path, worker: ExpertProcess, mode: str, **kw):

@@ -30,7 +30,8 @@ from tests.support.api_server import (
     openai_client,
     pid_alive,
 )
-from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
+from tests.support.checkpoint_fixtures import one_per_family
+from tests.support.checkpoints import load_reference_model
 from tests.support.expert_procs import (  # noqa: F401 - no_segments_left_behind: autouse
     ExpertProcess,
     no_segments_left_behind,
@@ -54,10 +55,7 @@ if DEVICE == "cuda" and torch.cuda.device_count() < 2:
 NUM_DECODE = 6
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, seed):
-    root = tmp_path_factory.mktemp("tp")
-    return {f: make_tiny_checkpoint(f, root / f, seed=seed) for f in FAMILIES}
+CHECKPOINTS = one_per_family(FAMILIES)
 
 
 def service_for(path, worker: ExpertProcess, tp_size: int, timeout_s: float = 60.0,

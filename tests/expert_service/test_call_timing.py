@@ -12,17 +12,14 @@ from expert_service.call_timing import PARTS
 from ktserve import wire
 from ktserve.checkpoint import ModelSpec
 from ktserve.protocol import expert_pb2 as pb
-from tests.support.checkpoints import make_tiny_checkpoint
+from tests.support.checkpoint_fixtures import TinyCheckpoint
 from tests.support.expert_procs import (  # noqa: F401 - no_segments_left_behind is an autouse fixture
     ExpertProcess,
     moe_call,
     no_segments_left_behind,
 )
 
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, seed):
-    return make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("ckpt") / "q", seed=seed)
+CHECKPOINT = TinyCheckpoint("qwen3_moe")
 
 
 @pytest.fixture

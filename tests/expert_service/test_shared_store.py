@@ -19,14 +19,12 @@ import ktshm
 from expert_service.shard import load_shard
 from ktserve import shared_store
 from ktserve.protocol import expert_pb2 as pb
+from tests.support.checkpoint_fixtures import TinyCheckpoint
 from tests.support.checkpoints import make_tiny_checkpoint
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401
 from tests.support.watched_process import CHILD_ENV, REPO
 
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, seed):
-    return make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("store") / "q", seed=seed)
+CHECKPOINT = TinyCheckpoint("qwen3_moe")
 
 
 def info(worker: ExpertProcess) -> pb.WorkerInfo:

@@ -25,7 +25,8 @@ from ktserve.protocol import expert_pb2 as pb
 from ktserve.protocol import expert_pb2_grpc as pb_grpc
 from ktserve.worker_auth import worker_channel
 from ktserve.worker_token import TOKEN_ENV, TOKEN_FILE_ENV, new_token
-from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint, moe_block
+from tests.support.checkpoint_fixtures import one_per_family
+from tests.support.checkpoints import load_reference_model, moe_block
 from tests.support.expert_procs import (  # noqa: F401 - no_segments_left_behind is an autouse fixture
     FORMAT_PB,
     ExpertProcess,
@@ -44,10 +45,7 @@ FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
 TOLERANCE = {"bf16": 1e-5, "int8": 5e-2, "int4": 0.36}
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, seed):
-    root = tmp_path_factory.mktemp("ckpt")
-    return {f: make_tiny_checkpoint(f, root / f, seed=seed) for f in FAMILIES}
+CHECKPOINTS = one_per_family(FAMILIES)
 
 
 @pytest.fixture(scope="module")

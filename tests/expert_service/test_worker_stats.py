@@ -16,19 +16,16 @@ from expert_service.metrics import CallCounts
 from expert_service.worker import IDLE_GAP_S, count_idle_gap
 from ktserve.checkpoint import ModelSpec
 from ktserve.protocol import expert_pb2 as pb
-from tests.support.checkpoints import make_tiny_checkpoint
+from tests.support.checkpoint_fixtures import TinyCheckpoint
 from tests.support.expert_procs import (  # noqa: F401 - no_segments_left_behind is an autouse fixture
     ExpertProcess,
     moe_call,
     no_segments_left_behind,
 )
 
+CHECKPOINT = TinyCheckpoint("qwen3_moe")
+
 CALLS_PER_CHANNEL = 40
-
-
-@pytest.fixture
-def checkpoint(tmp_path, seed):
-    return make_tiny_checkpoint("qwen3_moe", tmp_path / "q", seed=seed)
 
 
 def scrape(port: int) -> dict[str, float]:

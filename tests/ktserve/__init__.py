@@ -1,0 +1,1 @@
+"""Tests of the ktserve package (the shared code both services import)."""

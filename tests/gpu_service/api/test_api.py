@@ -38,21 +38,19 @@ from tests.support.api_server import (
     HELLO,
     NO_EOS,
     TINY_MODEL_LEN,
-    make_served_checkpoint,
     openai_client,
     pid_alive,
     running_server,
     tiny_server,
 )
+from tests.support.checkpoint_fixtures import ServedCheckpoint
 
 API_KEY = "test-key-123"
 MAX_MODEL_LEN = TINY_MODEL_LEN
 MAX_NUM_SEQS = 4
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, seed):
-    return make_served_checkpoint(tmp_path_factory.mktemp("api") / "tiny-ds", seed)
+CHECKPOINT = ServedCheckpoint(dir_name="tiny-ds")
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,10 @@ from tests.support.api_limits import FLAGS, NO_EOS, Stream
 from tests.support.api_server import (
     EXACT_ENV,
     ServerProcess,
-    make_served_checkpoint,
     pid_alive,
     running_server,
 )
+from tests.support.checkpoint_fixtures import ServedCheckpoint
 from tests.support.expert_procs import shm_entries
 from tests.support.watched_process import CHILD_ENV, REPO
 
@@ -34,9 +34,7 @@ MAX_WAITING = 1
 MB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, seed):
-    return make_served_checkpoint(tmp_path_factory.mktemp("limits") / "tiny", seed, 1024)
+CHECKPOINT = ServedCheckpoint(max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="module")

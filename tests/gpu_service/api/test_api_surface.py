@@ -20,18 +20,16 @@ from ktserve.version import ktserve_version
 from tests.support.api_server import (
     HELLO,
     NO_EOS,
-    make_served_checkpoint,
     openai_client,
     tiny_server,
 )
+from tests.support.checkpoint_fixtures import ServedCheckpoint
 from tests.support.watched_process import CHILD_ENV
 
 KEY = "surface-key"
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, seed):
-    return make_served_checkpoint(tmp_path_factory.mktemp("surface") / "tiny-ds", seed)
+CHECKPOINT = ServedCheckpoint(dir_name="tiny-ds")
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ from gpu_service.engine.errors import RequestAborted
 from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.models import TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
-from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
+from tests.support.checkpoint_fixtures import TinyCheckpoint
+from tests.support.checkpoints import load_reference_model
 from tests.support.device_decode import free_port, start_worker
 from tests.support.engines import (
     _count_and_sum,
@@ -32,10 +33,7 @@ from tests.support.engines import (
     tokens_of,
 )
 
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, seed):
-    return make_tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("chain"), seed=seed)
+CHECKPOINT = TinyCheckpoint("qwen3_moe")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ from gpu_service.engine.decode_graphs import DecodeGraphConfig, DecodeGraphs
 from gpu_service.kvcache.manager import KVCacheManager
 from gpu_service.models import Batch, CausalLM, SeqInput, TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
-from tests.support.checkpoints import available_families, make_tiny_checkpoint
+from tests.support.checkpoint_fixtures import TinyCheckpoint
+from tests.support.checkpoints import available_families
 
 VARIANTS = {  # family, overrides: each family, a shared gate (Qwen2) and a sliding window
     "deepseek_v3": ("deepseek_v3", {}),
@@ -26,14 +27,10 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, seed):
-    root = tmp_path_factory.mktemp("graphs")
-    made = {}
-    for i, name in enumerate(NAMES):
-        family, overrides = VARIANTS[name]
-        made[name] = make_tiny_checkpoint(family, root / name, seed=seed + i, **overrides)
-    return made
+CHECKPOINTS = {
+    name: TinyCheckpoint(VARIANTS[name][0], seed_offset=i, overrides=VARIANTS[name][1])
+    for i, name in enumerate(NAMES)
+}
 
 
 def _load(path, device: str) -> CausalLM:

@@ -27,10 +27,10 @@ from gpu_service.serve_config import ServeConfig
 from ktserve import envs
 from ktserve.checkpoint import CheckpointReader
 from ktserve.config_flags import add_flags, from_args
+from tests.support.checkpoint_fixtures import one_per_family
 from tests.support.checkpoints import (
     available_families,
     load_reference_model,
-    make_tiny_checkpoint,
     reference_expert_weights,
 )
 from tests.support.expert_procs import ExpertProcess
@@ -40,10 +40,7 @@ FAMILIES = [f for f in ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral")
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, seed):
-    root = tmp_path_factory.mktemp("deferral")
-    return {f: make_tiny_checkpoint(f, root / f, seed=seed + i) for i, f in enumerate(FAMILIES)}
+CHECKPOINTS = one_per_family(FAMILIES, distinct_seeds=True)
 
 
 def _load(path, deferred: int, experts=None) -> CausalLM:

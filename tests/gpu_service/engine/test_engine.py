@@ -24,7 +24,8 @@ from gpu_service.engine.errors import (
 )
 from gpu_service.models import TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
-from tests.support.checkpoints import load_reference_model, make_tiny_checkpoint
+from tests.support.checkpoint_fixtures import TinyCheckpoint
+from tests.support.checkpoints import load_reference_model
 from tests.support.engines import (
     _count_and_sum,
     hf_greedy,
@@ -34,10 +35,7 @@ from tests.support.engines import (
     tokens_of,
 )
 
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, seed):
-    return make_tiny_checkpoint("deepseek_v3", tmp_path_factory.mktemp("ds"), seed=seed)
+CHECKPOINT = TinyCheckpoint("deepseek_v3")
 
 
 @pytest.fixture(scope="module")

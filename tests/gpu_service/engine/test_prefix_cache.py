@@ -24,7 +24,8 @@ from gpu_service.kvcache.manager import KVCacheManager
 from gpu_service.models import KVCacheConfig, KVCacheTensors, TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
 from ktserve.cli import build_parser
-from tests.support.checkpoints import available_families, make_tiny_checkpoint
+from tests.support.checkpoint_fixtures import one_per_family
+from tests.support.checkpoints import available_families
 
 BLOCK = 4
 FAMILIES = [f for f in ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", "mixtral")
@@ -32,10 +33,7 @@ FAMILIES = [f for f in ("deepseek_v3", "deepseek_v2", "qwen3_moe", "qwen2_moe", 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, seed):
-    root = tmp_path_factory.mktemp("prefix")
-    return {f: make_tiny_checkpoint(f, root / f, seed=seed + i) for i, f in enumerate(FAMILIES)}
+CHECKPOINTS = one_per_family(FAMILIES, distinct_seeds=True)
 
 
 def make_engine(checkpoint, device: torch.device, *, prefix_caching: bool = True,

@@ -18,7 +18,7 @@ from gpu_service.experts.errors import ExpertsUnavailable
 from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.models import TorchExperts, load_model
 from ktserve.checkpoint import CheckpointReader
-from tests.support.checkpoints import available_families, make_tiny_checkpoint
+from tests.support.checkpoints import available_families
 from tests.support.device_decode import Decoder, free_port, start_worker
 
 FAMILIES = [f for f in ("deepseek_v3", "qwen3_moe") if f in available_families()]
@@ -38,9 +38,7 @@ def load(path, experts, device: str = "cpu"):
                       block_size=BLOCK)  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def checkpoint(request, tmp_path_factory, seed):
-    return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=seed)
+CHECKPOINT_FAMILIES = FAMILIES
 
 
 @pytest.mark.parametrize(("device", "handoff"), HANDOFFS)

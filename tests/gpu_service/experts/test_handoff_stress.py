@@ -18,7 +18,7 @@ from gpu_service.experts.device_calls import DeviceCalls
 from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.models import load_model
 from ktserve.checkpoint import CheckpointReader
-from tests.support.checkpoints import available_families, make_tiny_checkpoint
+from tests.support.checkpoints import available_families
 from tests.support.device_decode import Decoder
 from tests.support.expert_procs import ExpertProcess
 
@@ -31,9 +31,7 @@ REPLY_DELAYS_US = {"instant": 0, "delayed": 400}
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def checkpoint(request, tmp_path_factory, seed):
-    return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param), seed=seed)
+CHECKPOINT_FAMILIES = FAMILIES
 
 
 @pytest.fixture(scope="module", params=list(REPLY_DELAYS_US))

@@ -15,7 +15,7 @@ CHECKPOINT: a Hugging Face checkpoint, or for shapes whose experts no disk holds
 `python bench/real_checkpoint.py OUT --shape deepseek --experts synthetic` (the GPU part on
 disk; the workers fill their packed experts from its seed, which this benchmark allows them).
 
-    python bench/bench_full_scale.py CHECKPOINT [--config NAME="--flag ..."]... [--format int4]
+    python tools/bench_full_scale.py CHECKPOINT [--config NAME="--flag ..."]... [--format int4]
         [--batch 1,4,16] [--prefill 512,2048,8192] [--tokens 32] [--dram-gb 4]
 """
 

@@ -1,4 +1,4 @@
-"""bench/bench_pregate.py: the residuals it captures are what transformers' own routers route
+"""tools/bench_pregate.py: the residuals it captures are what transformers' own routers route
 from, and each pair scores the later layer's router applied one layer early."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.bench_pregate import hit_rate, pregate_hits, residuals, routed
 from tests.support.checkpoints import (
     available_families,
     load_reference_model,
@@ -14,6 +13,7 @@ from tests.support.checkpoints import (
     moe_block,
     moe_layer_indices,
 )
+from tools.bench_pregate import hit_rate, pregate_hits, residuals, routed
 
 
 def test_hit_rate_counts_each_tokens_shared_ids():

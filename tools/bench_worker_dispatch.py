@@ -6,7 +6,7 @@ among wake-ups a loaded machine stretches.
 Each source tree given (default: this one) runs in a subprocess of its own, in alternate rounds,
 on the same tiny checkpoint (tests/support: Qwen3-MoE at test scale), one kernel thread.
 
-    python bench/bench_worker_dispatch.py [--tree DIR ...] [--rounds 5] [--calls 2000]
+    python tools/bench_worker_dispatch.py [--tree DIR ...] [--rounds 5] [--calls 2000]
 """
 
 from __future__ import annotations

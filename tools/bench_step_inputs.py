@@ -3,7 +3,7 @@ table) at long contexts, as the steps of a running batch fill them (each row the
 the step before, one token further) against a fill that writes every row's blocks anew (a row
 new to its place: what every step wrote before rows kept what they held). Medians of --steps.
 
-    python bench/bench_step_inputs.py [--batch 1,4,16] [--context 4096,20000,100000]
+    python tools/bench_step_inputs.py [--batch 1,4,16] [--context 4096,20000,100000]
 """
 
 from __future__ import annotations

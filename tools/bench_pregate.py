@@ -7,7 +7,7 @@ residual (the state its own router sees, one attention and one MoE block earlier
 checkpoint through transformers (float32) on a text and prints, per pair of consecutive MoE
 layers, the share of the later layer's routed experts the guess names, beside chance (k / E).
 
-    python bench/bench_pregate.py [CHECKPOINT (default: the demo model)] [--text FILE]
+    python tools/bench_pregate.py [CHECKPOINT (default: the demo model)] [--text FILE]
         [--tokens 1024]
 """
 

@@ -13,7 +13,7 @@ of --context tokens, the cache is built, and the last prefill chunk of a --conte
 by kind, the plan, and each phase's peak against the cap; exit status 1 when something did not
 fit (CUDA out of memory).
 
-    python bench/gpu_memory_fit.py [--format fp8|int4] [--cap-gib 24] [--context 32768]
+    python tools/gpu_memory_fit.py [--format fp8|int4] [--cap-gib 24] [--context 32768]
                                    [--chunk 32] [--quantize-lm-head] [--weights-only]
 
 --weights-only builds the model on torch's meta device (no memory, no GPU needed) and prints

@@ -7,7 +7,7 @@ on the wire; the rows differ only in D. Perplexity as training/perplexity.py def
 windows). Deferral moves each token's D lowest-weight routed experts of every MoE layer but the
 last to the next MoE layer's output (gpu_service/layers/moe.py).
 
-    python bench/bench_deferral.py [--model demo_model] [--text training/heldout_sample.txt]
+    python tools/bench_deferral.py [--model demo_model] [--text training/heldout_sample.txt]
 """
 
 from __future__ import annotations

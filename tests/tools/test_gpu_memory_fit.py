@@ -1,4 +1,4 @@
-"""bench/gpu_memory_fit.py on the GPU host: DeepSeek-V3's GPU part in fp8 or int4 (random weights,
+"""tools/gpu_memory_fit.py on the GPU host: DeepSeek-V3's GPU part in fp8 or int4 (random weights,
 real shapes, every layer) with a 32k-token KV cache, one prefill chunk and one decode step, in a
 process capped at 24 GiB. A subprocess, so the cap binds no other test. Anywhere: its
 --weights-only count on the meta device, against the formats' bytes per weight."""
@@ -28,7 +28,7 @@ def _big_enough() -> bool:
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_deepseek_v3_gpu_part_fits_24_gib(fmt: str) -> None:
     seed = 0
-    cmd = [sys.executable, str(REPO / "bench" / "gpu_memory_fit.py"), "--format", fmt,
+    cmd = [sys.executable, str(REPO / "tools" / "gpu_memory_fit.py"), "--format", fmt,
            "--cap-gib", str(CAP_GIB), "--context", "32768", "--seed", str(seed)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     print(f"seed={seed}\n{proc.stdout}\n{proc.stderr[-3000:]}")
@@ -37,7 +37,7 @@ def test_deepseek_v3_gpu_part_fits_24_gib(fmt: str) -> None:
 
 
 def _weights_only(fmt: str) -> dict[str, float]:
-    cmd = [sys.executable, str(REPO / "bench" / "gpu_memory_fit.py"), "--weights-only",
+    cmd = [sys.executable, str(REPO / "tools" / "gpu_memory_fit.py"), "--weights-only",
            "--format", fmt]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     print(proc.stdout, proc.stderr[-3000:])

@@ -1,13 +1,13 @@
 """What reading a call's experts ahead of it would save: the kernel's time on a call whose first j
 routed experts were just read by the kernel's own threads, beside the same call cold.
 
-Between two MoE layers of a decode step the worker idles while the GPU runs its part of the layer
-(0.04-0.08 ms at batch 1 on the GPU host, against a 0.23-0.25 ms kernel call): DRAM time nobody
-uses. If the experts the next layer routes to were read then (predicted, say, by the next
-layer's router applied to this layer's activations), the next call would find them in the cores'
-caches. This measures both sides of that trade on the kernel alone: how long reading an expert
-takes on the pool (MoEKernel.stream_read over its packed rows, one pool run per tensor), and how
-much of the next call it takes off.
+Between two MoE layers of a decode step the worker idles while the GPU runs its part of the layer:
+DRAM time nobody uses. If the experts the next layer routes to were read then (predicted, say, by
+the next layer's router applied to this layer's activations), the next call would find them in the
+cores' caches. This measures both sides of that trade on the kernel alone: how long reading an
+expert takes on the pool (MoEKernel.stream_read over its packed rows, one pool run per tensor), and
+how much of the next call it takes off (what it found, and why the read-ahead was not built:
+docs/results/2026-12-02-chained-decode-steps.md).
 
 Each measured call's weights start out of cache, one of two ways: --cold rotate (default) runs
 the calls over enough copies of the layer (>= 8x the last-level cache, as bench_moe_kernel does),
@@ -18,7 +18,7 @@ timed. The j values are interleaved call by call (the order rotating), so drift 
 "again" in --experts adds a row whose call ran once just before, untimed: its weights as hot as
 this pool leaves them, the kernel's own speed with no DRAM wait.
 
-    python bench/bench_prefetch.py [--threads 15] [--shape qwen3|dsv3] [--format int4]
+    python tools/bench_prefetch.py [--threads 15] [--shape qwen3|dsv3] [--format int4]
         [--tokens 1] [--experts 0,1,2,4,8,again] [--calls 40] [--cold rotate|flush] [--flush-gb 1.0]
         [--seed 1234]
 """

@@ -11,7 +11,7 @@ is how much more the busier worker reads than the mean, per call (1.00: balanced
 NOTE: on a machine of one node and few cores the workers are timed one after the other, not side
 by side: the table shows the balance of the work, not the gain of two nodes' bandwidth.
 
-    python -m bench.bench_expert_split [--tokens 1 8] [--format int8]
+    python -m tools.bench_expert_split [--tokens 1 8] [--format int8]
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""bench/bench_prefetch.py's pieces: which experts a call reads ahead, its flags, and its table."""
+"""tools/bench_prefetch.py's pieces: which experts a call reads ahead, its flags, and its table."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.bench_prefetch import AGAIN, Sample, distinct_experts, parse, report
+from tools.bench_prefetch import AGAIN, Sample, distinct_experts, parse, report
 
 
 def test_a_calls_experts_each_once_in_the_order_its_tokens_name_them():
