@@ -7,6 +7,7 @@ processes import this module (through their parent's) and need neither.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import statistics
@@ -226,3 +227,20 @@ def print_table(
     for row in rows:
         cells = (f"{cell:{c.align}{c.width}}" for c, cell in zip(columns, row, strict=True))
         print(sep.join(cells).rstrip())
+
+
+def run_make_or_check(
+    doc: str, make: Callable[[Path, int], None], check: Callable[[Path, str], int]
+) -> int:
+    """The command line of a reference check made here and checked on the GPU host: `make DIR
+    [--seed N]` writes the references, `check DIR [--device D]` compares (its exit code)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("what", choices=("make", "check"))
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    if args.what == "make":
+        make(args.dir, args.seed)
+        return 0
+    return check(args.dir, args.device)

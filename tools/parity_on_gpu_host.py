@@ -12,7 +12,6 @@ logits (max relative error) and the same tokens. Prints one table.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 from pathlib import Path
@@ -116,18 +115,7 @@ def check(ref_dir: Path, device: str) -> int:
     return 1 if failed else 0
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("make", "check"))
-    parser.add_argument("dir", type=Path)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--device", default="cuda")
-    args = parser.parse_args()
-    if args.what == "make":
-        make(args.dir, args.seed)
-        return 0
-    return check(args.dir, args.device)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from bench.common import run_make_or_check
+
+    sys.exit(run_make_or_check(__doc__, make, check))
