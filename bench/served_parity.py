@@ -115,45 +115,59 @@ def compare_to_transformers(tokenizer, refs, served) -> tuple[float, str, bool]:
     return first_err, f"{matched}/{compared}", ok
 
 
-def check(ref_dir: Path, device: str) -> int:
+def check_family(path: Path, device: str) -> list[tuple]:
+    """One family's rows, a server per mode in MODES' order (a deferral row's reference runs
+    before it); each row is also printed as it completes (stderr), so a run cut short says how
+    far it got."""
     from transformers import AutoTokenizer
 
-    from bench.common import Column, print_table
     from tests.support.api_server import ServerProcess
 
-    rows, failed = [], False
-    for path in sorted(p for p in ref_dir.iterdir() if (p / "served_reference.pt").exists()):
-        refs = torch.load(path / "served_reference.pt")
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        outputs: dict[str, list] = {}
-        for label, env, reference in MODES:
-            server = ServerProcess(path, *EXACT, "--device", device, env={**EXACT_ENV, **env})
-            try:
-                served = [complete(server, ref["prompt"]) for ref in refs]
-            finally:
-                server.close()
-            outputs[label] = served
-            if reference == "transformers":
-                err, matched, ok = compare_to_transformers(tokenizer, refs, served)
-                shown = (f"{err:.1e}", matched, "transformers")
-            elif reference is None:
-                err, _, _ = compare_to_transformers(tokenizer, refs, served)
-                ok, shown = True, (f"{err:.1e}", "-", "(deferral's reference)")
-            else:
-                want = outputs[reference]
-                same = sum(g == w for g, w in zip(served, want))
-                worst = max(abs(a - b) for (_, g), (_, w) in zip(served, want)
-                            for a, b in zip(g, w))  # fmt: skip
-                ok = same == len(refs) and worst == 0.0
-                shown = ("-", f"{same}/{len(refs)} equal", reference)
-            failed |= not ok
-            rows.append((path.name, label, *shown, "ok" if ok else "FAIL"))
+    refs = torch.load(path / "served_reference.pt")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    outputs: dict[str, list] = {}
+    rows = []
+    for label, env, reference in MODES:
+        server = ServerProcess(path, *EXACT, "--device", device, env={**EXACT_ENV, **env})
+        try:
+            served = [complete(server, ref["prompt"]) for ref in refs]
+        finally:
+            server.close()
+        outputs[label] = served
+        if reference == "transformers":
+            err, matched, ok = compare_to_transformers(tokenizer, refs, served)
+            shown = (f"{err:.1e}", matched, "transformers")
+        elif reference is None:
+            err, _, _ = compare_to_transformers(tokenizer, refs, served)
+            ok, shown = True, (f"{err:.1e}", "-", "(deferral's reference)")
+        else:
+            want = outputs[reference]
+            same = sum(g == w for g, w in zip(served, want))
+            worst = max(abs(a - b) for (_, g), (_, w) in zip(served, want)
+                        for a, b in zip(g, w))  # fmt: skip
+            ok = same == len(refs) and worst == 0.0
+            shown = ("-", f"{same}/{len(refs)} equal", reference)
+        rows.append((path.name, label, *shown, "ok" if ok else "FAIL"))
+        print(" | ".join(map(str, rows[-1])), file=sys.stderr, flush=True)
+    return rows
+
+
+def check(ref_dir: Path, device: str) -> int:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench.common import Column, print_table
+
+    paths = sorted(p for p in ref_dir.iterdir() if (p / "served_reference.pt").exists())
+    with ThreadPoolExecutor(max(1, len(paths))) as pool:  # one family per thread, side by side
+        rows = [row for family in pool.map(check_family, paths, [device] * len(paths))
+                for row in family]  # fmt: skip
     print(f"served parity on {device} (bf16 experts, float32 wire and GPU part; "
           f"{NUM_TOKENS} greedy tokens of {len(PROMPTS)} prompts)")  # fmt: skip
     columns = [Column("family", 12, "<"), Column("mode", 20, "<"),
                Column("first logprob err", 17), Column("tokens same", 12),
                Column("against", 22, "<"), Column("", 4, "<")]  # fmt: skip
     print_table(columns, rows, rule=False)
+    failed = any(row[-1] != "ok" for row in rows)
     return 1 if failed or not rows else 0
 
 
