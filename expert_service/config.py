@@ -130,7 +130,7 @@ class WorkerConfig:
         0,
         help="keep the per-part timings (wake-up, dispatch, kernel, publish, bookkeeping) of "
         "each channel's last N MoE calls for GetStats (bench/bench_worker_call.py prints them; "
-        "about 1.5 us a call while on; default %(default)s: off)",
+        "a small cost per call while on; default %(default)s: off)",
     )
     drain_timeout_s: float = flag(
         30.0,

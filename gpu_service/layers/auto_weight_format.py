@@ -1,16 +1,11 @@
 """`--gpu-weight-format auto`: the GPU part's linear layers unquantized where they fit, FP8 where
 they would crowd out the KV cache.
 
-bf16 where it fits: it is the checkpoint's own precision (no quantization error), and no slower.
-Measured on the GPU host (H200, Qwen3-30B-A3B, int4 experts on the CPU; the README's "GPU weight
-format and decode speed" and "a GEMV kernel for one row"): through `_scaled_mm`, 48 layers of
-bf16 linear layers decoded 1.54x as fast as fp8 at batch 1 and 1.29x at batch 16 (per-call
-activation quantization cost more kernels than the halved weight reads saved); since the one-row
-GEMV, fp8 decodes batch 1 at least as fast (8 layers: 447.2 against 419.8 tok/s), and batches of
-4-16 rows in fp8 were not timed end to end again. So FP8 is chosen for memory: where the
-unquantized GPU part would take more than BF16_MAX_SHARE of the memory budget (DeepSeek-V3's
-~34 GB on a 24-32 GB card) and the GPU has FP8 matrix units (FP8 checkpoints are dequantized to
-bf16 otherwise, as before).
+bf16 where it fits: it is the checkpoint's own precision (no quantization error), and on the
+GPU host it decoded at least as fast as fp8 (docs/quantization.md). So FP8 is chosen for
+memory: where the unquantized GPU part would take more than BF16_MAX_SHARE of the memory budget
+(DeepSeek-V3's on a 24-32 GB card) and the GPU has FP8 matrix units (FP8 checkpoints are
+dequantized to bf16 otherwise, as before).
 """
 
 from __future__ import annotations
