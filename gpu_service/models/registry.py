@@ -29,7 +29,7 @@ MODEL_BUILDERS: dict[str, Builder] = {
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_BUILDERS)
 # NOTE: ModelSpec refuses a model_type outside ktserve's one table of families; every family there
-# has a builder here (tests/gpu_service/test_models.py checks both lists agree).
+# has a builder here (tests/gpu_service/models/test_models.py checks both lists agree).
 
 
 def choose_attention(hf: HFConfig, device: torch.device | str, dtype: torch.dtype,
