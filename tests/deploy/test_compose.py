@@ -23,6 +23,7 @@ from gpu_service.cli import serve_config
 from gpu_service.config import DEVICE_ENV
 from gpu_service.serve_config import API_KEY_ENV
 from gpu_service.workers.external_workers import WorkerShard, check_coverage
+from ktserve import envs
 from ktserve.checkpoint import parse_expert_range
 from ktserve.checkpoint.spec import ModelSpec
 from ktserve.cli import build_parser
@@ -145,6 +146,15 @@ def test_gpu_reservation_and_the_cpu_override(compose):
     override = load(DEPLOY / "compose.cpu.yaml")["services"]["gpu"]
     assert isinstance(override["deploy"], Reset)
     assert environment(override)[DEVICE_ENV] == "cpu"
+
+
+def test_the_gpu_service_passes_on_every_experiment_switch(compose):
+    """Each KTSERVE_* experiment switch set where compose runs reaches `ktserve serve` (listed
+    without a value: the host's, when set; unset, the fast default)."""
+    gpu = environment(compose["services"]["gpu"])
+    switches = {v.name for v in envs.ENV_VARS.values() if v.kind == "experiment"}
+    assert switches
+    assert {name: gpu.get(name, "missing") for name in switches} == dict.fromkeys(switches)
 
 
 def test_grafana_provisions_the_datasource_and_the_dashboard(compose):
