@@ -155,7 +155,11 @@ def check_family(path: Path, device: str) -> list[tuple]:
 def check(ref_dir: Path, device: str) -> int:
     from concurrent.futures import ThreadPoolExecutor
 
+    import transformers
+
     from bench.common import Column, print_table
+
+    transformers.AutoTokenizer  # resolved here: transformers' lazy imports race across threads
 
     paths = sorted(p for p in ref_dir.iterdir() if (p / "served_reference.pt").exists())
     with ThreadPoolExecutor(max(1, len(paths))) as pool:  # one family per thread, side by side
