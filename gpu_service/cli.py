@@ -34,10 +34,14 @@ MOVED_FLAGS = {
     "--no-chain-decode-steps": f"{envs.CHAIN_DECODE_STEPS.name}=0",
     "--device-handoff": envs.DEVICE_HANDOFF.name,
     "--wire-dtype": envs.WIRE_DTYPE.name,
-    "--mixed-step-time-ms": envs.MIXED_STEP_TIME_MS.name,
     "--min-prefill-chunk-tokens": envs.MIN_PREFILL_CHUNK_TOKENS.name,
     "--max-deferred-experts-per-token": envs.MAX_DEFERRED_EXPERTS_PER_TOKEN.name,
     "--gpu-experts-refresh": envs.GPU_EXPERTS_REFRESH_S.name,
+}
+# flags another flag replaced: refused, naming it
+REPLACED_FLAGS = {
+    "--mixed-step-time-factor": "--max-decode-stall-ms",
+    "--mixed-step-time-ms": "--max-decode-stall-ms",
 }
 
 
@@ -65,6 +69,8 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
     )
     for name in MOVED_FLAGS:
         parser.add_argument(name, action=MovedFlag, nargs="?", help=argparse.SUPPRESS)
+    for name in REPLACED_FLAGS:
+        parser.add_argument(name, action=ReplacedFlag, nargs="?", help=argparse.SUPPRESS)
     parser.set_defaults(run=run_serve)
 
 
@@ -83,6 +89,14 @@ class MovedFlag(argparse.Action):
             f"argument {option_string}: an experiment switch, no longer a flag: set the "
             f"environment variable {MOVED_FLAGS[option_string]} instead (docs/serving.md)"
         )
+
+
+class ReplacedFlag(argparse.Action):
+    """A flag another one replaced: refused, naming the new one."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"argument {option_string}: replaced by {REPLACED_FLAGS[option_string]} "
+                     "(see --help)")
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:

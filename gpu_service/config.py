@@ -36,21 +36,16 @@ class SchedulerConfig:
         "max_position_embeddings or YaRN's original_max_position_embeddings x factor, bounded by "
         "what the KV cache holds)",
     )
-    mixed_step_time_factor: float = flag(
-        3.0,
-        metavar="FACTOR",
-        help="while requests decode, the prompt chunks that join their step are sized so that "
-        "the step's predicted time stays within FACTOR x that of its decode rows alone (a cost "
-        "model fitted online from measured steps: fixed + per token + per attention pair), so a "
-        "long prompt's prefill slows the decodes' inter-token latency by about FACTOR at most "
-        "(where decode steps replay as CUDA graphs, a mixed step, being eager, may also take "
-        "the eager-over-graphed gap of its decode rows twice: a smaller chunk would pay that gap "
-        "again in every one of many steps); "
-        "with no decodes running a prompt gets all of --max-num-batched-tokens. 0: off, a chunk "
-        "is whatever --max-num-batched-tokens leaves (default %(default)s; its experiments: "
-        f"{envs.MIXED_STEP_TIME_MS.name}, {envs.MIN_PREFILL_CHUNK_TOKENS.name})",
+    max_decode_stall_ms: float | None = flag(
+        None,
+        metavar="MS",
+        help="while requests decode, a prompt joining them is fed in chunks that add at most "
+        "about MS milliseconds to their steps (as the step cost model, fitted online, predicts), "
+        "though never cut below the size from which prefill streams experts to the GPU where "
+        "that is faster. Default: no target; each chunk is the smallest that costs about as "
+        "little per token as any, which gets both the prompt and the decodes done soonest "
+        f"(its floor under a target: {envs.MIN_PREFILL_CHUNK_TOKENS.name})",
     )
-    mixed_step_time_ms: float | None = env_field(envs.MIXED_STEP_TIME_MS)
     min_prefill_chunk_tokens: int = env_field(envs.MIN_PREFILL_CHUNK_TOKENS)
 
     def __post_init__(self) -> None:
@@ -62,15 +57,8 @@ class SchedulerConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.max_model_len}")
-        if self.mixed_step_time_factor != 0 and not self.mixed_step_time_factor >= 1:
-            raise ValueError(
-                "--mixed-step-time-factor must be 0 (off) or >= 1 (a step with prompt chunks "
-                f"takes longer than its decode rows alone), got {self.mixed_step_time_factor}"
-            )
-        if self.mixed_step_time_ms is not None and not self.mixed_step_time_ms > 0:
-            raise ValueError(
-                f"{envs.MIXED_STEP_TIME_MS.name} must be > 0, got {self.mixed_step_time_ms}"
-            )
+        if self.max_decode_stall_ms is not None and not self.max_decode_stall_ms > 0:
+            raise ValueError(f"--max-decode-stall-ms must be > 0, got {self.max_decode_stall_ms}")
         if self.min_prefill_chunk_tokens < 1:
             raise ValueError(
                 f"{envs.MIN_PREFILL_CHUNK_TOKENS.name} must be >= 1, got "
@@ -78,9 +66,8 @@ class SchedulerConfig:
             )
 
     @property
-    def time_budgeted(self) -> bool:
-        """Whether prompt chunks beside decodes are sized by predicted step time."""
-        return self.mixed_step_time_ms is not None or self.mixed_step_time_factor > 0
+    def max_decode_stall_s(self) -> float | None:
+        return None if self.max_decode_stall_ms is None else self.max_decode_stall_ms / 1e3
 
     @property
     def min_chunk_tokens(self) -> int:

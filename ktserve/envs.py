@@ -159,24 +159,14 @@ WIRE_DTYPE = _var(
     """dtype of the hidden states the GPU service sends to the expert workers (float32 is
     exact).""",
 )
-MIXED_STEP_TIME_MS = _var(
-    "KTSERVE_MIXED_STEP_TIME_MS",
-    number,
-    None,
-    "MS",
-    "experiment",
-    """The bound of --mixed-step-time-factor as a fixed time instead: a step with decode rows
-    carries the prompt tokens predicted to fit in MS milliseconds (replaces the factor, and works
-    with --mixed-step-time-factor 0). Unset: the factor decides.""",
-)
 MIN_PREFILL_CHUNK_TOKENS = _var(
     "KTSERVE_MIN_PREFILL_CHUNK_TOKENS",
     integer,
     8,
     "N",
     "experiment",
-    """Beside decodes, a step carries at least N prompt tokens (at most
-    --max-num-batched-tokens) whatever the predicted time, so a prompt always progresses.""",
+    """Under --max-decode-stall-ms, a step beside decodes carries at least N prompt tokens (at
+    most --max-num-batched-tokens) whatever the predicted time, so a prompt always progresses.""",
 )
 MAX_DEFERRED_EXPERTS_PER_TOKEN = _var(
     "KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN",

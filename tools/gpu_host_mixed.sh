@@ -28,10 +28,10 @@ if [ "$what" != tests ]; then
 fi
 if [ "$what" = mixed ] || [ "$what" = all ]; then
   timeout 240 python3 bench/bench_mixed_step.py --device cuda --threads 8 \
-    --mixed-step-time-factor 0,3 --repeats "$repeats" > "$out/mixed-demo.log" 2>&1 || rc=1
+    --max-decode-stall-ms none,50 --repeats "$repeats" > "$out/mixed-demo.log" 2>&1 || rc=1
   grep -v -E "INFO|^\s*$" "$out/mixed-demo.log" | tail -4
   timeout 300 python3 bench/bench_mixed_step.py --model "$ckpt" --format int4 --threads 15 \
-    --torch-threads 1 --device cuda --mixed-step-time-factor 0,3 --repeats "$repeats" \
+    --torch-threads 1 --device cuda --max-decode-stall-ms none,50 --repeats "$repeats" \
     > "$out/mixed-q16.log" 2>&1 || rc=1
   grep -v -E "INFO|^\s*$" "$out/mixed-q16.log" | tail -4
 fi

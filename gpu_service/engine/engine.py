@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gpu_service.engine.decode_graphs import DecodeGraphConfig
 from gpu_service.engine.detokenizer import Decode, Detokenizer
@@ -69,6 +69,8 @@ class Engine:
         """graph_config: decode steps as CUDA graphs (Runner); None: every step eagerly."""
         self.model = model
         self.scheduler = Scheduler(scheduler_config, model.kv_cache.config)
+        self.scheduler.cost_models = replace(self.scheduler.cost_models,
+                                             stream_threshold=model.stream_threshold)  # fmt: skip
         self.runner = Runner(model, graph_config, eos_token_ids)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.limits = RequestLimits(
@@ -301,13 +303,13 @@ class Engine:
         self.metrics.observe_step(result.seconds, transfer, wait, step.num_tokens, result.graphed)
         if result.sample_seconds:
             self.metrics.host_seconds.labels(part="sample").observe(result.sample_seconds)
-        cost_model = self.scheduler.cost_model
-        # NOTE: a streamed step costs its layers' copies whatever its size: not the fit's law
-        if cost_model is not None and not result.streamed:
-            decode_only = all(len(s.token_ids) == 1 and s.samples for s in step.seqs)
-            cost_model.observe(StepShape.of(step.seqs), result.seconds, decode_only=decode_only,
-                               graphed=result.graphed)  # fmt: skip
-            self.metrics.observe_step_cost(cost_model.last_fit, step)
+        # NOTE: a streamed step costs its layers' copies whatever its size: a law of its own
+        models = self.scheduler.cost_models
+        cost_model = models.streamed if result.streamed else models.cpu
+        decode_only = all(len(s.token_ids) == 1 and s.samples for s in step.seqs)
+        cost_model.observe(StepShape.of(step.seqs), result.seconds, decode_only=decode_only,
+                           graphed=result.graphed)  # fmt: skip
+        self.metrics.observe_step_cost(models, step)
         now = time.monotonic()
         for s, token in zip(step.seqs, result.tokens):
             tracked = self._tracked.get(s.request.request_id)

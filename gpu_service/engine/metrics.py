@@ -17,9 +17,11 @@ Prefix cache, named as vLLM names them: ktserve_prefix_cache_queries (prompt tok
 admission) and ktserve_prefix_cache_hits (tokens found; label tier: gpu for the device KV cache,
 cpu for the host-RAM tier), and ktserve_{gpu,cpu}_prefix_cache_hit_rate, each tier's hits over
 all queried tokens since the start (the two add up to the overall hit rate).
-Mixed steps (gpu_service/engine/step_cost.py): ktserve_step_cost_model_seconds{term} (the fitted
-step-time model: fixed, per_token, per_attention_pair), and of the last step whose prompt chunks
-were sized beside decode rows, ktserve_mixed_step_bound_seconds (its predicted-time bound) and
+Mixed steps (gpu_service/engine/step_cost.py, chunk_policy.py): ktserve_step_cost_model_seconds
+{way, term} (the fitted step-time models, way cpu for steps through the CPU workers and streamed
+for steps that streamed their prefill rows' experts: fixed, per_token, per_attention_pair), and of
+the last step whose prompt chunks were sized beside decode rows,
+ktserve_mixed_step_decode_seconds (the predicted time of its decode rows alone) and
 ktserve_mixed_step_prompt_tokens (the prompt tokens it carried).
 Memory (set once at start-up from the plan, gpu_service/memory_plan.py):
 ktserve_gpu_memory_plan_bytes{part} (weights, activations, cuda_graphs, non_torch, other, headroom,
@@ -36,9 +38,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from gpu_service.kvcache.manager import PrefixCacheStats
 
 if TYPE_CHECKING:
+    from gpu_service.engine.chunk_policy import StepCostModels
     from gpu_service.engine.request import Request
     from gpu_service.engine.scheduler import ScheduledStep
-    from gpu_service.engine.step_cost import StepCostFit
     from gpu_service.memory_plan import MemoryPlan
 
 LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -191,13 +193,15 @@ class EngineMetrics:
         )
         self.step_cost_model = gauge(
             "ktserve_step_cost_model_seconds",
-            "The step-time model fitted from measured steps, per term: fixed (per step), "
+            "The step-time models fitted from measured steps, per way (cpu: through the CPU "
+            "workers; streamed: prefill experts streamed to the GPU) and term: fixed (per step), "
             "per_token, per_attention_pair",
-            ["term"],
+            ["way", "term"],
         )
-        self.mixed_step_bound = gauge(
-            "ktserve_mixed_step_bound_seconds",
-            "The predicted-time bound the last step with decode rows sized its prompt chunks to",
+        self.mixed_step_decode_seconds = gauge(
+            "ktserve_mixed_step_decode_seconds",
+            "The predicted time of the decode rows alone in the last step whose prompt chunks "
+            "were sized beside them",
         )
         self.mixed_step_prompt_tokens = gauge(
             "ktserve_mixed_step_prompt_tokens",
@@ -242,12 +246,15 @@ class EngineMetrics:
         self.step_seconds.labels(phase="expert_wait").observe(wait)
         self.step_tokens.inc(num_tokens)
 
-    def observe_step_cost(self, fit: StepCostFit | None, step: ScheduledStep) -> None:
-        if fit is not None:
-            self.step_cost_model.labels(term="fixed").set(fit.fixed_s)
-            self.step_cost_model.labels(term="per_token").set(fit.per_token_s)
-            self.step_cost_model.labels(term="per_attention_pair").set(fit.per_pair_s)
-        if step.time_bound_s is not None:
-            self.mixed_step_bound.set(step.time_bound_s)
+    def observe_step_cost(self, models: StepCostModels, step: ScheduledStep) -> None:
+        for way, model in (("cpu", models.cpu), ("streamed", models.streamed)):
+            fit = model.last_fit
+            if fit is not None:
+                gauge = self.step_cost_model
+                gauge.labels(way=way, term="fixed").set(fit.fixed_s)
+                gauge.labels(way=way, term="per_token").set(fit.per_token_s)
+                gauge.labels(way=way, term="per_attention_pair").set(fit.per_pair_s)
+        if step.decode_s is not None:
+            self.mixed_step_decode_seconds.set(step.decode_s)
             prompt = sum(len(s.token_ids) for s in step.seqs if len(s.token_ids) > 1)
             self.mixed_step_prompt_tokens.set(prompt)

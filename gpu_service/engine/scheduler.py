@@ -8,15 +8,18 @@ and only the step that feeds its last token samples. A running request whose nex
 KV block preempts the youngest running request, which goes back to the front of the queue and
 is recomputed from its prompt and output later.
 
-Mixed steps (config.time_budgeted): while requests decode, a step's prompt chunks are sized by
-time, not only by tokens: the step's predicted time (step_cost.py's model, fitted from the times
-the engine measured) stays within mixed_step_time_factor x that of its decode rows alone (on
-CUDA, where decode steps replay as graphs, the rows' eager step plus the larger of
-(factor - 1) decode steps and that eager step's gap over the graphed one: `_mixed_step_bound`),
-or mixed_step_time_ms, so a long prompt's prefill does not stall the decodes. The step's first
-chunk gets at least min_prefill_chunk_tokens whatever the prediction (and while the model has no
-fit yet: those steps are what it learns from). A step without decode rows is bounded by
+Mixed steps: while requests decode, a prompt's chunk beside them is sized by chunk_policy.py
+from the step cost models the engine fits online (step_cost.py: one for steps through the CPU
+workers, one for steps that stream their prefill rows' experts to the GPU): the smallest chunk
+that costs about as little per token as any, which makes both the prompt and the decodes finish
+soonest, never cut below the streaming threshold where streaming is faster, and within
+max_decode_stall_ms where the user set one. A step without decode rows is bounded by
 max_num_batched_tokens alone.
+
+Prompts are fed shortest first: a waiting prompt shorter than what a running prompt has left
+to prefill is admitted before that prompt's next chunk, so a session's long prompt does not hold
+back the others' first tokens (the long one gets what the token budget leaves). Preemption frees
+a request's blocks to the prefix cache first: recomputed, it starts after its cached prefix.
 
 The scheduler owns the KV cache's books (kvcache/manager.py's KVCacheManager: blocks, prefix
 cache, host tier); a step carries what the runner needs of them as data (each sequence's blocks,
@@ -34,9 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpu_service.config import SchedulerConfig
+from gpu_service.engine.chunk_policy import ChunkPolicy, StepCostModels
 from gpu_service.engine.errors import EngineError
 from gpu_service.engine.request import FinishReason, Request, RequestState
-from gpu_service.engine.step_cost import StepCostModel, StepShape
+from gpu_service.engine.step_cost import StepCostModel
 from gpu_service.kvcache.block_pool import extend_block_hashes
 from gpu_service.kvcache.config import KVCacheConfig
 from gpu_service.kvcache.host_tier import BlockCopy
@@ -64,9 +68,9 @@ class ScheduledStep:
     # between cache tiers, run before the forward. NOTE: only allocate/extend queue copies, and
     # each call schedules its sequence: a step with copies always has seqs
     block_copies: tuple[BlockCopy, ...] = ()
-    # the predicted seconds its prompt chunks were sized to (None: no decode rows beside them,
-    # or no time budget)
-    time_bound_s: float | None = None
+    # the predicted time of its decode rows alone, which its prompt chunks were weighed
+    # against (None: no prompt chunk beside decode rows, or no fit yet)
+    decode_s: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -81,8 +85,8 @@ class Scheduler:
         self.kv_manager = KVCacheManager(kv_config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # fed the measured steps by the engine; None: chunks by max_num_batched_tokens only
-        self.cost_model = StepCostModel() if config.time_budgeted else None
+        # fed the measured steps by the engine; the threshold set where prefill streams
+        self.cost_models = StepCostModels(StepCostModel(), StepCostModel())
 
     def add(self, request: Request) -> None:
         """Queue a request that passed validation (it fits the context and the KV cache)."""
@@ -94,55 +98,74 @@ class Scheduler:
     def schedule(self) -> ScheduledStep:
         for request in self.running:
             self._cache_computed(request)
-        seqs: list[ScheduledSeq] = []
-        preempted: list[Request] = []
-        budget = self.config.max_num_batched_tokens
-        chunks = _ChunkSizer(self.config, self.cost_model)
-        # running: the tokens not in the cache yet, decodes (one each) before prompt chunks (what
-        # the budget and the time bound leave); preempt the youngest while the cache cannot grow
-        for request in sorted(self.running, key=lambda r: r.num_tokens - r.num_cached > 1):
-            if request.state != RequestState.RUNNING:
-                continue
-            start = request.num_cached
-            unprocessed = request.num_tokens - start
-            if unprocessed > 1 and budget <= 0:
-                continue
-            n = 1 if unprocessed == 1 else chunks.size(seqs, start, min(unprocessed, budget))
-            if n == 0:
-                continue
-            while not self.kv_manager.can_extend(request.cache, start + n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            if request.state != RequestState.RUNNING:
-                continue
-            self.kv_manager.extend(request.cache, start + n)
-            seqs.append(ScheduledSeq(request, request.ids(start, start + n), start))
-            budget -= n
-        # admit: the prompt (plus output after a preemption), its first chunk in this step
-        while (self.waiting and not preempted and budget > 0 and not chunks.spent(seqs)
-               and len(self.running) < self.config.max_num_seqs):  # fmt: skip
-            request = self.waiting[0]
-            ids = request.all_ids
-            hashes = self._block_hashes(request, ids)
-            if not self.kv_manager.can_allocate(len(ids), hashes):
-                break
-            self.waiting.popleft()
-            request.cache = self.kv_manager.allocate(len(ids), hashes)
-            request.state = RequestState.RUNNING
-            self.running.append(request)
-            start = request.cache.num_tokens  # the cached prefix
-            if request.num_cached_prompt_tokens is None:
-                request.num_cached_prompt_tokens = start
-            n = chunks.size(seqs, start, min(len(ids) - start, budget))
-            if n == 0:  # after its cached prefix nothing fits: running, its chunk comes next
-                break
-            seqs.append(ScheduledSeq(request, ids[start : start + n], start))
-            budget -= n
+        policy = ChunkPolicy(self.cost_models, self.config.max_decode_stall_s,
+                             self.config.min_chunk_tokens)  # fmt: skip
+        step = _StepBuilder(self.config.max_num_batched_tokens, policy)
+        # decodes first (one token each), then the prompts' chunks, shortest first: a running
+        # prompt's next chunk after the waiting prompts shorter than what it has left
+        decoding = [r for r in self.running if r.num_tokens - r.num_cached == 1]
+        prefilling = sorted((r for r in self.running if r.num_tokens - r.num_cached > 1),
+                            key=lambda r: r.num_tokens - r.num_cached)  # fmt: skip
+        for request in decoding:
+            self._feed(step, request)
+        for request in prefilling:
+            while self._admit_shorter_than(step, request.num_tokens - request.num_cached):
+                pass
+            if step.budget > 0 and request.state == RequestState.RUNNING:
+                self._feed(step, request)
+        while self._admit_shorter_than(step, None):
+            pass
         copies = self.kv_manager.take_copies()
-        return ScheduledStep(tuple(seqs), tuple(preempted), copies, chunks.bound_s)
+        decode_s = step.chunks.decode_seconds if step.num_prompt_chunks else None
+        return ScheduledStep(tuple(step.seqs), tuple(step.preempted), copies, decode_s)
+
+    def _feed(self, step: _StepBuilder, request: Request) -> None:
+        """Schedule a running request's tokens not yet in its cache (a decode's one, or a
+        prompt's chunk), preempting the youngest request not in this step while its cache
+        cannot grow."""
+        if request.state != RequestState.RUNNING:
+            return
+        start = request.num_cached
+        unprocessed = request.num_tokens - start
+        n = 1 if unprocessed == 1 else step.chunk(start, min(unprocessed, step.budget))
+        if n == 0:
+            return
+        while not self.kv_manager.can_extend(request.cache, start + n):
+            scheduled = {id(s.request) for s in step.seqs}
+            victim = [r for r in self.running if id(r) not in scheduled][-1]
+            self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is request:
+                return
+        self.kv_manager.extend(request.cache, start + n)
+        step.add(ScheduledSeq(request, request.ids(start, start + n), start))
+
+    def _admit_shorter_than(self, step: _StepBuilder, num_tokens: int | None) -> bool:
+        """Admit the queue's first request, its first chunk in this step, if its prompt (plus
+        output after a preemption) is shorter than num_tokens (None: whatever its length) and
+        the step, the cache and max_num_seqs have room; whether it was admitted."""
+        if (not self.waiting or step.preempted or step.budget <= 0 or step.chunks.spent(step.seqs)
+                or len(self.running) >= self.config.max_num_seqs):  # fmt: skip
+            return False
+        request = self.waiting[0]
+        ids = request.all_ids
+        if num_tokens is not None and len(ids) >= num_tokens:
+            return False
+        hashes = self._block_hashes(request, ids)
+        if not self.kv_manager.can_allocate(len(ids), hashes):
+            return False
+        self.waiting.popleft()
+        request.cache = self.kv_manager.allocate(len(ids), hashes)
+        request.state = RequestState.RUNNING
+        self.running.append(request)
+        start = request.cache.num_tokens  # the cached prefix
+        if request.num_cached_prompt_tokens is None:
+            request.num_cached_prompt_tokens = start
+        n = step.chunk(start, min(len(ids) - start, step.budget))
+        if n == 0:  # after its cached prefix nothing fits: running, its chunk comes next
+            return False
+        step.add(ScheduledSeq(request, ids[start : start + n], start))
+        return True
 
     def chain(self, step: ScheduledStep,
               chainable: Callable[[Request], bool]) -> ScheduledStep | None:  # fmt: skip
@@ -226,61 +249,21 @@ class Scheduler:
         return 1.0 - self.kv_manager.num_free_blocks / cfg.num_blocks
 
 
-class _ChunkSizer:
-    """One step's prompt chunks under its time bound, set by the decode rows scheduled before
-    the first chunk (NOTE: schedule() takes decodes first; a step with none has no bound)."""
+class _StepBuilder:
+    """The step being scheduled: its sequences, what the token budget leaves, its chunks'
+    policy and the requests it preempted."""
 
-    def __init__(self, config: SchedulerConfig, cost_model: StepCostModel | None) -> None:
-        self.config = config
-        self.cost_model = cost_model
-        self.bound_s: float | None = None
-        self.num_prompt_tokens = 0
-        self._decided = False
+    def __init__(self, budget: int, chunks: ChunkPolicy) -> None:
+        self.seqs: list[ScheduledSeq] = []
+        self.preempted: list[Request] = []
+        self.budget = budget
+        self.chunks = chunks
+        self.num_prompt_chunks = 0
 
-    def size(self, seqs: list[ScheduledSeq], start: int, wanted: int) -> int:
-        """Tokens of a prompt chunk of up to `wanted` after `start` cached ones, given the
-        sequences the step holds so far."""
-        self._decide(seqs)
-        n = wanted
-        if self.bound_s is not None:
-            n = self.cost_model.prompt_tokens_within(StepShape.of(seqs), start, self.bound_s,
-                                                     wanted)  # fmt: skip
-            if self.num_prompt_tokens == 0:
-                n = max(n, min(self.config.min_chunk_tokens, wanted))
-        self.num_prompt_tokens += n
-        return n
+    def chunk(self, start: int, wanted: int) -> int:
+        return self.chunks.size(self.seqs, start, wanted)
 
-    def spent(self, seqs: list[ScheduledSeq]) -> bool:
-        """Whether the bound leaves no room for another prompt's first token."""
-        self._decide(seqs)
-        if self.bound_s is None or self.num_prompt_tokens == 0:
-            return False
-        return self.cost_model.prompt_tokens_within(StepShape.of(seqs), 0, self.bound_s, 1) == 0
-
-    def _decide(self, seqs: list[ScheduledSeq]) -> None:
-        if self._decided:
-            return
-        self._decided = True
-        if self.cost_model is None or not seqs:  # no decode rows: the token budget alone
-            return
-        if self.config.mixed_step_time_ms is not None:
-            self.bound_s = self.config.mixed_step_time_ms / 1e3
-        else:
-            self.bound_s = _mixed_step_bound(self.cost_model, StepShape.of(seqs),
-                                             self.config.mixed_step_time_factor)  # fmt: skip
-
-
-def _mixed_step_bound(cost_model: StepCostModel, decodes: StepShape, factor: float) -> float:
-    """A step's time bound for decode rows `decodes` and prompt chunks beside them: the rows'
-    eager step plus the larger of (factor - 1) decode steps and what running eagerly costs the
-    rows over their decode step (0.0, the floor, before the model has a fit).
-
-    On the CPU decode steps run eagerly too, and the bound is factor x the decode step. On CUDA
-    they replay as graphs, several times quicker than any eager step; a mixed step is eager, so
-    it costs the decodes that gap whatever its chunk, and a chunk smaller than the gap would
-    pay it again and again: the prompt would take hundreds of floor-sized steps, each nearly as
-    long as one that carried far more of it."""
-    decode_s, eager_s = cost_model.decode_seconds(decodes), cost_model.seconds(decodes)
-    if decode_s is None or eager_s is None:
-        return 0.0
-    return eager_s + max((factor - 1.0) * decode_s, eager_s - decode_s)
+    def add(self, seq: ScheduledSeq) -> None:
+        self.seqs.append(seq)
+        self.budget -= len(seq.token_ids)
+        self.num_prompt_chunks += len(seq.token_ids) > 1

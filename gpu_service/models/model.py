@@ -129,6 +129,13 @@ class CausalLM(nn.Module):
         return list(found.values())
 
     @property
+    def stream_threshold(self) -> int | None:
+        """The fewest prefill rows a step streams through the GPU (stream_prefill); None: no
+        step streams."""
+        found = [b.min_tokens for b in self._step_aware_experts() if b.min_tokens is not None]
+        return min(found, default=None)
+
+    @property
     def num_deferred_experts(self) -> int:
         """Routed experts per token each MoE layer but the last defers to the next (moe.py)."""
         return max((moe.num_deferred for moe in self.moes), default=0)

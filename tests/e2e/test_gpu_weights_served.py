@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_service.layers.linear import FP8Linear, Int4Linear, Int8Linear
 from gpu_service.memory_plan import PARTS
@@ -46,10 +47,13 @@ def test_served_quantized_gpu_part(checkpoint, seed, fmt):
             assert set(plan.parts) == set(PARTS) and sum(plan.parts.values()) == plan.budget
         else:
             assert set(plan.parts) == {"weights", "kv_cache"}
-        metrics = generate_latest(service.metrics.registry).decode()
-        assert f"ktserve_kv_cache_capacity_tokens {float(plan.kv_cache_tokens)}" in metrics
-        weights = float(plan.parts["weights"])
-        assert f'ktserve_gpu_memory_plan_bytes{{part="weights"}} {weights}' in metrics
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(
+                       generate_latest(service.metrics.registry).decode())
+                   for s in family.samples}  # fmt: skip
+        assert samples[("ktserve_kv_cache_capacity_tokens", ())] == plan.kv_cache_tokens
+        weights = samples[("ktserve_gpu_memory_plan_bytes", (("part", "weights"),))]
+        assert weights == plan.parts["weights"]
 
         outputs = greedy_together(service, prompts, NUM_TOKENS)
         service.engine.stop()  # the eager forwards below run on this thread

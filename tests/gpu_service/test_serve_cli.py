@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from gpu_service.cli import DEMO_MODEL_DIR, MOVED_FLAGS, serve_config
+from gpu_service.cli import DEMO_MODEL_DIR, MOVED_FLAGS, REPLACED_FLAGS, serve_config
 from gpu_service.config import GPUServiceConfig
 from gpu_service.serve_config import HTTPConfig, ServeConfig
 from gpu_service.workers.external_workers import ExpertCoverageError, WorkerShard, check_coverage
@@ -80,7 +80,7 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
             "--quantize-lm-head",
             "--gpu-memory-utilization",
             "0.5",
-            "--mixed-step-time-factor",
+            "--max-decode-stall-ms",
             "2.5",
         ]
     )
@@ -98,8 +98,8 @@ def test_flags_map_onto_serve_config(checkpoint, monkeypatch):
     assert gpu.cuda_graph_max_batch == 4
     assert gpu.gpu_weight_format == "int4" and gpu.quantize_lm_head
     assert gpu.gpu_memory_utilization == 0.5
-    assert gpu.scheduler.mixed_step_time_factor == 2.5 and gpu.scheduler.time_budgeted
-    assert gpu.scheduler.min_prefill_chunk_tokens == 8 and gpu.scheduler.mixed_step_time_ms is None
+    assert gpu.scheduler.max_decode_stall_ms == 2.5 and gpu.scheduler.max_decode_stall_s == 0.0025
+    assert gpu.scheduler.min_prefill_chunk_tokens == 8
     assert gpu.model_dir == config.model_dir == str(checkpoint)
     assert gpu.experts.workers == () and gpu.scheduler.max_model_len is None
     on_workers = gpu.with_workers(("127.0.0.1:1", "127.0.0.1:2"))
@@ -149,7 +149,8 @@ def test_no_model_serves_the_demo_or_says_how_to_pass_one(tmp_path):
         (("--gpu-memory-utilization", "1.5"), "--gpu-memory-utilization must be in (0, 1]"),
         (("--gpu-weight-format", "bf16", "--quantize-lm-head"), "--quantize-lm-head needs"),
         (("--quantize-lm-head",), "auto chose bf16 here"),
-        (("--mixed-step-time-factor", "0.5"), "--mixed-step-time-factor must be 0 (off) or >= 1"),
+        (("--max-decode-stall-ms", "0"), "--max-decode-stall-ms must be > 0"),
+        *(((flag, "1"), f"replaced by {new}") for flag, new in REPLACED_FLAGS.items()),
         *(((flag, "1"), f"variable {var} instead") for flag, var in MOVED_FLAGS.items()),
     ],
 )
@@ -168,7 +169,7 @@ def test_bad_flags_exit_2_with_a_message(checkpoint, args, message):
             "KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN must be >= 0",
         ),
         (envs.MAX_DEFERRED_EXPERTS_PER_TOKEN, "9", "must be below the model's"),
-        (envs.MIXED_STEP_TIME_MS, "-1", "KTSERVE_MIXED_STEP_TIME_MS must be > 0"),
+        (envs.MIN_PREFILL_CHUNK_TOKENS, "0", "KTSERVE_MIN_PREFILL_CHUNK_TOKENS must be >= 1"),
         (envs.WIRE_DTYPE, "float16", "KTSERVE_WIRE_DTYPE='float16': expected one of"),
     ],
 )

@@ -37,7 +37,7 @@ SERVE_FLAGS = (
     "--kv-cache-tokens",
     "--dtype",
     "--max-num-seqs",
-    "--mixed-step-time-factor",
+    "--max-decode-stall-ms",
     "--device",
     "--worker-timeout",
     "--no-restart-workers",

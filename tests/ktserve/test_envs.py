@@ -25,7 +25,6 @@ VALUES = {
     "KTSERVE_CHAIN_DECODE_STEPS": ("false", False, "yes please"),
     "KTSERVE_DEVICE_HANDOFF": ("memops", "memops", "copies"),
     "KTSERVE_WIRE_DTYPE": ("float32", "float32", "float16"),
-    "KTSERVE_MIXED_STEP_TIME_MS": ("2.5", 2.5, "fast"),
     "KTSERVE_MIN_PREFILL_CHUNK_TOKENS": ("16", 16, "1.5"),
     "KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN": ("1", 1, "one"),
     "KTSERVE_GPU_EXPERTS_REFRESH_S": ("30", 30.0, "30s"),
@@ -54,7 +53,6 @@ FIELDS = {
     "KTSERVE_CHAIN_DECODE_STEPS": "gpu.chain_decode_steps",
     "KTSERVE_DEVICE_HANDOFF": "gpu.experts.device_handoff",
     "KTSERVE_WIRE_DTYPE": "gpu.experts.wire_dtype",
-    "KTSERVE_MIXED_STEP_TIME_MS": "gpu.scheduler.mixed_step_time_ms",
     "KTSERVE_MIN_PREFILL_CHUNK_TOKENS": "gpu.scheduler.min_prefill_chunk_tokens",
     "KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN": "gpu.max_deferred_experts_per_token",
     "KTSERVE_GPU_EXPERTS_REFRESH_S": "gpu.gpu_experts_refresh_s",
@@ -141,7 +139,6 @@ def test_each_variable_reaches_the_config(name, model_dir, clean_env):
     [
         ("KTSERVE_MAX_DEFERRED_EXPERTS_PER_TOKEN", "-1", "must be >= 0"),
         ("KTSERVE_GPU_EXPERTS_REFRESH_S", "-1", "must be >= 0"),
-        ("KTSERVE_MIXED_STEP_TIME_MS", "0", "must be > 0"),
         ("KTSERVE_MIN_PREFILL_CHUNK_TOKENS", "0", "must be >= 1"),
     ],
 )

@@ -278,10 +278,8 @@ def test_stress_shared_prefixes_aborts_and_preemption_never_free_a_used_block(
                 for _ in range(24)]  # fmt: skip
     aborts = {i: g.randrange(1, 4) for i in g.sample(range(len(requests)), 6)}
     graphs = DecodeGraphConfig(max_batch=4, min_kv_bucket=8, capture=device.type == "cuda")
-    # NOTE: the mixed-step time bound off: it holds admissions back beside decodes, and this
-    # test needs them to overflow the cache (test_scheduler.py preempts under the bound)
     eng = make_engine(checkpoints["deepseek_v3"], device, cache_tokens=64, host_tokens=32,
-                      max_num_seqs=5, max_num_batched_tokens=9, mixed_step_time_factor=0,
+                      max_num_seqs=5, max_num_batched_tokens=9,
                       graphs=graphs)  # fmt: skip
     cache, violations, preempted = eng.scheduler.kv_manager, [], []
 
