@@ -223,7 +223,8 @@ class GPUServiceConfig:
         "layer's copy overlapping this one's compute; two layers' experts on the GPU), while "
         "decode rows of the same step go to the CPU workers. auto: for chunks at least as long "
         "as a cost model measured at start-up says pays off (printed; CUDA only, and only where "
-        "streaming's GPU memory is at most 10%% of the GPU's); on: every chunk; off: never "
+        "the KV cache the memory plan leaves beside streaming holds --kv-cache-tokens or one "
+        "full context); on: every chunk; off: never "
         "(default %(default)s). Needs workers on this host that share their packed experts "
         "(ktserve expert --share-experts, the default)",
     )

@@ -20,12 +20,12 @@ from gpu_service.experts.gpu_experts import (
 )
 from gpu_service.experts.moe_client import ShmExperts
 from gpu_service.experts.stream_prefill.backend import StreamingExperts
-from gpu_service.experts.stream_prefill.build import build_streaming
+from gpu_service.experts.stream_prefill.build import build_streaming, kv_room_declines
 from gpu_service.layers.auto_weight_format import AutoFormat, choose_auto_format
 from gpu_service.layers.linear import fp8_matmul_supported
 from gpu_service.layers.sharding import SINGLE, TensorParallel
 from gpu_service.layers.weight_formats import LinearQuantConfig
-from gpu_service.memory_plan import MemoryPlan, cpu_plan, cuda_plan
+from gpu_service.memory_plan import GPUMemoryTooSmall, MemoryPlan, cpu_plan, cuda_plan
 from gpu_service.models import KVCacheTensors, load_model
 from gpu_service.models.config import model_max_len
 from gpu_service.models.registry import choose_attention, default_device
@@ -122,11 +122,7 @@ def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
             leader.ready(model)  # NOTE: before the memory plan: its profiling steps are theirs too
         max_graph_batch = min(config.cuda_graph_max_batch, scheduler.max_num_seqs)
         if device.type == "cuda":
-            plan = cuda_plan(model, kv_dtype, config.gpu_memory_utilization,
-                             scheduler.max_num_batched_tokens, max_graph_batch,
-                             config.kv_cache_tokens, scheduler.max_model_len,
-                             scheduler.max_num_seqs,
-                             streaming.memory_bytes if streaming is not None else 0)  # fmt: skip
+            plan, streaming = _cuda_plan(config, hf, model, kv_dtype, max_graph_batch, streaming)
             if streaming is not None:
                 streaming.reset_stats()  # NOTE: the plan's profiling prefill streamed
         else:
@@ -234,6 +230,45 @@ def context_length(requested: int | None, model_max: int, cache_tokens: int) -> 
             "--kv-cache-dtype fp8)"
         )
     return requested
+
+
+def _cuda_plan(config: GPUServiceConfig, hf: HFConfig, model, kv_dtype: torch.dtype,
+               max_graph_batch: int, streaming: StreamingExperts | None,
+               ) -> tuple[MemoryPlan, StreamingExperts | None]:  # fmt: skip
+    """The memory plan on CUDA. With --stream-prefill auto, streaming stays only where the KV
+    cache the plan leaves beside it holds what the configuration needs (--kv-cache-tokens, or
+    one full context: --max-model-len or the model's own); otherwise it is given up (logged),
+    the MoE layers call the workers, and the plan is made again without it."""
+    scheduler = config.scheduler
+
+    def plan(kv_tokens: int | None, streaming_bytes: int) -> MemoryPlan:
+        return cuda_plan(model, kv_dtype, config.gpu_memory_utilization,
+                         scheduler.max_num_batched_tokens, max_graph_batch, kv_tokens,
+                         scheduler.max_model_len, scheduler.max_num_seqs,
+                         streaming_bytes)  # fmt: skip
+
+    if streaming is None or config.stream_prefill != "auto":
+        return plan(config.kv_cache_tokens, streaming.memory_bytes if streaming else 0), streaming
+    if config.kv_cache_tokens:
+        required, required_by = config.kv_cache_tokens, "--kv-cache-tokens"
+    else:
+        required = scheduler.max_model_len or model_max_len(hf)
+        required_by = "one full context"
+    try:
+        room = plan(None, streaming.memory_bytes).kv_cache_tokens
+    except GPUMemoryTooSmall:
+        room = 0
+    reason = kv_room_declines(room, required, required_by, streaming.memory_bytes)
+    if reason is None:
+        log.info("prefill: streaming kept: the KV cache beside it holds %d tokens (%s: %d)",
+                 room, required_by, required)  # fmt: skip
+        return plan(config.kv_cache_tokens, streaming.memory_bytes), streaming
+    log.warning("prefill: experts stay on the CPU workers: %s", reason)
+    for moe in model.moes:
+        if moe.experts is streaming:
+            moe.experts = streaming.cpu
+    streaming.close()
+    return plan(config.kv_cache_tokens, 0), None
 
 
 def check_model_fits(config: GPUServiceConfig, spec: ModelSpec,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_service.experts.stream_prefill.build import AUTO_MAX_MEMORY_FRACTION
+from gpu_service.experts.stream_prefill.build import AUTO_MAX_FREE_FRACTION
 from gpu_service.models import Batch, SeqInput
 from ktserve.protocol import expert_pb2 as pb
 from ktserve.worker_token import TOKEN_ENV
@@ -172,12 +172,13 @@ def test_auto_streams_from_the_cost_model_s_threshold_on_cuda_only(checkpoints):
         print(cost.describe())
         assert s.streaming.min_tokens == cost.min_tokens
         total = torch.cuda.get_device_properties(s.streaming.stager.device).total_memory
-        assert s.streaming.memory_bytes <= AUTO_MAX_MEMORY_FRACTION * total
+        assert s.streaming.memory_bytes <= AUTO_MAX_FREE_FRACTION * total
 
 
-def test_streamed_steps_stay_out_of_the_step_cost_fit(checkpoints, seed):
-    """The engine's step-time model (mixed steps' chunk sizes) learns from the steps through the
-    workers only: a streamed prompt step costs its layers' copies whatever its size."""
+def test_streamed_steps_feed_their_own_step_cost_model(checkpoints, seed):
+    """The engine's step-time models (mixed steps' chunk sizes) keep the two ways apart: a
+    streamed prompt step costs its layers' copies whatever its size, and is learned by the
+    streamed model only."""
     path = checkpoints["qwen3_moe"]
     prompt = prompts(seed + 2, lengths=(23,))[0]
     with contextlib.ExitStack() as stack:
@@ -186,15 +187,18 @@ def test_streamed_steps_stay_out_of_the_step_cost_fit(checkpoints, seed):
         learned = {}
         for mode in ("off", "on"):
             s = stack.enter_context(closing(service(path, worker, mode)))
-            cost_model = s.engine.scheduler.cost_model
-            before = cost_model.num_samples
+            models = s.engine.scheduler.cost_models
+            before = (models.cpu.num_samples, models.streamed.num_samples)
             greedy_together(s, [prompt], 3)
-            learned[mode] = cost_model.num_samples - before
+            learned[mode] = (models.cpu.num_samples - before[0],
+                             models.streamed.num_samples - before[1])  # fmt: skip
             streamed = s.streaming.steps_streamed if s.streaming is not None else 0
             assert streamed == (1 if mode == "on" else 0), (mode, streamed)
         # the prompt step, and the two decode steps where they run eagerly (graphed ones only
-        # calibrate): streamed, the prompt step is not learned from
-        assert learned["off"] == learned["on"] + 1 >= 1, learned
+        # calibrate): streamed, the prompt step goes to the streamed model
+        (off_cpu, off_streamed), (on_cpu, on_streamed) = learned["off"], learned["on"]
+        assert off_streamed == 0 and on_streamed == 1, learned
+        assert off_cpu == on_cpu + 1 >= 1, learned
 
 
 def test_two_workers_stores_stream_as_one_layer(checkpoints, seed):

@@ -20,10 +20,11 @@ from ktserve.checkpoint import ModelSpec
 log = logging.getLogger("ktserve.gpu")
 
 CALIBRATION_TOKENS = 256
-# NOTE: auto streams only where two layers' experts and the scratch take at most this share of
-# the GPU's memory: DeepSeek-V3 in int4 wants 12.6 GiB, 9% of an H200's but half a 24 GB card's,
-# which its KV cache needs; --stream-prefill on streams whatever they take
-AUTO_MAX_MEMORY_FRACTION = 0.1
+# NOTE: the staging slots are allocated before the model loads (the memory plan must see them):
+# auto builds them only where they take at most this share of the free memory, leaving the model
+# room to load; whether the KV cache left holds the context decides after the plan
+# (kv_room_declines); --stream-prefill on streams whatever they take
+AUTO_MAX_FREE_FRACTION = 0.5
 # NOTE: the CPU workers' calibration calls: a few tokens read a few experts, 256 nearly all
 CPU_CALIBRATION_SIZES = (1, 4, 16, 64, 256)
 
@@ -56,7 +57,7 @@ def build_streaming(
                                       spec.moe_layers))  # fmt: skip
         if mode == "auto":
             check_auto_memory(streaming_bytes(stores, spec, dtype),
-                              torch.cuda.get_device_properties(device).total_memory)  # fmt: skip
+                              torch.cuda.mem_get_info(device)[0])  # fmt: skip
         stager = LayerStager(stores, spec.num_experts, device)
     except (UntrustedStore, ValueError, OSError) as exc:
         for store in stores:
@@ -108,14 +109,30 @@ def streaming_bytes(stores: list[MappedStore], spec: ModelSpec, dtype: torch.dty
     )
 
 
-def check_auto_memory(need: int, total: int) -> None:
-    """ValueError where streaming's `need` bytes exceed auto's share of the GPU's `total`."""
-    if need > AUTO_MAX_MEMORY_FRACTION * total:
+def check_auto_memory(need: int, free: int) -> None:
+    """ValueError where streaming's `need` bytes exceed auto's share of the GPU's `free` memory
+    before the model loads."""
+    if need > AUTO_MAX_FREE_FRACTION * free:
         raise ValueError(
-            f"streaming would hold {need / 2**30:.2f} GiB of the GPU's {total / 2**30:.1f} GiB "
-            f"(two MoE layers' experts and the dequantization scratch; auto allows "
-            f"{AUTO_MAX_MEMORY_FRACTION:.0%}, --stream-prefill on takes it anyway)"
+            f"streaming would hold {need / 2**30:.2f} GiB of the GPU's {free / 2**30:.1f} GiB free "
+            f"before the model loads (two MoE layers' experts and the dequantization scratch; "
+            f"auto takes at most {AUTO_MAX_FREE_FRACTION:.0%}, --stream-prefill on takes it "
+            f"anyway)"
         )
+
+
+def kv_room_declines(kv_room_tokens: int, required_tokens: int, required_by: str,
+                     streaming_bytes: int) -> str | None:  # fmt: skip
+    """Why auto gives streaming up after the memory plan (None: it keeps it): the KV cache the
+    plan leaves beside streaming holds fewer tokens than the configuration needs (required_by:
+    what asks for them, --kv-cache-tokens or one full context)."""
+    if kv_room_tokens >= required_tokens:
+        return None
+    return (
+        f"streaming's {streaming_bytes / 2**30:.2f} GiB would leave the KV cache "
+        f"{kv_room_tokens} tokens, fewer than {required_by} ({required_tokens}); "
+        "--stream-prefill on streams anyway"
+    )
 
 
 def measure(streaming: StreamingExperts, workers: ShmExperts, spec: ModelSpec,

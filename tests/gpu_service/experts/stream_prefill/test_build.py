@@ -1,5 +1,6 @@
-"""Start-up of prefill streaming: auto's memory share, and the bytes it is judged on against
-what a built StreamingExperts holds."""
+"""Start-up of prefill streaming: auto's share of the free memory before the model loads, its
+decision after the memory plan, and the bytes it is judged on against what a built
+StreamingExperts holds."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 
 from gpu_service.experts.stream_prefill.backend import StreamingExperts
 from gpu_service.experts.stream_prefill.build import (
-    AUTO_MAX_MEMORY_FRACTION,
+    AUTO_MAX_FREE_FRACTION,
     build_streaming,
     check_auto_memory,
+    kv_room_declines,
     streaming_bytes,
 )
 from gpu_service.experts.stream_prefill.compute import scratch_bound
@@ -26,13 +28,21 @@ def test_auto_declines_what_would_crowd_a_small_gpu():
     # two layers' packed experts (6,048 MiB each, as the GPU host's copies measured) and the
     # dequantization scratch at DeepSeek-V3's shapes in bf16
     deepseek_int4 = 2 * 6048 * 2**20 + scratch_bound(7168, 2048, torch.bfloat16, 256)
-    with pytest.raises(ValueError, match=r"12\.63 GiB of the GPU's 24\.0 GiB"):
-        check_auto_memory(deepseek_int4, 24 * GIB)
-    check_auto_memory(deepseek_int4, 140 * GIB)
-    total = 80 * GIB
-    check_auto_memory(int(AUTO_MAX_MEMORY_FRACTION * total), total)
+    with pytest.raises(ValueError, match=r"12\.63 GiB of the GPU's 23\.0 GiB free"):
+        check_auto_memory(deepseek_int4, 23 * GIB)
+    check_auto_memory(deepseek_int4, 78 * GIB)  # an 80 GB card: the fixed 10% declined it
+    free = 78 * GIB
+    check_auto_memory(int(AUTO_MAX_FREE_FRACTION * free), free)
     with pytest.raises(ValueError, match="--stream-prefill on"):
-        check_auto_memory(int(AUTO_MAX_MEMORY_FRACTION * total) + 1, total)
+        check_auto_memory(int(AUTO_MAX_FREE_FRACTION * free) + 1, free)
+
+
+def test_after_the_plan_auto_keeps_streaming_where_the_kv_cache_holds_the_context():
+    assert kv_room_declines(163_840, 163_840, "one full context", 12 * GIB) is None
+    assert kv_room_declines(10**6, 4096, "--kv-cache-tokens", GIB) is None
+    reason = kv_room_declines(40_000, 163_840, "one full context", int(12.63 * GIB))
+    assert reason == ("streaming's 12.63 GiB would leave the KV cache 40000 tokens, fewer than "
+                      "one full context (163840); --stream-prefill on streams anyway")  # fmt: skip
 
 
 @pytest.mark.parametrize(("device", "tp", "reason"), [
