@@ -79,14 +79,20 @@ def served_perplexity(model: Path, address: str, ids: list[int], seq_len: int, d
         service.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_perplexity_args(parser: argparse.ArgumentParser) -> None:
+    """The served-perplexity measurement's flags (this benchmark's and tools/bench_deferral.py's):
+    the model, the held-out text, its windows, the worker's threads and the GPU part's device."""
     parser.add_argument("--model", default=str(DEMO_MODEL))
     parser.add_argument("--text", default=str(REPO / "training" / "heldout_sample.txt"))
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--threads", type=int, default=1, help="expert worker threads")
     parser.add_argument("--device", default=default_device())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_perplexity_args(parser)
     parser.add_argument("--axes", default=",".join(AXES),
                         help=f"comma-separated, of {', '.join(AXES)} (default: all)")  # fmt: skip
     parser.add_argument("--gpu-formats", default="fp8,int8,int4",

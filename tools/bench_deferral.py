@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's packages and tests
 
-from bench.bench_quality import served_perplexity
-from bench.common import DEMO_MODEL, REPO, Column, default_device, print_table
+from bench.bench_quality import add_perplexity_args, served_perplexity
+from bench.common import Column, print_table
 from bench.worker_process import expert_worker
 from ktserve.checkpoint import HFConfig, ModelSpec
 from training.perplexity import tokenize_file
@@ -30,12 +30,7 @@ TARGET = 0.005  # issue 13: deferral may cost at most 0.5% of held-out perplexit
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(DEMO_MODEL))
-    parser.add_argument("--text", default=str(REPO / "training" / "heldout_sample.txt"))
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--max-tokens", type=int, default=16384)
-    parser.add_argument("--threads", type=int, default=1, help="expert worker threads")
-    parser.add_argument("--device", default=default_device())
+    add_perplexity_args(parser)
     args = parser.parse_args()
     model = Path(args.model)
     spec = ModelSpec.from_hf(HFConfig.from_dir(model))
