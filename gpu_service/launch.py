@@ -72,7 +72,7 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
     service: GPUService | None = None
     try:
         tokenizer = load_tokenizer(config.model_dir)
-        hf = HFConfig.from_dir(config.model_dir)
+        hf = HFConfig.from_checkpoint(config.model_dir)
         spec = ModelSpec.from_hf(hf)
         check_model_fits(config.gpu, spec, hf)
         parser, reasoning = chat_parsers(config.chat, tokenizer, hf)
