@@ -24,10 +24,11 @@ class HFConfig:
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> HFConfig:
         """Of a Hugging Face directory (its config.json) or a GGUF checkpoint (its metadata)."""
-        from ktserve.gguf import files  # NOTE: imports nothing heavy; the rest only for a GGUF
+        from ktserve.gguf.files import is_gguf_path
 
-        if files.is_gguf_path(path):
-            from ktserve.gguf import hf_config, open_checkpoint
+        if is_gguf_path(path):
+            from ktserve.gguf.config import hf_config
+            from ktserve.gguf.container import open_checkpoint
 
             checkpoint = open_checkpoint(path)
             return cls(hf_config(checkpoint), str(checkpoint.path))

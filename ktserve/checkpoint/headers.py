@@ -38,7 +38,7 @@ def tensor_headers(model_dir: str | Path) -> dict[str, dict]:
     from ktserve.gguf.files import is_gguf_path
 
     if is_gguf_path(model_dir):
-        from ktserve.gguf import GGUFTensors
+        from ktserve.gguf.tensors import GGUFTensors
 
         tensors = GGUFTensors(model_dir)
         return {name: {"dtype": "F32", "shape": list(tensors.shape(name))}

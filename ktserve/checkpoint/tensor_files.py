@@ -21,7 +21,7 @@ class TensorFiles:
         self.path = Path(path)
         self.gguf = None
         if is_gguf_path(self.path):
-            from ktserve.gguf import GGUFTensors
+            from ktserve.gguf.tensors import GGUFTensors
 
             self.gguf = GGUFTensors(self.path)
             self.files = dict.fromkeys(self.gguf.names(), self.gguf.path)

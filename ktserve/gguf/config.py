@@ -90,8 +90,8 @@ def _rope_scaling(meta: Metadata) -> dict[str, Any] | None:
     kind = meta.get("rope.scaling.type")
     if kind in (None, "none"):
         return None
-    scaling: dict[str, Any] = {"type": kind, "rope_type": kind,
-                               "factor": as_written(meta.get("rope.scaling.factor", 1.0))}  # fmt: skip
+    factor = as_written(meta.get("rope.scaling.factor", 1.0))
+    scaling: dict[str, Any] = {"type": kind, "rope_type": kind, "factor": factor}
     original = meta.get("rope.scaling.original_context_length")
     if original:
         scaling["original_max_position_embeddings"] = int(original)

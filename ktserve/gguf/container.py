@@ -194,8 +194,9 @@ def _check_split_set(files: tuple[Path, ...], readers: tuple[GGUFReader, ...]) -
     total = _field(readers[0], "split.tensors.count")
     found = sum(len(r.tensors) for r in readers)
     if total is not None and total != found:
-        raise IncompleteSplitSet(files[0],
-                                 f"split.tensors.count is {total}, the files hold {found}")
+        raise IncompleteSplitSet(
+            files[0], f"split.tensors.count is {total}, the files hold {found}"
+        )
 
 
 def dequantize(checkpoint: GGUFCheckpoint, name: str, index: int | None = None) -> np.ndarray:

@@ -37,8 +37,13 @@ GGUF_OVERRIDES = {
     "deepseek_v3": dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=288),
     # NOTE: as llama.cpp runs qwen3moe: no dense layer (its tensor map has no ffn_down), top-k
     # weights normalized
-    "qwen3_moe": dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=288,
-                      mlp_only_layers=[], norm_topk_prob=True),
+    "qwen3_moe": dict(
+        hidden_size=256,
+        moe_intermediate_size=256,
+        intermediate_size=288,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    ),
     "mixtral": dict(hidden_size=256, intermediate_size=256),
 }
 
@@ -90,7 +95,7 @@ def random_k_quant(shape: tuple[int, ...], qtype: T, rng: np.random.Generator) -
     blocks = rng.integers(0, 256, (rows * shape[-1] // block, size), dtype=np.uint8)
     for offset in _K_QUANT_SCALES[qtype]:
         scale = rng.uniform(2e-4, 2e-3, blocks.shape[0]).astype(np.float16)
-        blocks[:, offset:offset + 2] = scale.view(np.uint8).reshape(-1, 2)
+        blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(*shape[:-1], shape[-1] // block * size)
 
 
