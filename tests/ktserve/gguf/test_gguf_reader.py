@@ -45,11 +45,29 @@ def test_config_from_metadata_matches_config_json(family, ggufs):
     got = HFConfig.from_checkpoint(first)
     assert got.model_type == want.model_type
     assert ModelSpec.from_hf(got) == ModelSpec.from_hf(want)
-    keys = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "rms_norm_eps", "max_position_embeddings", "num_experts_per_tok", "q_lora_rank",
-            "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
-            "topk_group", "routed_scaling_factor", "norm_topk_prob", "n_shared_experts",
-            "first_k_dense_replace", "head_dim", "num_key_value_heads", "tie_word_embeddings"]  # fmt: skip
+    keys = [
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "num_experts_per_tok",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_group",
+        "topk_group",
+        "routed_scaling_factor",
+        "norm_topk_prob",
+        "n_shared_experts",
+        "first_k_dense_replace",
+        "head_dim",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+    ]
     for key in keys:
         if want.data.get(key) is not None and key in got.data:
             assert got.data[key] == want.data[key], key
