@@ -201,12 +201,14 @@ def write_gguf(
     *,
     seed: int = 0,
     tokenizer=None,
+    tokenizer_pre: str = "default",
     split_max_tensors: int = 0,
 ) -> tuple[Path, dict[str, torch.Tensor]]:
     """Write `checkpoint` (a tiny HF directory) as GGUF to `out` (with split_max_tensors, as a
     split set named out-0000i-of-0000n.gguf); returns (the first file, the reference weights:
     {HF name: float32 tensor the GGUF holds, dequantized}). tokenizer: an HF fast tokenizer
-    written as llama.cpp writes a byte-level BPE vocabulary (tokenizer.ggml.*)."""
+    written as llama.cpp writes a byte-level BPE vocabulary (tokenizer.ggml.*), tokenizer_pre its
+    tokenizer.ggml.pre."""
     config = json.loads((checkpoint / "config.json").read_text())
     arch = ARCH[config["model_type"]]
     weights: dict[str, torch.Tensor] = {}
@@ -217,7 +219,7 @@ def write_gguf(
     writer.add_name(checkpoint.name)
     write_metadata(writer, config, arch)
     if tokenizer is not None:
-        write_tokenizer(writer, tokenizer)
+        write_tokenizer(writer, tokenizer, tokenizer_pre)
     store = stored_types(types, np.random.default_rng(seed))
     held: dict[str, np.ndarray] = {}
     for gguf_name, _, data in converted.tensors:
@@ -290,7 +292,7 @@ def save_reference(checkpoint: Path, weights: dict[str, torch.Tensor], out: Path
     return out
 
 
-def write_tokenizer(writer: gguf.GGUFWriter, tokenizer) -> None:
+def write_tokenizer(writer: gguf.GGUFWriter, tokenizer, pre: str = "default") -> None:
     """A byte-level BPE vocabulary as convert_hf_to_gguf.py's _set_vocab_gpt2 writes it: tokens
     by id, added special tokens CONTROL and other added ones USER_DEFINED, merges, the EOS id,
     the chat template."""
@@ -309,7 +311,7 @@ def write_tokenizer(writer: gguf.GGUFWriter, tokenizer) -> None:
     model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(getattr(tokenizer, "gguf_pre", "default"))
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
     writer.add_token_merges(merges)
