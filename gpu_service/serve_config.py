@@ -56,7 +56,8 @@ class HTTPConfig:
     )
     served_model_name: str | None = flag(
         None,
-        help="the model name clients send and /v1/models lists (default: the directory's name)",
+        help="the model name clients send and /v1/models lists (default: the checkpoint "
+        "directory's name, or the GGUF file's without .gguf and its split suffix)",
     )
     max_request_bytes: int = flag(
         8 * MiB,
@@ -325,13 +326,9 @@ class ServeConfig:
     def model_name(self) -> str:
         """--served-model-name, else the checkpoint directory's name (a GGUF file's name without
         .gguf and its split suffix)."""
-        if self.http.served_model_name:
-            return self.http.served_model_name
-        if Path(self.model_dir).suffix == ".gguf":
-            from ktserve.gguf.files import model_name
+        from ktserve.gguf.files import model_name
 
-            return model_name(self.model_dir)
-        return Path(self.model_dir).resolve().name
+        return self.http.served_model_name or model_name(self.model_dir)
 
 
 def check_addresses(addresses: tuple[str, ...]) -> None:

@@ -70,8 +70,8 @@ def _files_in_directory(path: Path) -> list[Path]:
 
 
 def model_name(path: str | Path) -> str:
-    """The name a GGUF checkpoint is served as: its file's name without the split suffix and
-    .gguf (a directory: its own name)."""
+    """The name a checkpoint is served as: a directory's own name; a GGUF file's name without
+    .gguf and the split suffix."""
     path = Path(path).resolve()
     if path.is_dir():
         return path.name
