@@ -102,10 +102,16 @@ def test_expert_reader_gives_the_dequantized_experts(family, ggufs):
             assert torch.equal(tensor, reference[name])
 
 
-def test_unchanged_bf16_weights_read_back_exactly(tmp_path, seed):
+@pytest.mark.parametrize("family, overrides", [
+    ("mixtral", {}),
+    ("qwen2_moe", {"decoder_sparse_step": 1}),  # NOTE: llama.cpp's qwen2moe has no dense layer
+    ("deepseek_v2", {}),
+])  # fmt: skip
+def test_unchanged_bf16_weights_read_back_exactly(family, overrides, tmp_path, seed):
     """A GGUF of the checkpoint's own bf16 weights (llama.cpp's --outtype bf16) holds them
-    exactly: every tensor equals the safetensors one, q/k permutation undone (Mixtral)."""
-    checkpoint = make_tiny_checkpoint("mixtral", tmp_path / "ckpt", seed=seed)
+    exactly: every tensor equals the safetensors one (Mixtral's q/k permutation undone, Qwen2's
+    shared_expert_gate a row again, DeepSeek-V2's kv_b joined), the config its config.json's."""
+    checkpoint = make_tiny_checkpoint(family, tmp_path / "ckpt", seed=seed, **overrides)
     first, _ = write_gguf(checkpoint, tmp_path / "m.gguf")
     from safetensors.torch import load_file
 
@@ -116,6 +122,9 @@ def test_unchanged_bf16_weights_read_back_exactly(tmp_path, seed):
     assert sorted(tensors.names()) == sorted(original)
     for name, want in original.items():
         assert torch.equal(tensors.read(name), want.float()), name
+    got, config = HFConfig.from_checkpoint(first), HFConfig.from_checkpoint(checkpoint)
+    assert got.model_type == config.model_type
+    assert ModelSpec.from_hf(got) == ModelSpec.from_hf(config)
 
 
 def test_split_set_and_directory_read_as_one_file(tmp_path, seed):
