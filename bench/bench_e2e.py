@@ -588,7 +588,7 @@ def main() -> None:
 
 
 def run(args, modes: list[str]) -> None:
-    spec = ModelSpec.from_config_dir(args.checkpoint)
+    spec = ModelSpec.from_checkpoint(args.checkpoint)
     dram = DramMeter(args.threads, args.dram_gb)
     if args.resume:
         earlier = json.loads(args.resume.read_text())

@@ -57,8 +57,10 @@ class WorkerConfig:
 
     model: str | None = flag(
         None,
-        help="checkpoint directory (Hugging Face: config.json + *.safetensors) or a `ktserve "
-        "convert` output, loaded at start; without it the worker waits for a LoadModel call",
+        help="checkpoint directory (Hugging Face: config.json + *.safetensors), a GGUF file (a "
+        "split set's first file, or a directory holding it; its experts are dequantized and "
+        "packed in --format: docs/gguf.md) or a `ktserve convert` output, loaded at start; "
+        "without it the worker waits for a LoadModel call",
     )
     listen: str = flag(
         "127.0.0.1:50061",
@@ -182,7 +184,7 @@ class WorkerConfig:
 class ConvertConfig:
     """Conversion: a checkpoint's routed experts, quantized and packed into a directory."""
 
-    model: str = flag(help="Hugging Face checkpoint directory")
+    model: str = flag(help="Hugging Face checkpoint directory or GGUF file")
     out: str = flag(help="output directory")
     experts: str | None = flag(None, help="expert ids, inclusive, e.g. 0-63 (default: all)")
     weight_format: str = flag(

@@ -140,7 +140,7 @@ def pack_layers(
                 progress(i + 1, len(spec.moe_layers), done_bytes)
         store = None
         if store_dir is not None:
-            write_index(store_dir, HFConfig.from_dir(model_dir).data, weight_format, experts,
+            write_index(store_dir, HFConfig.from_checkpoint(model_dir).data, weight_format, experts,
                         str(model_dir), entries)  # fmt: skip
             store = StoreLayout(str(store_dir), entries)
     except BaseException:

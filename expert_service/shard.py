@@ -1,5 +1,6 @@
-"""Loading a worker's shard: from a Hugging Face checkpoint (read, quantize, pack: slow) or from a
-`ktserve convert` directory (memory-mapped: seconds, see packed_store); and a progress bar for it.
+"""Loading a worker's shard: from a Hugging Face or GGUF checkpoint (read, quantize, pack: slow) or
+from a `ktserve convert` directory (memory-mapped: seconds, see packed_store); and a progress bar
+for it.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import time
 from pathlib import Path
 
 from expert_service import packed_store, synthetic_experts
+from expert_service.dequantized_layers import pack_dequantized_layer
 from expert_service.expert_shard import ExpertShard, LoadProgress
 from expert_service.kernels import PackedExperts, pack_expert_list, pack_experts
 from ktserve import shared_store
@@ -82,7 +84,13 @@ def _pack_layer(reader: CheckpointReader, layer: int, experts: range, weight_for
                 rows: range | None = None) -> PackedExperts:  # fmt: skip
     """One layer's experts packed from their tensors as stored (every core reads and converts,
     FP8 dequantized while packing), or from a float32 copy where the layout needs one; into
-    `out`'s buffers where given. rows: only these rows of the intermediate dimension."""
+    `out`'s buffers where given. rows: only these rows of the intermediate dimension. A
+    checkpoint whose reads dequantize (GGUF) is packed a few experts at a time."""
+    if reader.dequantizes:
+        inter = reader.spec.moe_intermediate_size
+        slicer = None if rows is None else (lambda stored: _stored_rows(stored, rows, inter))
+        return pack_dequantized_layer(reader, layer, experts, weight_format, pack_threads, out,
+                                      rows, slicer)  # fmt: skip
     stored = reader.stored_experts(layer, list(experts))
     if stored is not None and rows is not None:
         stored = _stored_rows(stored, rows, reader.spec.moe_intermediate_size)

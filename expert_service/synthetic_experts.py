@@ -68,7 +68,7 @@ def load(model_dir: str | Path, experts: range | None, weight_format: str, *,
             f"set {ENV}=1 to load it (the benchmarks under bench/ do), or serve a real checkpoint"
         )
     seed = int(json.loads((model_dir / MARKER).read_text())["seed"])
-    spec = ModelSpec.from_config_dir(model_dir)
+    spec = ModelSpec.from_checkpoint(model_dir)
     experts = experts if experts is not None else range(spec.num_experts)
     validate_shard(spec, experts)
     intermediate = slice_or_whole(intermediate, spec.moe_intermediate_size)

@@ -159,12 +159,14 @@ class ExpertWorker:
         return shard
 
     def model_name(self) -> str:
-        """Its metrics' model_name label: --served-model-name, else the loaded model directory's
-        name ("" before one is loaded)."""
+        """Its metrics' model_name label: --served-model-name, else the loaded checkpoint's name
+        as `ktserve serve` names it ("" before one is loaded)."""
+        from ktserve.gguf.files import model_name
+
         if self.config.served_model_name:
             return self.config.served_model_name
         shard = self.shard
-        return Path(shard.source_dir).resolve().name if shard is not None else ""
+        return model_name(shard.source_dir) if shard is not None else ""
 
     def _describe(self) -> str:
         s = self.shard

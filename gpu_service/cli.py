@@ -1,12 +1,12 @@
 """`ktserve serve`: the OpenAI-compatible server (its flags: ServeConfig's fields).
 
-`ktserve serve MODEL_DIR` binds the HTTP port first (a busy port fails at once), loads the
-tokenizer, starts the expert workers (supervised subprocesses; or, with --expert-address, connects
-to workers running on their own) and waits until they serve, builds the GPU service on them, then
-serves HTTP until SIGINT/SIGTERM, after which it drains (new requests 503, running ones finish
-within --shutdown-timeout, then are ended: gpu_service/api/shutdown.py) and stops uvicorn, the
-engine (closing its ktshm channels) and the workers it started (SIGTERM: they drain), in that
-order.
+`ktserve serve MODEL` (a checkpoint directory or a GGUF file) binds the HTTP port first (a busy
+port fails at once), loads the tokenizer, starts the expert workers (supervised subprocesses; or,
+with --expert-address, connects to workers running on their own) and waits until they serve,
+builds the GPU service on them, then serves HTTP until SIGINT/SIGTERM, after which it drains (new
+requests 503, running ones finish within --shutdown-timeout, then are ended:
+gpu_service/api/shutdown.py) and stops uvicorn, the engine (closing its ktshm channels) and the
+workers it started (SIGTERM: they drain), in that order.
 """
 
 from __future__ import annotations
@@ -110,8 +110,13 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                 "tokenizer files)"
             )
         args = argparse.Namespace(**{**vars(args), "model_dir": str(DEMO_MODEL_DIR)})
-    if not (Path(args.model_dir) / "config.json").is_file():
-        raise ValueError(f"{args.model_dir} is not a checkpoint directory: it has no config.json")
+    from ktserve.gguf.files import is_gguf_path
+
+    if not is_gguf_path(args.model_dir) and not (Path(args.model_dir) / "config.json").is_file():
+        raise ValueError(
+            f"{args.model_dir} is not a checkpoint: neither a directory with config.json nor a "
+            "GGUF file (or a directory of *.gguf files)"
+        )
     if args.expert_addresses is not None:
         check_no_spawn_flags(args)
     config = from_args(ServeConfig, args)

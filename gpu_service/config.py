@@ -119,9 +119,11 @@ class GPUServiceConfig:
     model_dir: str = flag(
         positional=True,
         nargs="?",
-        metavar="MODEL_DIR",
-        help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files); "
-        f"default: the embedded demo model at {DEMO_MODEL_DIR}",
+        metavar="MODEL",
+        help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer files), "
+        "or a GGUF file (for a split set, its first file: NAME-00001-of-0000N.gguf; or a "
+        "directory holding it) with the config, tokenizer and chat template in its metadata "
+        f"(docs/gguf.md); default: the embedded demo model at {DEMO_MODEL_DIR}",
     )
     device: str | None = flag(
         None,

@@ -3,7 +3,8 @@
 Order of start (each step fails with a clear error before the next one costs time):
 
     bind the HTTP socket          (a busy port fails before anything loads)
-    load the tokenizer            (missing tokenizer files fail before the workers start)
+    load the tokenizer            (missing tokenizer files fail before the workers start; a GGUF's
+                                  from its metadata, --tokenizer DIR's instead where given)
     start the expert workers      (Supervisor; wait until each one's gRPC health serves), or wait
                                   for the workers named by --expert-address (ExternalWorkers:
                                   until each serves; their shards must cover every expert)
@@ -71,8 +72,8 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
     workers: Supervisor | ExternalWorkers | None = None
     service: GPUService | None = None
     try:
-        tokenizer = load_tokenizer(config.model_dir)
-        hf = HFConfig.from_dir(config.model_dir)
+        tokenizer = load_tokenizer(config.model_dir, config.chat.tokenizer)
+        hf = HFConfig.from_checkpoint(config.model_dir)
         spec = ModelSpec.from_hf(hf)
         check_model_fits(config.gpu, spec, hf)
         parser, reasoning = chat_parsers(config.chat, tokenizer, hf)

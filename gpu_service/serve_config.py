@@ -56,7 +56,8 @@ class HTTPConfig:
     )
     served_model_name: str | None = flag(
         None,
-        help="the model name clients send and /v1/models lists (default: the directory's name)",
+        help="the model name clients send and /v1/models lists (default: the checkpoint "
+        "directory's name, or the GGUF file's without .gguf and its split suffix)",
     )
     max_request_bytes: int = flag(
         8 * MiB,
@@ -259,8 +260,16 @@ class WorkersConfig:
 
 @dataclass(frozen=True)
 class ChatConfig:
-    """Chat output: how tool calls and reasoning are written and read, and constrained decoding."""
+    """Chat output: the tokenizer and chat template, how tool calls and reasoning are written and
+    read, and constrained decoding."""
 
+    tokenizer: str | None = flag(
+        None,
+        metavar="DIR",
+        help="a Hugging Face directory whose tokenizer and chat template to use instead of the "
+        "checkpoint's (a GGUF checkpoint's come from its metadata: tokenizer.ggml.*, "
+        "tokenizer.chat_template) (default: the checkpoint's own)",
+    )
     tool_call_parser: str | None = flag(
         None,
         choices=(*TOOL_CALL_PARSERS, "none"),
@@ -294,6 +303,8 @@ class ChatConfig:
                 f"--reasoning-parser must be one of {REASONING_PARSERS} or none, got "
                 f"{self.reasoning_parser!r}"
             )
+        if self.tokenizer is not None and not Path(self.tokenizer).is_dir():
+            raise ValueError(f"--tokenizer {self.tokenizer} is not a directory")
         if self.grammar_cache_size < 1:
             raise ValueError(f"--grammar-cache-size must be >= 1, got {self.grammar_cache_size}")
 
@@ -313,7 +324,11 @@ class ServeConfig:
 
     @property
     def model_name(self) -> str:
-        return self.http.served_model_name or Path(self.model_dir).resolve().name
+        """--served-model-name, else the checkpoint directory's name (a GGUF file's name without
+        .gguf and its split suffix)."""
+        from ktserve.gguf.files import model_name
+
+        return self.http.served_model_name or model_name(self.model_dir)
 
 
 def check_addresses(addresses: tuple[str, ...]) -> None:

@@ -76,7 +76,7 @@ class GPUService:
 def build_gpu_service(config: GPUServiceConfig, eos_token_ids=(), decode=None,
                       hf: HFConfig | None = None) -> GPUService:  # fmt: skip
     """hf: the checkpoint's config.json when the caller has read it already."""
-    hf = hf or HFConfig.from_dir(config.model_dir)
+    hf = hf or HFConfig.from_checkpoint(config.model_dir)
     spec = ModelSpec.from_hf(hf)
     device = torch.device(config.device) if config.device else default_device()
     dtype = resolve_dtype(config.dtype, device)
@@ -277,7 +277,7 @@ def check_model_fits(config: GPUServiceConfig, spec: ModelSpec,
     hf: the checkpoint's config.json, for the checks that need more than spec."""
     size = config.tensor_parallel_size
     if size > 1:
-        hf = hf or HFConfig.from_dir(config.model_dir)
+        hf = hf or HFConfig.from_checkpoint(config.model_dir)
         tp = TensorParallel(0, size)
         heads = hf.int("num_attention_heads")
         tp.local(heads, "attention heads")

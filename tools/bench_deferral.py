@@ -33,7 +33,7 @@ def main() -> None:
     add_perplexity_args(parser)
     args = parser.parse_args()
     model = Path(args.model)
-    spec = ModelSpec.from_hf(HFConfig.from_dir(model))
+    spec = ModelSpec.from_hf(HFConfig.from_checkpoint(model))
     top_k = spec.num_experts_per_tok
     ids = tokenize_file(model, args.text, args.max_tokens)
     rows = []

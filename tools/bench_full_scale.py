@@ -233,8 +233,8 @@ def main() -> None:
         if not sep or not name:
             raise SystemExit(f"--config takes NAME=FLAGS, got {item!r}")
         configs[name] = shlex.split(flags)
-    spec = ModelSpec.from_config_dir(args.checkpoint)
-    args.vocab = HFConfig.from_dir(args.checkpoint).data["vocab_size"]
+    spec = ModelSpec.from_checkpoint(args.checkpoint)
+    args.vocab = HFConfig.from_checkpoint(args.checkpoint).data["vocab_size"]
     rng = random.Random(args.seed)
     dram, results = [dram_per_node(args.dram_gb)], {}
     for name, flags in configs.items():

@@ -82,7 +82,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(a.checkpoint, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(a.checkpoint)
     ids = tokenizer(Path(a.text).read_text(), return_tensors="pt").input_ids[:, : a.tokens]
-    spec = ModelSpec.from_config_dir(a.checkpoint)
+    spec = ModelSpec.from_checkpoint(a.checkpoint)
     k, experts = spec.num_experts_per_tok, spec.num_experts
     print(f"{a.checkpoint}: {ids.shape[1]} tokens of {a.text}; top {k} of {experts} experts "
           f"(chance {k / experts:.3f})")  # fmt: skip

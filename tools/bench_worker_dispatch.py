@@ -36,7 +36,7 @@ def measure(model: str, tokens: int, calls: int) -> list[int]:
     from ktserve import wire
     from ktserve.checkpoint import ModelSpec
 
-    spec = ModelSpec.from_config_dir(model)
+    spec = ModelSpec.from_checkpoint(model)
     worker = ExpertWorker(WorkerConfig(threads=1, share_experts=False))
     worker.load(model, None, "int4")
     producer = ktshm.Channel.create(ktshm.ChannelConfig(num_slots=8, region_bytes=1 << 16))

@@ -160,7 +160,7 @@ def main() -> None:
     modes = args.modes.split(",")
     if unknown := set(modes) - set(MODES):
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {sorted(MODES)}")
-    moe_layers = len(ModelSpec.from_config_dir(args.checkpoint).moe_layers)
+    moe_layers = len(ModelSpec.from_checkpoint(args.checkpoint).moe_layers)
     rows, tops, middles = [], {}, {}
     with expert_worker(args.checkpoint, args.format, args.threads, args.spin_us) as address:
         for mode in modes:

@@ -116,7 +116,21 @@ class ServedTokenizer:
             return list(self.encoder(text, add_special_tokens=False).input_ids), text
 
 
-def load_tokenizer(model_dir: str | Path) -> ServedTokenizer:
+def load_tokenizer(
+    model_dir: str | Path, tokenizer_dir: str | Path | None = None
+) -> ServedTokenizer:
+    """The checkpoint's tokenizer: a Hugging Face directory's files, or a GGUF checkpoint's
+    metadata; tokenizer_dir (--tokenizer): that Hugging Face directory's instead."""
+    from ktserve.gguf.files import is_gguf_path
+
+    if tokenizer_dir is not None:
+        served = load_tokenizer(tokenizer_dir)
+        if is_gguf_path(model_dir):  # NOTE: the model's own end-of-turn ids count too
+            served.eos_token_ids = tuple(dict.fromkeys(served.eos_token_ids
+                                                       + _gguf_eos_ids(model_dir)))  # fmt: skip
+        return served
+    if is_gguf_path(model_dir):
+        return _load_gguf_tokenizer(model_dir)
     from transformers import AutoTokenizer
 
     try:
@@ -128,6 +142,23 @@ def load_tokenizer(model_dir: str | Path) -> ServedTokenizer:
             "tokenizer_config.json)"
         ) from exc
     return ServedTokenizer(tokenizer, eos_token_ids(model_dir, tokenizer))
+
+
+def _load_gguf_tokenizer(path: str | Path) -> ServedTokenizer:
+    from ktserve.gguf.tokenizer import GGUFTokenizerError, load_gguf_tokenizer
+
+    try:
+        tokenizer = load_gguf_tokenizer(path)
+    except GGUFTokenizerError as exc:
+        raise TokenizerError(str(exc)) from exc
+    ids = [*_gguf_eos_ids(path), *_as_ids(getattr(tokenizer, "eos_token_id", None))]
+    return ServedTokenizer(tokenizer, tuple(dict.fromkeys(ids)))
+
+
+def _gguf_eos_ids(path: str | Path) -> tuple[int, ...]:
+    from ktserve.gguf.tokenizer import gguf_eos_token_ids
+
+    return gguf_eos_token_ids(path)
 
 
 def eos_token_ids(model_dir: str | Path, tokenizer: Any = None) -> tuple[int, ...]:

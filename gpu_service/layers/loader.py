@@ -1,6 +1,7 @@
-"""Non-expert weights from a checkpoint's safetensors files onto the model's device and dtype.
+"""Non-expert weights from a checkpoint onto the model's device and dtype.
 
-Tensors are found through model.safetensors.index.json when present, else by scanning *.safetensors.
+Tensors are found through model.safetensors.index.json when present, else by scanning *.safetensors;
+in a GGUF checkpoint by their Hugging Face names (ktserve.gguf), each dequantized as it is read.
 Every read names the shape the config implies and fails with `TensorShapeMismatch` otherwise;
 block-scaled FP8 weights (DeepSeek-V3: `<name>_scale_inv`) are dequantized before the cast.
 """
@@ -8,10 +9,8 @@ block-scaled FP8 weights (DeepSeek-V3: `<name>_scale_inv`) are dequantized befor
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from gpu_service.layers.sharding import SINGLE, Shard, TensorParallel, take_shard
 from gpu_service.layers.weight_formats import LinearQuantConfig
@@ -20,10 +19,10 @@ from ktserve.checkpoint import (
     CheckpointError,
     InvalidConfig,
     TensorShapeMismatch,
-    index_tensors,
 )
 from ktserve.checkpoint.fp8 import dequantize_fp8_blocks
 from ktserve.checkpoint.fp8 import scale_name as fp8_scale_name
+from ktserve.checkpoint.tensor_files import TensorFiles
 
 
 class MissingTensor(CheckpointError):
@@ -54,8 +53,7 @@ class WeightLoader:
         self.fp8_block = fp8_block or DEFAULT_FP8_BLOCK
         self.linear_quant = linear_quant or LinearQuantConfig()
         self.tp = tp
-        self._files = index_tensors(self.model_dir)
-        self._handles: dict[Path, Any] = {}
+        self._files = TensorFiles(self.model_dir)
 
     def has(self, name: str) -> bool:
         return name in self._files
@@ -88,8 +86,5 @@ class WeightLoader:
         tensor = take_shard(tensor, shard, name)
         return tensor.to(device=self.device, dtype=dtype or self.dtype)
 
-    def _handle(self, name: str) -> Any:
-        path = self._files[name]
-        if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path]
+    def _handle(self, name: str):
+        return self._files.handle(name)

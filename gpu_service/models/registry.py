@@ -73,7 +73,7 @@ def load_model(
     (default: choose_attention's for this device and dtype)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"model dtype {dtype} is not supported; use float32, bfloat16 or float16")
-    hf = hf or HFConfig.from_dir(model_dir)
+    hf = hf or HFConfig.from_checkpoint(model_dir)
     if hf.model_type not in MODEL_BUILDERS:
         raise UnsupportedArchitecture(hf.source, hf.model_type, SUPPORTED_MODEL_TYPES)
     spec = ModelSpec.from_hf(hf)

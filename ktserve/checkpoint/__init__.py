@@ -20,7 +20,8 @@ from ktserve.checkpoint.errors import (
 )
 from ktserve.checkpoint.fp8 import dequantize_fp8_blocks, fp8_scale_shape
 from ktserve.checkpoint.headers import non_expert_params, tensor_headers
-from ktserve.checkpoint.reader import CheckpointReader, ProgressCallback, index_tensors
+from ktserve.checkpoint.reader import CheckpointReader, ProgressCallback
+from ktserve.checkpoint.safetensors_index import index_tensors
 from ktserve.checkpoint.sharding import (
     available_memory_bytes,
     check_memory_available,

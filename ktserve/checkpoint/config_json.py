@@ -1,5 +1,6 @@
 """config.json of a checkpoint, read once: `HFConfig` wraps the dict with typed getters that
-raise `InvalidConfig` naming the key; ModelSpec and each family build their frozen configs on it."""
+raise `InvalidConfig` naming the key; ModelSpec and each family build their frozen configs on it.
+A GGUF checkpoint's config.json is the one its metadata describes (ktserve/gguf/config.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,17 @@ class HFConfig:
     source: str
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> HFConfig:
-        return cls(*read_config_json(model_dir))
+    def from_checkpoint(cls, path: str | Path) -> HFConfig:
+        """Of a Hugging Face directory (its config.json) or a GGUF checkpoint (its metadata)."""
+        from ktserve.gguf.files import is_gguf_path
+
+        if is_gguf_path(path):
+            from ktserve.gguf.config import hf_config
+            from ktserve.gguf.container import open_checkpoint
+
+            checkpoint = open_checkpoint(path)
+            return cls(hf_config(checkpoint), str(checkpoint.path))
+        return cls(*read_config_json(path))
 
     @property
     def model_type(self) -> str:

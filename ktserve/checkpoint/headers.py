@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ktserve.checkpoint.errors import InvalidConfig, SafetensorsNotFound
 from ktserve.checkpoint.fp8 import SCALE_SUFFIX
-from ktserve.checkpoint.reader import INDEX_FILE, index_tensors
+from ktserve.checkpoint.safetensors_index import INDEX_FILE, index_tensors
 
 ROUTED_EXPERT_MARK = ".experts."  # ...mlp.experts.E... / ...block_sparse_moe.experts.E...
 _HEADER_LIMIT = 100 * 2**20  # safetensors caps its JSON header at 100 MB
@@ -33,7 +33,16 @@ def read_header(path: Path) -> dict[str, dict]:
 
 def tensor_headers(model_dir: str | Path) -> dict[str, dict]:
     """Every tensor's header entry, over the checkpoint's safetensors files: those its index
-    names where it has one (as the loaders read it: reader.index_tensors), else all of them."""
+    names where it has one (as the loaders read it: safetensors_index.index_tensors), else all
+    of them. A GGUF checkpoint's: each Hugging Face name's dtype as read (F32) and shape."""
+    from ktserve.gguf.files import is_gguf_path
+
+    if is_gguf_path(model_dir):
+        from ktserve.gguf.tensors import GGUFTensors
+
+        tensors = GGUFTensors(model_dir)
+        return {name: {"dtype": "F32", "shape": list(tensors.shape(name))}
+                for name in tensors.names()}  # fmt: skip
     model_dir = Path(model_dir)
     if (model_dir / INDEX_FILE).is_file():
         paths = sorted(set(index_tensors(model_dir).values()))

@@ -1,14 +1,15 @@
-"""Read routed-expert weights from a Hugging Face MoE checkpoint directory (safetensors, mmap).
+"""Read routed-expert weights from a Hugging Face MoE checkpoint directory (safetensors, mmap) or
+a GGUF checkpoint (ktserve.gguf: each expert dequantized to float32 as it is read).
 
 Two layouts of a layer's experts are understood (see ModelSpec):
   per-expert  ...experts.E.{gate,up,down}_proj.weight (Mixtral: ...experts.E.{w1,w3,w2}.weight)
   fused       ...mlp.experts.gate_up_proj [E, 2I, H] and ...mlp.experts.down_proj [E, H, I]
-Storage dtypes: bf16, fp16, fp32, and float8_e4m3fn with `<name>_scale_inv` block scales.
+Storage dtypes: bf16, fp16, fp32, and float8_e4m3fn with `<name>_scale_inv` block scales; a
+GGUF's experts come per expert, whatever their GGUF type (tensor_files.TensorFiles).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,21 +17,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ktserve.checkpoint.errors import (
-    InvalidConfig,
     MissingExpertTensor,
-    SafetensorsNotFound,
     TensorShapeMismatch,
     UnsupportedTensorDtype,
 )
 from ktserve.checkpoint.fp8 import dequantize_fp8_blocks, fp8_scale_shape
 from ktserve.checkpoint.fp8 import scale_name as fp8_scale_name
 from ktserve.checkpoint.spec import DEFAULT_FP8_BLOCK, ModelSpec
+from ktserve.checkpoint.tensor_files import TensorFiles
 from ktserve.names import FLOAT_DTYPES, FP8_SAFETENSORS
 
-INDEX_FILE = "model.safetensors.index.json"
 _SUPPORTED_DTYPES = (*(d.safetensors for d in FLOAT_DTYPES), FP8_SAFETENSORS)
 
 # progress(done, total) after each expert read.
@@ -53,9 +51,8 @@ class CheckpointReader:
     def __init__(self, model_dir: str | Path, spec: ModelSpec | None = None) -> None:
         """spec: the checkpoint's ModelSpec when the caller has read config.json already."""
         self.model_dir = Path(model_dir)
-        self.spec = spec or ModelSpec.from_config_dir(self.model_dir)
-        self._tensor_files = index_tensors(self.model_dir)
-        self._handles: dict[Path, Any] = {}
+        self.spec = spec or ModelSpec.from_checkpoint(self.model_dir)
+        self._tensor_files = TensorFiles(self.model_dir)
         self._layouts: dict[int, str] = {}
 
     def __enter__(self) -> CheckpointReader:
@@ -65,7 +62,12 @@ class CheckpointReader:
         self.close()
 
     def close(self) -> None:
-        self._handles.clear()
+        self._tensor_files.close()
+
+    @property
+    def dequantizes(self) -> bool:
+        """Whether every read dequantizes (a GGUF checkpoint): no tensor is mapped as stored."""
+        return self._tensor_files.gguf is not None
 
     @property
     def block_size(self) -> tuple[int, int]:
@@ -159,12 +161,9 @@ class CheckpointReader:
 
     def _handle(self, name: str) -> Any:
         try:
-            path = self._tensor_files[name]
+            return self._tensor_files.handle(name)
         except KeyError:
             raise MissingExpertTensor(self.model_dir, name) from None
-        if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path]
 
     def _read(
         self,
@@ -207,27 +206,3 @@ class CheckpointReader:
             return dequantize_fp8_blocks(weight, scale, self.block_size)
         parts = zip(weight.split(rows), scale.split(scale.shape[0] // halves), strict=True)
         return torch.cat([dequantize_fp8_blocks(w, s, self.block_size) for w, s in parts])
-
-
-def index_tensors(model_dir: Path) -> dict[str, Path]:
-    """tensor name -> safetensors file, from the index json when present, else by scanning."""
-    index_path = model_dir / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise InvalidConfig(index_path, f"no readable weight_map ({exc!r})") from exc
-        files = {name: model_dir / file for name, file in weight_map.items()}
-        for file in sorted(set(files.values())):
-            if not file.is_file():
-                detail = f"{INDEX_FILE} names {file.name}, which is missing"
-                raise SafetensorsNotFound(model_dir, detail)
-        return files
-    paths = sorted(model_dir.glob("*.safetensors"))
-    if not paths:
-        raise SafetensorsNotFound(model_dir)
-    files: dict[str, Path] = {}
-    for path in paths:
-        with safe_open(str(path), framework="pt") as handle:
-            files.update(dict.fromkeys(handle.keys(), path))
-    return files

@@ -114,8 +114,8 @@ class ModelSpec:
         return f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
 
     @classmethod
-    def from_config_dir(cls, path: str | Path) -> ModelSpec:
-        return cls.from_hf(HFConfig.from_dir(path))
+    def from_checkpoint(cls, path: str | Path) -> ModelSpec:
+        return cls.from_hf(HFConfig.from_checkpoint(path))
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str = "<config>") -> ModelSpec:

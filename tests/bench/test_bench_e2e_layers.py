@@ -21,8 +21,8 @@ def test_a_layer_view_is_the_first_layers_of_the_checkpoint(tmp_path, seed):
     view = layer_view(path, 2, tmp_path)
     assert json.loads((view / "config.json").read_text())["num_hidden_layers"] == 2
     assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 3
-    assert ModelSpec.from_config_dir(path).moe_layers == (0, 1)  # the tiny model's layer 2 is dense
-    assert ModelSpec.from_config_dir(view).moe_layers == (0, 1)
+    assert ModelSpec.from_checkpoint(path).moe_layers == (0, 1)  # the tiny model's layer 2 is dense
+    assert ModelSpec.from_checkpoint(view).moe_layers == (0, 1)
     per_layer = expert_tensor_bytes(path, 1)
     assert per_layer > 0
     assert expert_tensor_bytes(path, 2) == expert_tensor_bytes(path) == 2 * per_layer

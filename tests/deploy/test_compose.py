@@ -74,7 +74,7 @@ def test_service_commands_parse_with_the_real_cli(compose, monkeypatch):
     config = serve_config(build_parser().parse_args([argv[0], model, *argv[2:]]))
     assert config.gpu.device == "cuda" and config.http.host == "0.0.0.0"
     assert config.workers.expert_addresses == tuple(addresses(gpu))
-    spec = ModelSpec.from_config_dir(model)
+    spec = ModelSpec.from_checkpoint(model)
     shards = []
     for name, service in expert_services(compose).items():
         args = build_parser().parse_args(service["command"])

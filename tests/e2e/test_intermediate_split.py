@@ -49,7 +49,7 @@ def logits_on(path, procs: list[ExpertProcess], batch: list[list[int]]) -> torch
 @pytest.mark.parametrize("family", sorted(SPLITTABLE))
 def test_intermediate_split_matches_transformers_and_the_expert_split(family, tmp_path, seed):
     path = make_tiny_checkpoint(family, tmp_path / family, seed=seed, **SPLITTABLE[family])
-    spec = ModelSpec.from_config_dir(path)
+    spec = ModelSpec.from_checkpoint(path)
     half = spec.num_experts // 2
     reference = load_reference_model(path)
     batch = prompts(seed, lengths=(5, 9))
@@ -81,7 +81,7 @@ def test_intermediate_split_matches_transformers_and_the_expert_split(family, tm
 
 def test_a_missing_slice_is_refused(tmp_path, seed):
     path = make_tiny_checkpoint("qwen3_moe", tmp_path, seed=seed, **SPLITTABLE["qwen3_moe"])
-    spec = ModelSpec.from_config_dir(path)
+    spec = ModelSpec.from_checkpoint(path)
     [proc] = workers(path, ("--intermediate-rows", "0-63"))
     external = ExternalWorkers((proc.address,), spec, TOKEN[TOKEN_ENV])
     try:

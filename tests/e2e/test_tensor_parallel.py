@@ -103,7 +103,7 @@ def test_tensor_parallel_matches_transformers_and_size_one(family, checkpoints, 
     calls (one per MoE layer and step: only rank 0 calls)."""
     path = checkpoints[family]
     reference = load_reference_model(path)
-    moe_layers = len(ModelSpec.from_hf(HFConfig.from_dir(path)).moe_layers)
+    moe_layers = len(ModelSpec.from_hf(HFConfig.from_checkpoint(path)).moe_layers)
     ps = prompts(seed + 7)
     worker = ExpertProcess("--model", str(path), "--format", "bf16")
     results = {}
@@ -268,11 +268,11 @@ def test_a_step_failing_on_rank_zero_fails_the_group(checkpoints, seed):
 
 def test_sizes_the_model_cannot_take_are_refused_before_loading(checkpoints):
     path = checkpoints["deepseek_v3"]  # 4 attention heads
-    hf = HFConfig.from_dir(path)
+    hf = HFConfig.from_checkpoint(path)
     config = GPUServiceConfig(model_dir=str(path), device="cpu", tensor_parallel_size=3)
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 3 does not divide .* heads"):
         check_model_fits(config, ModelSpec.from_hf(hf), hf)
-    mixtral = HFConfig.from_dir(checkpoints["mixtral"])  # 4 heads, 2 kv heads
+    mixtral = HFConfig.from_checkpoint(checkpoints["mixtral"])  # 4 heads, 2 kv heads
     config = GPUServiceConfig(model_dir=str(checkpoints["mixtral"]), device="cpu",
                               tensor_parallel_size=4)  # fmt: skip
     check_model_fits(config, ModelSpec.from_hf(mixtral), mixtral)  # each kv head on 2 ranks

@@ -35,7 +35,7 @@ def call_timings(worker: ExpertProcess) -> dict[str, list[int]]:
 
 
 def test_parts_are_ordered_and_lie_within_the_callers_round_trip(checkpoint, channel, seed):
-    spec = ModelSpec.from_config_dir(checkpoint)
+    spec = ModelSpec.from_checkpoint(checkpoint)
     rng = np.random.default_rng(seed)
     worker = ExpertProcess("--model", str(checkpoint), "--call-timing-samples", "8")
     try:

@@ -68,7 +68,7 @@ def test_slices_add_up_to_the_whole_expert(family, per_expert_names, overrides, 
                                 **overrides)  # fmt: skip
     model = load_reference_model(path)
     layer = moe_layer_indices(model)[0]
-    gate, up, down = reference_layer(model, layer, ModelSpec.from_config_dir(path).num_experts)
+    gate, up, down = reference_layer(model, layer, ModelSpec.from_checkpoint(path).num_experts)
     x, ids, weights = routing(seed, 5, gate.shape[2], gate.shape[0])
     want = reference_moe(x, ids, weights, gate, up, down)
     got = split_output(path, list(split_rows(gate.shape[1], 2)), x, ids, weights, layer)
@@ -88,7 +88,7 @@ def test_fp8_slices_follow_the_block_scales(slices, seed, tmp_path):
     path = make_tiny_checkpoint("deepseek_v3", tmp_path, seed=seed, fp8=True)
     model = load_reference_model(path)
     layer = moe_layer_indices(model)[0]
-    gate, up, down = reference_layer(model, layer, ModelSpec.from_config_dir(path).num_experts)
+    gate, up, down = reference_layer(model, layer, ModelSpec.from_checkpoint(path).num_experts)
     assert gate.shape[1] == FP8_OVERRIDES["moe_intermediate_size"]
     x, ids, weights = routing(seed + 1, 4, gate.shape[2], gate.shape[0])
     # NOTE: bf16 packing rounds the dequantized weights to bf16, as the reference does here

@@ -110,7 +110,7 @@ def normalized_error(got: np.ndarray, want: np.ndarray) -> float:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replies_match_transformers_experts(family, fmt, checkpoints, references, procs, channel,
                                             seed):  # fmt: skip
-    spec = ModelSpec.from_config_dir(checkpoints[family])
+    spec = ModelSpec.from_checkpoint(checkpoints[family])
     worker = procs("--model", str(checkpoints[family]), "--format", fmt)
     worker.attach(channel)
     rng = np.random.default_rng(seed)
@@ -126,7 +126,7 @@ def test_replies_match_transformers_experts(family, fmt, checkpoints, references
 
 def test_complementary_shards_sum_to_the_whole(checkpoints, references, procs, seed):
     family = "deepseek_v3"
-    spec = ModelSpec.from_config_dir(checkpoints[family])
+    spec = ModelSpec.from_checkpoint(checkpoints[family])
     half = spec.num_experts // 2
     low = procs(
         "--model", str(checkpoints[family]), "--format", "bf16", "--experts", f"0-{half - 1}"
@@ -154,7 +154,7 @@ def test_killed_worker_is_replaced_on_the_same_channel(checkpoints, references, 
     killed: it provably never answers. A new worker attaches, the producer's wait says
     PeerRestarted, resend_inflight re-stamps the call, and the new worker runs it."""
     family = "qwen3_moe"
-    spec = ModelSpec.from_config_dir(checkpoints[family])
+    spec = ModelSpec.from_checkpoint(checkpoints[family])
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((4, spec.hidden_size)).astype(np.float32)
     ids, weights = routing(spec, 4, rng)
@@ -206,7 +206,7 @@ def test_killed_worker_is_replaced_on_the_same_channel(checkpoints, references, 
 
 
 def test_bad_calls_get_error_replies_and_the_worker_keeps_serving(checkpoints, procs, channel):
-    spec = ModelSpec.from_config_dir(checkpoints["mixtral"])
+    spec = ModelSpec.from_checkpoint(checkpoints["mixtral"])
     worker = procs("--model", str(checkpoints["mixtral"]), "--format", "int8")
     worker.attach(channel)
     H, k = spec.hidden_size, spec.num_experts_per_tok
@@ -233,7 +233,7 @@ def test_bad_calls_get_error_replies_and_the_worker_keeps_serving(checkpoints, p
 
 def test_info_stats_health_and_metrics(checkpoints, procs, channel):
     path = checkpoints["deepseek_v3"]
-    spec = ModelSpec.from_config_dir(path)
+    spec = ModelSpec.from_checkpoint(path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         metrics_port = s.getsockname()[1]
@@ -277,7 +277,7 @@ def test_info_stats_health_and_metrics(checkpoints, procs, channel):
 
 def test_convert_then_load_gives_identical_replies(checkpoints, procs, channel, tmp_path, seed):
     path = checkpoints["qwen3_moe"]
-    spec = ModelSpec.from_config_dir(path)
+    spec = ModelSpec.from_checkpoint(path)
     out = tmp_path / "packed"
     result = subprocess.run(
         [sys.executable, "-m", "ktserve", "convert", "--model", str(path),
@@ -310,7 +310,7 @@ def test_convert_then_load_gives_identical_replies(checkpoints, procs, channel, 
 def test_sigterm_drains_then_exits(checkpoints, procs, channel):
     worker = procs("--model", str(checkpoints["mixtral"]), "--format", "bf16")
     worker.attach(channel)
-    spec = ModelSpec.from_config_dir(checkpoints["mixtral"])
+    spec = ModelSpec.from_checkpoint(checkpoints["mixtral"])
     x = np.ones((3, spec.hidden_size), np.float32)
     ids, w = np.zeros((3, 2), np.int32), np.ones((3, 2), np.float32)
     seqs = [channel.send(wire.KIND_MOE, 0, [x, ids, w], num_tokens=3) for _ in range(3)]
@@ -400,7 +400,7 @@ def test_second_load_while_serving_and_missing_channel(checkpoints, procs):
     updates = load(worker, checkpoints["qwen3_moe"], fmt="bf16")
     assert updates[-1].done and updates[-1].info.state == pb.WORKER_STATE_SERVING
     assert updates[0].layers_total == len(
-        ModelSpec.from_config_dir(checkpoints["qwen3_moe"]).moe_layers
+        ModelSpec.from_checkpoint(checkpoints["qwen3_moe"]).moe_layers
     )
     with pytest.raises(grpc.RpcError) as info:
         load(worker, checkpoints["mixtral"])

@@ -55,7 +55,7 @@ def test_idle_gaps_inside_a_step_are_told_from_those_across_its_end():
 
 
 def test_two_channels_calls_are_all_counted(checkpoint, seed):
-    spec = ModelSpec.from_config_dir(checkpoint)
+    spec = ModelSpec.from_checkpoint(checkpoint)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

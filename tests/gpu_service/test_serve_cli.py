@@ -302,7 +302,7 @@ def test_expert_addresses_map_onto_serve_config(checkpoint, monkeypatch):
 
 
 def test_coverage_check_names_missing_and_doubled_experts(checkpoint):
-    spec = ModelSpec.from_config_dir(checkpoint)
+    spec = ModelSpec.from_checkpoint(checkpoint)
     assert spec.num_experts == 12
 
     def shard(address, start, stop, **changes):

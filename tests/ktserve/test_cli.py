@@ -78,7 +78,12 @@ def test_help_explains_every_flag():
     assert set(SERVE_FLAGS) <= serve
     text = ktserve("serve", "--help").stdout
     assert not [flag for flag in MOVED_FLAGS if flag in text]
-    assert "KTSERVE_API_KEY" in text and "KTSERVE_DEVICE" in text and "MODEL_DIR" in text
+    assert (
+        "KTSERVE_API_KEY" in text
+        and "KTSERVE_DEVICE" in text
+        and "MODEL" in text
+        and ".gguf" in text
+    )
     # the expert_service subcommands are the same parsers
     assert "--listen" in ktserve("expert", "--help").stdout
     assert "--out" in ktserve("convert", "--help").stdout

@@ -27,7 +27,7 @@ PROJECTION = re.compile(r"^model\.layers\.\d+\.self_attn\.\w+_proj\.weight$")
 def test_non_expert_params_is_transformers_count_less_the_experts(tmp_path, family) -> None:
     print(f"seed {SEED}")
     path = make_tiny_checkpoint(family, tmp_path / family, seed=SEED)
-    spec = ModelSpec.from_config_dir(path)
+    spec = ModelSpec.from_checkpoint(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     experts = len(spec.moe_layers) * spec.num_experts * spec.expert_num_params
     # the state dict: parameters and persistent buffers (DeepSeek-V3's e_score_correction_bias)
