@@ -19,6 +19,10 @@ from gpu_service.api.tool_schemas import MessageToolCall, NamedToolChoice, Respo
 from gpu_service.engine.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_N = 16  # choices per request (each is a sequence of the running batch)
+# NOTE: every integer field is bounded here, where it is parsed (a 400 naming it), never by a
+# C conversion further on (a 500): seeds are signed 64-bit (OpenAI's), counts fit 32 bits.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_COUNT = 2**31 - 1
 
 
 class _Body(BaseModel):
@@ -106,7 +110,7 @@ class _Sampling(_Body):
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -123,12 +127,14 @@ class _Sampling(_Body):
     service_tier: str | None = None
     metadata: dict[str, Any] | None = None
     # extensions (vLLM's names)
-    top_k: int = Field(0, ge=-1, description="extension: sample among the k most likely tokens")
+    top_k: int = Field(
+        0, ge=-1, le=MAX_COUNT, description="extension: sample among the k most likely tokens"
+    )
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = None  # checked against the vocabulary by the engine
     timeout: float | None = Field(None, gt=0, description="extension: seconds until it ends")
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -167,8 +173,8 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
@@ -206,11 +212,11 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[str] | list[int] | list[list[int]]  # ids: checked by the engine
+    max_tokens: int | None = Field(16, ge=1, le=MAX_COUNT)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
