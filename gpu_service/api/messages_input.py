@@ -95,7 +95,12 @@ def chat_messages(body: MessagesBase) -> list[ChatMessage]:
     for i, m in enumerate(body.messages):
         param = f"messages.{i}.content"
         blocks = [Block(type="text", text=m.content)] if isinstance(m.content, str) else m.content
-        out += _user(blocks, param) if m.role == "user" else [_assistant(blocks, param)]
+        if m.role == "system":
+            out.append(ChatMessage(role="system", content=block_text(m.content, param)))
+        elif m.role == "user":
+            out += _user(blocks, param)
+        else:
+            out.append(_assistant(blocks, param))
     return out
 
 

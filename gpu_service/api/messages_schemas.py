@@ -37,7 +37,7 @@ class Block(_Body):
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: a mid-conversation instruction
     content: str | list[Block]
 
 

@@ -21,7 +21,7 @@ from gpu_service.api.context import ApiContext
 from gpu_service.api.errors import ApiError, invalid
 from gpu_service.api.event_stream import drain, stream_events
 from gpu_service.api.parsing import parse_body
-from gpu_service.api.responses_input import chat_request, input_messages
+from gpu_service.api.responses_input import chat_request, input_messages, tools_of
 from gpu_service.api.responses_output import ResponseBuilder, new_id
 from gpu_service.api.responses_schemas import ResponsesRequest
 from gpu_service.api.schemas import ChatMessage
@@ -137,7 +137,8 @@ async def create_response(request: Request, ctx: ApiContext, store: ResponseStor
     (generation,) = await start_chat(request, ctx, prepared, response_id)
     stored = body.store is not False and store.capacity > 0
     builder = ResponseBuilder(response_id, ctx.model_name, echo(body, stored), prepared.reader(),
-                              ctx.tokenizer if req.logprobs else None)  # fmt: skip
+                              ctx.tokenizer if req.logprobs else None,
+                              namespaces=tools_of(body)[1])  # fmt: skip
     if stored:
         conversation = [*history, *input_messages(body)]
         builder.on_done = lambda r: store.put(r, [*conversation, *output_messages(r["output"])])

@@ -6,7 +6,8 @@ input: message items            their text parts joined (role developer: system)
 input: function_call items      tool_calls of the assistant message they follow (or a new one)
 input: function_call_output     a tool message answering call_id
 input: reasoning items          reasoning_content of the next assistant message
-tools: function tools           chat tools; any other type is a 400 naming it
+tools: function tools           chat tools (a namespace's function tools too: their calls
+                                name the namespace); any other type is a 400 naming it
 tool_choice {type function}     a named tool choice
 text.format                     response_format json_object / json_schema
 reasoning.effort                the template's thinking switch: none/minimal off, else on
@@ -17,8 +18,13 @@ from __future__ import annotations
 from gpu_service.api.chat_request import ChatRequest
 from gpu_service.api.errors import invalid
 from gpu_service.api.parsing import SamplingFields
-from gpu_service.api.responses_schemas import TEXT_PARTS, ContentPart, ResponsesRequest
-from gpu_service.api.schemas import ChatMessage
+from gpu_service.api.responses_schemas import (
+    TEXT_PARTS,
+    ContentPart,
+    ResponsesRequest,
+    ResponsesTool,
+)
+from gpu_service.api.schemas import ChatMessage, logit_bias_ids
 from gpu_service.api.tool_schemas import (
     CalledFunction,
     FunctionDef,
@@ -100,24 +106,35 @@ def input_messages(body: ResponsesRequest) -> list[ChatMessage]:
     return out
 
 
-def tools_of(body: ResponsesRequest) -> list[Tool]:
-    tools = []
+def tools_of(body: ResponsesRequest) -> tuple[list[Tool], dict[str, str]]:
+    """The function tools, and the namespace of each that is in one (by name)."""
+    tools, namespaces = [], {}
     for i, t in enumerate(body.tools or []):
-        if t.type != "function":
-            raise invalid(
-                f"tools of type {t.type!r} are not supported by this server: only function tools",
-                param=f"tools.{i}.type",
-            )
-        if not t.name:
-            raise invalid("a function tool needs a name", param=f"tools.{i}.name")
-        try:
-            function = FunctionDef(name=t.name, description=t.description,
-                                   parameters=t.parameters, strict=t.strict)  # fmt: skip
-        except ValueError:
-            raise invalid(f"tool name {t.name!r} must match ^[a-zA-Z0-9_.-]{{1,64}}$",
-                          param=f"tools.{i}.name") from None  # fmt: skip
-        tools.append(Tool(type="function", function=function))
-    return tools
+        if t.type == "namespace" and t.name:
+            for j, inner in enumerate(t.tools or []):
+                tools.append(_function(inner, f"tools.{i}.tools.{j}"))
+                namespaces[inner.name] = t.name
+            continue
+        tools.append(_function(t, f"tools.{i}"))
+    return tools, namespaces
+
+
+def _function(t: ResponsesTool, param: str) -> Tool:
+    if t.type != "function":
+        raise invalid(
+            f"tools of type {t.type!r} are not supported by this server: only function tools "
+            "(and namespaces of them)",
+            param=f"{param}.type",
+        )
+    if not t.name:
+        raise invalid("a function tool needs a name", param=f"{param}.name")
+    try:
+        function = FunctionDef(name=t.name, description=t.description,
+                               parameters=t.parameters, strict=t.strict)  # fmt: skip
+    except ValueError:
+        raise invalid(f"tool name {t.name!r} must match ^[a-zA-Z0-9_.-]{{1,64}}$",
+                      param=f"{param}.name") from None  # fmt: skip
+    return Tool(type="function", function=function)
 
 
 def tool_choice_of(body: ResponsesRequest):
@@ -151,6 +168,13 @@ def thinking_of(body: ResponsesRequest) -> bool | None:
     return None if effort is None else effort not in ("none", "minimal")
 
 
+def _logit_bias(body: ResponsesRequest) -> tuple[tuple[int, float], ...]:
+    try:
+        return logit_bias_ids(body.logit_bias)
+    except ValueError as exc:
+        raise invalid(str(exc), param="logit_bias") from exc
+
+
 def chat_request(body: ResponsesRequest, history: list[ChatMessage]) -> ChatRequest:
     """The internal request: history (previous_response_id's conversation), then the input."""
     system = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
@@ -165,9 +189,12 @@ def chat_request(body: ResponsesRequest, history: list[ChatMessage]) -> ChatRequ
             seed=body.seed,
             ignore_eos=body.ignore_eos,
             repetition_penalty=body.repetition_penalty,
+            min_tokens=body.min_tokens,
+            stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
+            logit_bias=_logit_bias(body),
         ),
         max_tokens=body.max_output_tokens,
-        tools=tools_of(body),
+        tools=tools_of(body)[0],
         tool_choice=tool_choice_of(body),
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=format_of(body),

@@ -43,8 +43,11 @@ class ResponseBuilder:
     """echo: the request's fields a Response repeats (instructions, tools, text, ...)."""
 
     def __init__(self, response_id: str, model: str, echo: dict, reader: OutputReader,
-                 tokenizer: ServedTokenizer | None = None) -> None:  # fmt: skip
-        """tokenizer: given, output_text carries logprobs."""
+                 tokenizer: ServedTokenizer | None = None,
+                 namespaces: dict[str, str] | None = None) -> None:  # fmt: skip
+        """tokenizer: given, output_text carries logprobs. namespaces: the namespace of each
+        tool that is in one, by name (its calls say it)."""
+        self.namespaces = namespaces or {}
         self.id = response_id
         self.model = model
         self.echo = echo
@@ -186,6 +189,8 @@ class ResponseBuilder:
         if call.id is not None:
             item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress",
                     "call_id": call.id, "name": call.name, "arguments": ""}  # fmt: skip
+            if call.name in self.namespaces:
+                item["namespace"] = self.namespaces[call.name]
             out += self._added(item)
             self.calls[call.index] = item
         item = self.calls[call.index]

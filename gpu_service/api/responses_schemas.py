@@ -45,14 +45,18 @@ class InputItem(_Body):
     summary: list[ContentPart] | None = None
     encrypted_content: str | None = None  # never written here, so refused when given
     phase: str | None = None
+    namespace: str | None = None  # of a function_call: its tool's namespace
 
 
 class ResponsesTool(_Body):
+    """A function tool, or a namespace of them (type namespace: its `tools`)."""
+
     type: str
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: list[ResponsesTool] | None = None
 
 
 class NamedFunction(_Body):
@@ -121,6 +125,9 @@ class ResponsesRequest(_Body):
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     timeout: float | None = Field(None, gt=0)
 
@@ -149,3 +156,6 @@ class ResponsesRequest(_Body):
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed with stream=true"
         return None
+
+
+ResponsesTool.model_rebuild()

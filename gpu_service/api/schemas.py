@@ -45,6 +45,17 @@ def _unknown_in(value: Any, prefix: str) -> list[str]:
     return []
 
 
+def logit_bias_ids(logit_bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """logit_bias with its keys (token ids as JSON strings) as ints; ValueError if one is not an
+    id."""
+    out = []
+    for key, bias in (logit_bias or {}).items():
+        if not key.isdigit():
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        out.append((int(key), bias))
+    return tuple(out)
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
@@ -143,14 +154,7 @@ class _Sampling(_Body):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
-        """logit_bias with its keys (token ids as JSON strings) as ints; ValueError if one is
-        not an id."""
-        out = []
-        for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            out.append((int(key), bias))
-        return tuple(out)
+        return logit_bias_ids(self.logit_bias)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field set to something this server cannot do."""
