@@ -2,10 +2,11 @@
 as pydantic models.
 
 As schemas.py's: strict, and a field this server does not know set to anything but null is a 400
-naming it. Accepted on purpose without effect (nothing to do locally): `cache_control` on blocks
-and tools (the prefix cache needs no marks), `context_management`, `output_config.effort`,
-`service_tier`, `metadata`, `thinking.budget_tokens`, `citations` on text blocks, redacted
-thinking blocks given back (nothing to render).
+naming it. Accepted on purpose without effect (nothing to do locally): `cache_control` (on the
+request, its blocks and tools: the prefix cache needs no marks), `context_management`,
+`output_config.effort`, `service_tier`, `metadata`, `inference_geo`, `speed`,
+`thinking.budget_tokens`, `citations` on text blocks, redacted thinking blocks given back
+(nothing to render).
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ class MessagesRequest(MessagesBase):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    cache_control: dict[str, Any] | None = None
+    inference_geo: str | None = None
+    speed: Literal["standard", "fast"] | None = None
     timeout: float | None = Field(None, gt=0, description="extension: seconds until it ends")
 
     def unsupported(self) -> tuple[str, str] | None:
