@@ -17,7 +17,7 @@ constrained part, as reasoning.thinking_grammar writes it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from gpu_service.api.context import ApiContext
 from gpu_service.api.errors import invalid
@@ -30,12 +30,19 @@ from gpu_service.api.reasoning import (
 from gpu_service.api.tool_parsers import FunctionSpec, ToolCall, ToolCallStream, ToolParser
 from gpu_service.api.tool_parsers.base import closed, lark_json, lark_string
 from gpu_service.api.tool_parsers.stream import CallDelta
-from gpu_service.api.tool_schemas import NamedToolChoice
-
-if TYPE_CHECKING:
-    from gpu_service.api.chat_request import ChatRequest
+from gpu_service.api.tool_schemas import NamedToolChoice, ResponseFormat, Tool
 
 JSON_OBJECT = {"type": "object"}
+
+
+class OutputRequest(Protocol):
+    """What plan_output reads of a request (chat_request.ChatRequest has it)."""
+
+    tools: list[Tool]
+    tool_choice: Any
+    parallel_tool_calls: bool | None
+    response_format: ResponseFormat | None
+    format_param: str
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,7 @@ class OutputPlan:
     grammar: GrammarSpec | None
 
 
-def plan_output(ctx: ApiContext, body: ChatRequest, prompt_opened: bool) -> OutputPlan:
+def plan_output(ctx: ApiContext, body: OutputRequest, prompt_opened: bool) -> OutputPlan:
     """prompt_opened: the rendered prompt ends inside an open <think>."""
     tools = body.tools or []
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
