@@ -51,8 +51,9 @@ class Shutdown(BaseException):
 
 def configure_serve(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Serve a Mixture-of-Experts checkpoint over an OpenAI-compatible HTTP API "
-        "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics). Starts the "
+        "Serve a Mixture-of-Experts checkpoint over OpenAI- and Anthropic-compatible HTTP APIs "
+        "(/v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models, "
+        "/health, /metrics). Starts the "
         "CPU expert workers as supervised subprocesses (restarted if they die) unless "
         "--expert-address names workers already running, the GPU service, and the HTTP "
         "server; SIGINT/SIGTERM stop all of them (workers named by --expert-address keep "

@@ -119,6 +119,8 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
             tool_parser=parser,
             reasoning_parser=reasoning,
             grammars=grammars,
+            access_log=http.access_log,
+            max_stored_responses=http.max_stored_responses,
         )
         server = DrainingServer(
             uvicorn.Config(

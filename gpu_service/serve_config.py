@@ -96,6 +96,19 @@ class HTTPConfig:
         "get 503; then each is ended with an error (a stream: an error event and [DONE]) "
         "(default %(default)s)",
     )
+    access_log: bool = flag(
+        True,
+        name="--no-access-log",
+        help="do not log a line per request (method, path, status, seconds, prompt and "
+        "completion tokens) to the ktserve.access logger",
+    )
+    max_stored_responses: int = flag(
+        1024,
+        metavar="N",
+        help="/v1/responses answers kept in memory (each for an hour, the oldest dropped first) "
+        "for previous_response_id and GET /v1/responses/{id}; 0 keeps none, and store true is "
+        "then refused (default %(default)s)",
+    )
     # NOTE: never a flag; read from api_key_file or API_KEY_ENV by with_api_key().
     api_key: str | None = field(default=None, repr=False)
 
@@ -114,6 +127,10 @@ class HTTPConfig:
             )
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"--request-timeout must be positive, got {self.request_timeout_s}")
+        if self.max_stored_responses < 0:
+            raise ValueError(
+                f"--max-stored-responses must be >= 0, got {self.max_stored_responses}"
+            )
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
         if self.api_key is not None and not self.api_key:

@@ -8,7 +8,7 @@ plus --max-waiting-requests that wait: tokenized or queued); one more gets 429
 (too_many_requests) with Retry-After. A request counts only once its body is read whole
 (limits.py reads it, within --request-read-timeout), so a client that uploads slowly holds no slot;
 one that would be refused already as it arrives is refused before a byte of its body is read
-(RefuseEarly). /health and /metrics are never refused here.
+(RefuseEarly). /health, /metrics and / are never refused here.
 
 Retry-After estimates when the queue ahead of a refused request will have drained: the waiting
 requests times the mean time a recent request held a running slot (the engine's mean_run_s),
@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from gpu_service.api.errors import ApiError
 
 MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S = 1, 60
-UNGATED = ("/health", "/metrics")
+UNGATED = ("/health", "/metrics", "/")
 
 
 class Admission:
@@ -104,7 +104,7 @@ class RefuseEarly:
         if scope["type"] == "http" and scope["path"] not in UNGATED:
             refused = self.admission.refusal()
             if refused is not None:
-                await refused.response()(scope, receive, send)
+                await refused.response(scope["path"])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -123,7 +123,7 @@ class AdmissionMiddleware:
         try:
             self.admission.admit()
         except ApiError as exc:
-            await exc.response()(scope, receive, send)
+            await exc.response(scope["path"])(scope, receive, send)
             return
         try:
             await self.app(scope, receive, send)

@@ -1,9 +1,11 @@
-"""The FastAPI application: OpenAI-compatible /v1 routes; vLLM's /tokenize, /detokenize and
-/version; /health (GET and HEAD) and /metrics.
+"""The FastAPI application: OpenAI's /v1 routes (chat completions, completions, responses,
+models), Anthropic's /v1/messages (and count_tokens); vLLM's /tokenize, /detokenize and /version;
+/health and / (GET and HEAD) and /metrics.
 
-Middlewares, outermost first: count (by route and status), API key (auth.py), early refusal (429
-past the in-flight bound, 503 while draining: admission.py), the body read whole (413 past its
-bound, 408 past its time: limits.py), admission (counts the request in, or 429 / 503)."""
+Middlewares, outermost first: count and log (by method, route and status: access.py), API key
+(auth.py), early refusal (429 past the in-flight bound, 503 while draining: admission.py), the
+body read whole (413 past its bound, 408 past its time: limits.py), admission (counts the request
+in, or 429 / 503)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.requests import ClientDisconnect, Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gpu_service.api import errors
+from gpu_service.api.access import AccessMiddleware, RouteLabels
 from gpu_service.api.admission import AdmissionMiddleware, RefuseEarly
 from gpu_service.api.auth import ApiKeyMiddleware, is_authorized
 from gpu_service.api.chat import create_chat_completion
@@ -21,12 +23,15 @@ from gpu_service.api.completions import create_completion
 from gpu_service.api.context import ApiContext
 from gpu_service.api.generation import ClientGone
 from gpu_service.api.limits import ReadBody
+from gpu_service.api.messages import count_message_tokens, create_message
+from gpu_service.api.responses import ResponseStore, create_response, get_response
 from gpu_service.api.tokenize import detokenize, tokenize
 from ktserve.model_label import labeled_registry
 from ktserve.version import ktserve_version
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}",
-          "/tokenize", "/detokenize", "/version", "/health", "/metrics")  # fmt: skip
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/responses/{id}",
+          "/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/v1/models/{model}",
+          "/tokenize", "/detokenize", "/version", "/health", "/metrics", "/")  # fmt: skip
 
 
 def create_app(ctx: ApiContext) -> FastAPI:
@@ -41,8 +46,9 @@ def create_app(ctx: ApiContext) -> FastAPI:
     http_registry = CollectorRegistry()
     requests_total = Counter(
         "ktserve_http_requests",
-        "HTTP requests by route and status",
-        ["route", "status"],
+        "HTTP requests by method, route and status (a path no route answers: its first two "
+        "segments, a bounded set of them)",
+        ["method", "route", "status"],
         registry=http_registry,
     )
 
@@ -58,6 +64,29 @@ def create_app(ctx: ApiContext) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await create_completion(request, ctx)
+
+    store = ResponseStore(ctx.max_stored_responses)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(request, ctx, store)
+
+    @app.get("/v1/responses/{response_id}")
+    async def response(response_id: str) -> Response:
+        return get_response(store, response_id)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await create_message(request, ctx)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await count_message_tokens(request, ctx)
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> JSONResponse:
+        """For clients that check the base URL answers before they use it."""
+        return JSONResponse({"status": "ok"})
 
     def model_card() -> dict:
         return {
@@ -130,33 +159,6 @@ def create_app(ctx: ApiContext) -> FastAPI:
     if ctx.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=ctx.api_key,
                            metrics_public=ctx.metrics_public)  # fmt: skip
-    app.add_middleware(_CountRequests, counter=requests_total)
+    app.add_middleware(AccessMiddleware, counter=requests_total, labels=RouteLabels(ROUTES),
+                       access_log=ctx.access_log)  # fmt: skip
     return app
-
-
-class _CountRequests:
-    """Counts requests by route and status (plain ASGI, so streams pass untouched)."""
-
-    def __init__(self, app: ASGIApp, counter: Counter) -> None:
-        self.app = app
-        self.counter = counter
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        route = path if path in ROUTES else "other"
-        if path.startswith("/v1/models/"):
-            route = "/v1/models/{model}"
-        status = {"code": 500}
-
-        async def send_counted(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_counted)
-        finally:
-            self.counter.labels(route=route, status=str(status["code"])).inc()

@@ -1,57 +1,53 @@
-"""POST /v1/chat/completions: messages (and tools) through the checkpoint's chat template; the
-output read back as reasoning, content and tool calls (chat_output.py)."""
+"""POST /v1/chat/completions: the body as the internal ChatRequest (chat_request.py), its
+output read back as reasoning, content and tool calls (chat_output.py) into OpenAI's shapes."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from gpu_service.api.chat_output import Delta, GrammarSpec, OutputReader, plan_output
+from gpu_service.api.access import report_usage
+from gpu_service.api.chat_output import Delta, OutputReader
+from gpu_service.api.chat_request import ChatRequest, prepare_chat, start_chat, usage
 from gpu_service.api.context import ApiContext
-from gpu_service.api.errors import invalid
 from gpu_service.api.generation import collect_all, unless_disconnected
 from gpu_service.api.logprobs import chat_logprobs
-from gpu_service.api.parsing import check_request, choice_params, parse_body, sampling_params
-from gpu_service.api.reasoning import prompt_opens_thinking
+from gpu_service.api.parsing import check_request, parse_body, sampling_fields
 from gpu_service.api.schemas import ChatCompletionRequest
 from gpu_service.api.streaming import stream_response
-from gpu_service.api.tokenizer import TokenizerError
-from gpu_service.engine.grammar import Grammar, GrammarError
 from gpu_service.engine.request import TokenEvent
 
-# NOTE: what apply_chat_template itself takes; chat_template_kwargs cannot set these.
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "conversation", "tools", "documents", "add_generation_prompt", "tokenize",
-     "continue_final_message", "return_dict", "chat_template", "tokenizer_kwargs"}
-)  # fmt: skip
+
+def chat_request(body: ChatCompletionRequest) -> ChatRequest:
+    """Chat completions' body as the internal request."""
+    return ChatRequest(
+        messages=body.messages,
+        sampling=sampling_fields(body),
+        max_tokens=body.max_new_tokens,
+        tools=body.tools or [],
+        tool_choice=body.tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=body.response_format,
+        template_kwargs=body.chat_template_kwargs or {},
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        n=body.n,
+        timeout=body.timeout,
+    )
 
 
 async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     check_request(ctx, body)
-    check_messages(body)
-    prompt_ids, prompt_text = await render(ctx, body)
-    prompt_opened = prompt_opens_thinking(prompt_text)
-    plan = plan_output(ctx, body, prompt_opened)
-    grammar = await compile_grammar(ctx, plan.grammar) if plan.grammar is not None else None
+    prepared = await prepare_chat(ctx, chat_request(body))
     want_logprobs = body.logprobs
-    params = sampling_params(
-        body,
-        ctx.max_tokens_for(prompt_ids, body.max_new_tokens),
-        want_logprobs,
-        body.top_logprobs or 0,
-        grammar=grammar,
-    )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    per_choice = choice_params(params, body.n)
-    generations = await ctx.choices(request, body, prompt_ids, per_choice, request_id,
-                                    prompt_param="messages")  # fmt: skip
+    generations = await start_chat(request, ctx, prepared, request_id)
     writers = [
-        ChatChunks(ctx, request_id, want_logprobs, OutputReader(plan, prompt_opened), index=i)
+        ChatChunks(ctx, request_id, want_logprobs, prepared.reader(), index=i)
         for i in range(body.n)
     ]
     if body.stream:
@@ -72,6 +68,8 @@ async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
                 "finish_reason": reader.finish_reason(out.finish_reason),
             }
         )
+    num_prompt, num_completion = len(prepared.prompt_ids), sum(len(o.tokens) for o in outs)
+    report_usage(request.scope, num_prompt, num_completion)
     return JSONResponse(
         {
             "id": request_id,
@@ -80,63 +78,9 @@ async def create_chat_completion(request: Request, ctx: ApiContext) -> Response:
             "model": ctx.model_name,
             "system_fingerprint": None,
             "choices": choices,
-            "usage": usage(len(prompt_ids), sum(len(o.tokens) for o in outs)),
+            "usage": usage(num_prompt, num_completion, outs[0].num_cached_tokens),
         }
     )
-
-
-def check_messages(body: ChatCompletionRequest) -> None:
-    for i, m in enumerate(body.messages):
-        if m.role == "function":
-            raise invalid(
-                "role 'function' is deprecated and not supported: use role 'tool'",
-                param=f"messages.{i}.role",
-            )
-        if m.tool_calls and m.role != "assistant":
-            raise invalid("only assistant messages have tool_calls", param=f"messages.{i}")
-        if m.role == "tool":
-            if not m.tool_call_id:
-                raise invalid(
-                    "a tool message needs tool_call_id (the id of the call it answers)",
-                    param=f"messages.{i}.tool_call_id",
-                )
-        elif m.tool_call_id is not None:
-            raise invalid("only tool messages have tool_call_id", param=f"messages.{i}")
-
-
-async def render(ctx: ApiContext, body: ChatCompletionRequest) -> tuple[list[int], str]:
-    kwargs = body.chat_template_kwargs or {}
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
-    if reserved:
-        raise invalid(
-            f"chat_template_kwargs cannot set {', '.join(reserved)}", param="chat_template_kwargs"
-        )
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    try:
-        return await ctx.render_chat(
-            lambda as_text: [m.to_template(as_text) for m in body.messages], tools, kwargs
-        )
-    except (TokenizerError, ValueError) as exc:
-        raise invalid(str(exc), param="messages") from exc
-
-
-async def compile_grammar(ctx: ApiContext, spec: GrammarSpec) -> Grammar:
-    """Compiled in a worker thread: a large schema takes a while, and the engine never waits."""
-    loop = asyncio.get_running_loop()
-    try:
-        return await loop.run_in_executor(None, ctx.grammars.compile_lark, spec.lark)
-    except GrammarError as exc:
-        raise invalid(
-            f"cannot constrain the output to this {spec.param}: {exc}", param=spec.param
-        ) from None
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
 
 
 class ChatChunks:
@@ -209,7 +153,7 @@ class ChatChunks:
             [{"index": self.index, "delta": delta, "logprobs": None, "finish_reason": reason}]
         )
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         chunk = self._chunk([])
-        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        chunk["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return chunk

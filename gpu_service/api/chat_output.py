@@ -1,7 +1,8 @@
 """What a chat request asks of its output, and the output read back into a message.
 
-    plan_output(ctx, body)      tools / tool_choice / parallel_tool_calls / response_format
-                                checked against each other (400s) -> OutputPlan: the grammar
+    plan_output(ctx, req)       a ChatRequest's (chat_request.py) tools / tool_choice /
+                                parallel_tool_calls / response_format checked against each
+                                other (400s) -> OutputPlan: the grammar
                                 to compile (if any), the tool parser, the reasoning format
     OutputReader(plan)          text as it streams -> reasoning / content / tool-call deltas;
                                 finish() -> the rest, and finish_reason "tool_calls" when the
@@ -16,6 +17,7 @@ constrained part, as reasoning.thinking_grammar writes it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from gpu_service.api.context import ApiContext
 from gpu_service.api.errors import invalid
@@ -25,13 +27,22 @@ from gpu_service.api.reasoning import (
     ReasoningSplitter,
     thinking_grammar,
 )
-from gpu_service.api.schemas import ChatCompletionRequest
 from gpu_service.api.tool_parsers import FunctionSpec, ToolCall, ToolCallStream, ToolParser
 from gpu_service.api.tool_parsers.base import closed, lark_json, lark_string
 from gpu_service.api.tool_parsers.stream import CallDelta
-from gpu_service.api.tool_schemas import NamedToolChoice
+from gpu_service.api.tool_schemas import NamedToolChoice, ResponseFormat, Tool
 
 JSON_OBJECT = {"type": "object"}
+
+
+class OutputRequest(Protocol):
+    """What plan_output reads of a request (chat_request.ChatRequest has it)."""
+
+    tools: list[Tool]
+    tool_choice: Any
+    parallel_tool_calls: bool | None
+    response_format: ResponseFormat | None
+    format_param: str
 
 
 @dataclass(frozen=True)
@@ -48,7 +59,7 @@ class OutputPlan:
     grammar: GrammarSpec | None
 
 
-def plan_output(ctx: ApiContext, body: ChatCompletionRequest, prompt_opened: bool) -> OutputPlan:
+def plan_output(ctx: ApiContext, body: OutputRequest, prompt_opened: bool) -> OutputPlan:
     """prompt_opened: the rendered prompt ends inside an open <think>."""
     tools = body.tools or []
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
@@ -86,25 +97,25 @@ def plan_output(ctx: ApiContext, body: ChatCompletionRequest, prompt_opened: boo
         # strict tools: the model may answer in text, but a call it makes matches its schema
         functions = [FunctionSpec(t.function.name, t.function.parameters or {}) for t in tools]
         grammar = GrammarSpec(parser.grammar(functions, parallel, free_text=True), "tools")
-    fmt = body.response_format
+    fmt, fmt_param = body.response_format, body.format_param
     if fmt is not None and fmt.type != "text":
         if grammar is not None and not strict:
             raise invalid(
-                "response_format cannot be combined with tool_choice required or a named "
+                f"{fmt_param} cannot be combined with tool_choice required or a named "
                 "function (both constrain the whole output)",
-                param="response_format",
+                param=fmt_param,
             )
         if fmt.type == "json_object":
-            grammar = GrammarSpec(f"start: {lark_json(JSON_OBJECT)}\n", "response_format")
+            grammar = GrammarSpec(f"start: {lark_json(JSON_OBJECT)}\n", fmt_param)
         else:
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise invalid(
-                    "response_format json_schema needs json_schema.schema",
-                    param="response_format.json_schema",
+                    f"{fmt_param} json_schema needs json_schema.schema",
+                    param=f"{fmt_param}.json_schema",
                 )
             # NOTE: closed objects (base.closed): what matches them matches the schema too
             schema = closed(fmt.json_schema.schema_)
-            grammar = GrammarSpec(f"start: {lark_json(schema)}\n", "response_format")
+            grammar = GrammarSpec(f"start: {lark_json(schema)}\n", fmt_param)
         if strict:  # the answer in the format, or calls of the strict tools
             answer = grammar.lark.removeprefix("start: ")
             section = f"{lark_string(parser.start)} after_start"

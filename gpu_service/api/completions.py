@@ -8,11 +8,18 @@ import uuid
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request
 
-from gpu_service.api.chat import usage
+from gpu_service.api.access import report_usage
+from gpu_service.api.chat_request import usage
 from gpu_service.api.context import ApiContext
 from gpu_service.api.generation import collect_all, unless_disconnected
 from gpu_service.api.logprobs import CompletionLogprobs
-from gpu_service.api.parsing import check_request, choice_params, parse_body, sampling_params
+from gpu_service.api.parsing import (
+    check_request,
+    choice_params,
+    parse_body,
+    sampling_fields,
+    sampling_params,
+)
 from gpu_service.api.schemas import CompletionRequest
 from gpu_service.api.streaming import stream_response
 from gpu_service.engine.request import TokenEvent
@@ -25,7 +32,10 @@ async def create_completion(request: Request, ctx: ApiContext) -> Response:
     prompt_ids = await ctx.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
     want_logprobs = body.logprobs is not None
     params = sampling_params(
-        body, ctx.max_tokens_for(prompt_ids, body.max_tokens), want_logprobs, body.logprobs or 0
+        sampling_fields(body),
+        ctx.max_tokens_for(prompt_ids, body.max_tokens),
+        want_logprobs,
+        body.logprobs or 0,
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"
     per_choice = choice_params(params, body.n)
@@ -41,8 +51,10 @@ async def create_completion(request: Request, ctx: ApiContext) -> Response:
                       out.finish_reason)
         for writer, out in zip(writers, outs)
     ]  # fmt: skip
+    num_completion = sum(len(o.tokens) for o in outs)
+    report_usage(request.scope, len(prompt_ids), num_completion)
     response = writers[0].chunk("", None, None) | {
-        "usage": usage(len(prompt_ids), sum(len(o.tokens) for o in outs))
+        "usage": usage(len(prompt_ids), num_completion, outs[0].num_cached_tokens)
     }
     response["choices"] = choices
     return JSONResponse(response)
@@ -85,8 +97,8 @@ class CompletionChunks:
     def finish(self, reason: str) -> dict:
         return self.chunk("", None, reason)
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
         chunk = self.chunk("", None, None)
         chunk["choices"] = []
-        chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        chunk["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         return chunk

@@ -37,7 +37,8 @@ class ApiContext:
     admission: the in-flight bound and the draining flag (admission.py). generations: those not yet
     closed. tool_parser: how tool calls are written and read (None: tools are refused).
     reasoning_parser: a REASONING_PARSERS name (None: no split). grammars: compiles the grammars of
-    constrained decoding (None: it is refused)."""
+    constrained decoding (None: it is refused). access_log: a log line per request (access.py).
+    max_stored_responses: /v1/responses kept for previous_response_id (0: none)."""
 
     engine: Engine
     tokenizer: ServedTokenizer
@@ -54,6 +55,8 @@ class ApiContext:
     tool_parser: ToolParser | None = None
     reasoning_parser: str | None = None
     grammars: GrammarCompiler | None = None
+    access_log: bool = True
+    max_stored_responses: int = 1024
     created: int = field(default_factory=lambda: int(time.time()))
     generations: weakref.WeakSet[Generation] = field(default_factory=weakref.WeakSet)
     _tokenize: ThreadPoolExecutor = field(

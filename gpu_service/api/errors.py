@@ -1,4 +1,5 @@
-"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}} with a status.
+"""Errors in OpenAI's JSON shape: {"error": {"message", "type", "param", "code"}} with a status;
+under /v1/messages in Anthropic's: {"type": "error", "error": {"type", "message"}}.
 
 Engine errors (engine/errors.py) become ApiErrors only through ENGINE_ERRORS, wherever they
 surface: a request add_request refused, a non-streamed request or a stream whose first event
@@ -40,6 +41,19 @@ TYPES = {
     504: "timeout_error",
 }
 
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+ANTHROPIC_PATHS = "/v1/messages"
+
 # NOTE: looked up along the error's MRO: the most derived class listed wins.
 ENGINE_ERRORS: dict[type[EngineError], tuple[int, str | None]] = {  # -> (status, code)
     PromptTooLong: (400, "context_length_exceeded"),
@@ -80,8 +94,15 @@ class ApiError(Exception):
             }
         }
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as the API of `path` writes errors."""
+        anthropic = path.startswith(ANTHROPIC_PATHS)
+        body = self.anthropic_body() if anthropic else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -114,20 +135,21 @@ def _is_type_name(part: str) -> bool:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return from_validation(exc).response()
+        return from_validation(exc).response(request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
         if exc.status_code == 404:
             message = f"no such endpoint: {request.method} {request.url.path}"
-        return ApiError(exc.status_code, message).response()
+        return ApiError(exc.status_code, message).response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error serving %s %s", request.method, request.url.path)
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()
+        error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error.response(request.url.path)

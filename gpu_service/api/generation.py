@@ -116,6 +116,7 @@ class Outcome:
     tokens: list[SampledToken] = field(default_factory=list)
     finish_reason: str = "stop"
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt, found in the prefix cache
 
 
 async def collect(generation: Generation) -> Outcome:
@@ -124,6 +125,7 @@ async def collect(generation: Generation) -> Outcome:
         async for event in generation:
             out.text += event.text
             out.tokens.extend(event.tokens)
+            out.num_cached_tokens = event.num_cached_tokens
             if event.finish_reason is not None:
                 error = finish_error(event)
                 if error is not None:

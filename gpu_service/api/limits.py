@@ -52,7 +52,9 @@ class ReadBody:
             return
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await too_large(self.max_bytes, int(declared)).response()(scope, receive, send)
+            await too_large(self.max_bytes, int(declared)).response(scope["path"])(
+                scope, receive, send
+            )
             return
         chunks: list[bytes] = []
         num_read, more = 0, True
@@ -63,14 +65,14 @@ class ReadBody:
                 message = await asyncio.wait_for(receive(), deadline - loop.time())
             except TimeoutError:
                 refused = too_slow(self.read_timeout_s, num_read)
-                await refused.response()(scope, receive, send)
+                await refused.response(scope["path"])(scope, receive, send)
                 return
             if message["type"] == "http.disconnect":
                 return  # nobody to answer
             chunks.append(message.get("body", b""))
             num_read += len(chunks[-1])
             if num_read > self.max_bytes:
-                await too_large(self.max_bytes).response()(scope, receive, send)
+                await too_large(self.max_bytes).response(scope["path"])(scope, receive, send)
                 return
             more = message.get("more_body", False)
         body: Message | None = {"type": "http.request", "more_body": False}

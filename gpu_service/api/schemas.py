@@ -19,6 +19,10 @@ from gpu_service.api.tool_schemas import MessageToolCall, NamedToolChoice, Respo
 from gpu_service.engine.sampling_params import MAX_TOP_LOGPROBS
 
 MAX_N = 16  # choices per request (each is a sequence of the running batch)
+# NOTE: every integer field is bounded here, where it is parsed (a 400 naming it), never by a
+# C conversion further on (a 500): seeds are signed 64-bit (OpenAI's), counts fit 32 bits.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_COUNT = 2**31 - 1
 
 
 class _Body(BaseModel):
@@ -39,6 +43,17 @@ def _unknown_in(value: Any, prefix: str) -> list[str]:
     if isinstance(value, list):
         return [p for i, v in enumerate(value) for p in _unknown_in(v, f"{prefix}{i}.")]
     return []
+
+
+def logit_bias_ids(logit_bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """logit_bias with its keys (token ids as JSON strings) as ints; ValueError if one is not an
+    id."""
+    out = []
+    for key, bias in (logit_bias or {}).items():
+        if not key.isdigit():
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        out.append((int(key), bias))
+    return tuple(out)
 
 
 class StreamOptions(_Body):
@@ -106,7 +121,7 @@ class _Sampling(_Body):
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
@@ -123,12 +138,14 @@ class _Sampling(_Body):
     service_tier: str | None = None
     metadata: dict[str, Any] | None = None
     # extensions (vLLM's names)
-    top_k: int = Field(0, ge=-1, description="extension: sample among the k most likely tokens")
+    top_k: int = Field(
+        0, ge=-1, le=MAX_COUNT, description="extension: sample among the k most likely tokens"
+    )
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_COUNT)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = None  # checked against the vocabulary by the engine
     timeout: float | None = Field(None, gt=0, description="extension: seconds until it ends")
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -137,14 +154,7 @@ class _Sampling(_Body):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def logit_bias_ids(self) -> tuple[tuple[int, float], ...]:
-        """logit_bias with its keys (token ids as JSON strings) as ints; ValueError if one is
-        not an id."""
-        out = []
-        for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            out.append((int(key), bias))
-        return tuple(out)
+        return logit_bias_ids(self.logit_bias)
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for the first field set to something this server cannot do."""
@@ -167,8 +177,8 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Tool] | None = None
@@ -206,11 +216,11 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[str] | list[int] | list[list[int]]  # ids: checked by the engine
+    max_tokens: int | None = Field(16, ge=1, le=MAX_COUNT)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     suffix: str | None = None
 
     def unsupported(self) -> tuple[str, str] | None:

@@ -25,6 +25,7 @@ from typing import Protocol
 from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 
+from gpu_service.api.access import report_usage
 from gpu_service.api.generation import Generation, finish_error, unless_disconnected
 from gpu_service.engine.request import TokenEvent
 
@@ -40,20 +41,16 @@ class ChunkWriter(Protocol):
 
     def finish(self, reason: str) -> dict: ...
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict: ...
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict: ...
 
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def stream_response(
-    request: Request,
-    generations: Sequence[Generation],
-    writers: Sequence[ChunkWriter],
-    include_usage: bool,
-) -> StreamingResponse:
-    """One stream of n choices: generations[i]'s events become writers[i]'s chunks (choice i)."""
+async def first_events(request: Request, generations: Sequence[Generation]) -> list[TokenEvent]:
+    """Each generation's first event, awaited before a response starts: a request that failed
+    at once raises its ApiError (the response's status), and every generation is closed."""
     try:
         firsts = await unless_disconnected(
             request, asyncio.gather(*(g.next_event() for g in generations))
@@ -68,11 +65,26 @@ async def stream_response(
             for generation in generations:
                 generation.close()
             raise error
+    return firsts
+
+
+def sse_response(body: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(
-        _chunks(generations, firsts, writers, include_usage),
+        body,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def stream_response(
+    request: Request,
+    generations: Sequence[Generation],
+    writers: Sequence[ChunkWriter],
+    include_usage: bool,
+) -> StreamingResponse:
+    """One stream of n choices: generations[i]'s events become writers[i]'s chunks (choice i)."""
+    firsts = await first_events(request, generations)
+    return sse_response(_chunks(request.scope, generations, firsts, writers, include_usage))
 
 
 async def merged(
@@ -100,6 +112,7 @@ async def merged(
 
 
 async def _chunks(
+    scope: dict,
     generations: Sequence[Generation],
     firsts: Sequence[TokenEvent],
     writers: Sequence[ChunkWriter],
@@ -108,6 +121,7 @@ async def _chunks(
     # NOTE: the finally runs when the client disconnects too (Starlette cancels this generator):
     # that is what aborts the requests in the engine.
     num_tokens = 0
+    num_prompt, num_cached = generations[0].num_prompt_tokens, firsts[0].num_cached_tokens
 
     def emit(chunk: dict) -> str:
         if include_usage:  # as OpenAI does: every chunk but the last has "usage": null
@@ -132,9 +146,10 @@ async def _chunks(
             if event.finish_reason is not None:
                 yield emit(writers[i].finish(event.finish_reason.value))
         if include_usage:
-            yield sse(writers[0].usage(generations[0].num_prompt_tokens, num_tokens))
+            yield sse(writers[0].usage(num_prompt, num_tokens, num_cached))
         yield DONE
     finally:
+        report_usage(scope, num_prompt, num_tokens)
         await events.aclose()
         for generation in generations:
             generation.close()

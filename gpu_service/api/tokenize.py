@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 from starlette.requests import Request
 
-from gpu_service.api.chat import check_messages, render
+from gpu_service.api.chat_request import check_messages, render
 from gpu_service.api.context import ApiContext
 from gpu_service.api.errors import invalid
 from gpu_service.api.parsing import parse_body
@@ -68,8 +68,8 @@ async def tokenize(request: Request, ctx: ApiContext) -> JSONResponse:
                 "add_special_tokens is not supported with messages (the template writes them)",
                 param="add_special_tokens",
             )
-        check_messages(body)
-        ids, _ = await render(ctx, body)
+        check_messages(body.messages)
+        ids, _ = await render(ctx, body.messages, body.tools, body.chat_template_kwargs)
     else:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = await ctx.encode_prompt(body.prompt, add_special_tokens=add_special)

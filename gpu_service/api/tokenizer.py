@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,6 +52,18 @@ class ServedTokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def thinking_switch(self) -> str | None:
+        """The template variable that turns thinking on or off (Qwen3's enable_thinking,
+        DeepSeek-V3.1's thinking), if the chat template reads one."""
+        template = self.tokenizer.chat_template
+        template = template if isinstance(template, str) else str(template or "")
+        if re.search(r"\benable_thinking\b", template):
+            return "enable_thinking"
+        if re.search(r"\bthinking\s+is\s+defined\b|\bif\s+thinking\b", template):
+            return "thinking"
+        return None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         with self._encode_lock:

@@ -27,6 +27,7 @@ class Detokenizer:
         self.text = ""
         self.sent = 0  # characters of self.text already released
         self.stopped = False
+        self.stopped_by: str | None = None  # the stop string that ended the output
         self._prefix = 0  # output ids [_prefix, _read) were decoded into text last time
         self._read = 0
         self._decoded = ""  # decode(output ids [0, _read))
@@ -42,7 +43,7 @@ class Detokenizer:
             at = text.find(s, max(0, max(self.sent, self._exempt) - len(s) + 1))
             if at >= 0:
                 self.text = text[:at]
-                self.stopped = True
+                self.stopped, self.stopped_by = True, s
                 return self._release(len(self.text))
         self.text = text
         return self._release(len(text) - self.holdback)

@@ -376,7 +376,9 @@ class Engine:
             self._recent_run_s.append(now - ran)
         self.metrics.finished.labels(finished_reason=reason.value).inc()
         self._update_gauges()
-        tracked.on_event(_event(request, (), finish_reason=reason, error=error))
+        stop_string = tracked.detok.stopped_by if tracked.detok is not None else None
+        tracked.on_event(_event(request, (), finish_reason=reason, error=error,
+                                stop_string=stop_string))  # fmt: skip
 
 
 def _event(request: Request, tokens: tuple, **fields) -> TokenEvent:

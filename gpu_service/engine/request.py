@@ -46,6 +46,7 @@ class TokenEvent:
     error: EngineError | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt, found in the prefix cache (not computed)
+    stop_string: str | None = None  # of an end: the stop string that ended the output
 
 
 @dataclass(eq=False)

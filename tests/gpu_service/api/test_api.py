@@ -489,7 +489,8 @@ def test_metrics_count_what_was_served(server, client):
     assert inference <= sum(seconds * n for _, n, _, seconds in sent)
     assert server.model_names == {"tiny"}
     assert delta("ktserve_moe_round_trip_seconds_count") > 0
-    assert delta("ktserve_http_requests_total{route=/v1/chat/completions,status=200}") == 3
+    chats = "ktserve_http_requests_total{method=POST,route=/v1/chat/completions,status=200}"
+    assert delta(chats) == 3
     for name in (
         "ktserve_num_requests_running",
         "ktserve_num_requests_waiting",

@@ -163,7 +163,8 @@ def test_past_the_queue_bound_is_429_with_retry_after(server, client):
     server.wait_until(lambda: server.health()[1]["requests_in_flight"] == 0, timeout=30,
                       what="the slots freed")  # fmt: skip
     assert client.completions.create(model="tiny", prompt="now", max_tokens=2).usage
-    assert server.metrics()["ktserve_http_requests_total{route=/v1/completions,status=429}"] >= 1
+    refused = "ktserve_http_requests_total{method=POST,route=/v1/completions,status=429}"
+    assert server.metrics()[refused] >= 1
 
 
 def test_a_request_past_its_deadline_ends_with_a_clear_error(server, client):

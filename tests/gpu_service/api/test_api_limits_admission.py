@@ -127,7 +127,8 @@ def test_a_slow_upload_holds_no_slot_and_gets_408(server, client):
     finally:
         for upload in (*stalled, late):
             upload.close()
-    timed_out = server.metrics()["ktserve_http_requests_total{route=/v1/completions,status=408}"]
+    key = "ktserve_http_requests_total{method=POST,route=/v1/completions,status=408}"
+    timed_out = server.metrics()[key]
     assert timed_out == len(stalled)
 
 
