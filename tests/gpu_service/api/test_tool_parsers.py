@@ -304,7 +304,8 @@ def test_chat_flags_map_onto_chat_config():
     args = ["serve", str(DEMO_MODEL_DIR), "--tool-call-parser", "mistral"]
     args += ["--reasoning-parser", "none", "--grammar-cache-size", "3"]
     config = serve_config(build_parser().parse_args(args))
-    assert config.chat == ChatConfig("mistral", "none", 3)
+    assert config.chat == ChatConfig(tool_call_parser="mistral", reasoning_parser="none",
+                                     grammar_cache_size=3)  # fmt: skip
     assert serve_config(build_parser().parse_args(["serve"])).chat == ChatConfig()
     with pytest.raises(ValueError, match="grammar-cache-size"):
         ChatConfig(grammar_cache_size=0)
