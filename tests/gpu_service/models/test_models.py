@@ -5,6 +5,7 @@ TorchExperts. Every test prints its seeds and the errors it measured."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -31,8 +32,11 @@ from gpu_service.models import (
 from ktserve.checkpoint import (
     SUPPORTED_FAMILIES,
     CheckpointReader,
+    ModelSpec,
     TensorShapeMismatch,
     UnsupportedArchitecture,
+    non_expert_params,
+    tensor_headers,
 )
 from tests.support.checkpoints import (
     available_families,
@@ -567,3 +571,20 @@ def test_gqa_through_the_fused_qk_rope_cache_kernel_keeps_transformers_logits(ca
                                                                               name):  # fmt: skip
     """On CUDA, GQA's q/k norms, RoPE and cache writes are one kernel (fused_ops.qk_rope_cache)."""
     _logits_through_the_fused_kernel(cases, monkeypatch, name, "qk_rope_cache")
+
+
+@pytest.mark.skipif("glm4_moe" not in available_families(), reason="no Glm4MoeConfig")
+def test_glm_mtp_layer_is_in_the_checkpoint_and_left_unread(cases: dict[str, Case]) -> None:
+    """GLM checkpoints end with a multi-token-prediction layer (model.layers.N, its own experts
+    too): the fixture writes one; the spec's MoE layers, the GPU part's size and the model all
+    stop before it (the logits tests above load this checkpoint)."""
+    case = cases["glm4_moe"]
+    print(f"[glm4_moe] seed={case.seed}")
+    spec = ModelSpec.from_checkpoint(case.path)
+    headers = tensor_headers(case.path)
+    mtp = f"model.layers.{spec.num_layers}."
+    assert f"{mtp}eh_proj.weight" in headers and f"{mtp}mlp.experts.0.up_proj.weight" in headers
+    assert spec.moe_layers == (1, 2)
+    decoder = sum(math.prod(h["shape"]) for n, h in headers.items()
+                  if not n.startswith(mtp) and ".experts." not in n)  # fmt: skip
+    assert non_expert_params(case.path) == decoder
