@@ -91,7 +91,7 @@ def serve(config: ServeConfig, on_ready: Callable[[str, ServeConfig], None]) -> 
             log.warning("constrained decoding is off (tool_choice required/named and "
                         "response_format are refused): %s", exc)  # fmt: skip
             grammars = None
-        log.info("loading the model's GPU part")
+        log.info("loading the model's GPU part (family %s)", hf.model_type)
         service = build_gpu_service(
             config.gpu.with_workers(workers.addresses, workers.token),
             eos_token_ids=tokenizer.eos_token_ids,

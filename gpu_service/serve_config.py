@@ -23,7 +23,7 @@ API_KEY_FILE_ENV = envs.API_KEY_FILE.name
 MiB = 1 << 20
 # NOTE: the names of gpu_service.api.tool_parsers.PARSERS and api.reasoning.REASONING_PARSERS
 # (a test keeps them equal): --help must not import the API.
-TOOL_CALL_PARSERS = ("hermes", "deepseek_v3", "mistral")
+TOOL_CALL_PARSERS = ("glm45", "qwen3_coder", "hermes", "deepseek_v3", "mistral")
 EXPERT_SPLITS = ("experts", "intermediate")
 NUMA_MODES = ("auto", "off")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -292,7 +292,9 @@ class ChatConfig:
         choices=(*TOOL_CALL_PARSERS, "none"),
         help="the format of tool calls: hermes (<tool_call>{json}</tool_call>: Qwen3, Qwen2.5, "
         "Hermes), deepseek_v3 (<｜tool▁calls▁begin｜>: DeepSeek-V3/R1), mistral ([TOOL_CALLS]: "
-        "Mistral, Mixtral); none refuses requests with tools (default: the format the chat "
+        "Mistral, Mixtral), glm45 (<tool_call>NAME<arg_key>: GLM-4.5/4.6/4.7), qwen3_coder "
+        "(<tool_call><function=NAME>: Qwen3-Coder); none refuses requests with tools (default: "
+        "the format the chat "
         "template writes, else the model family's)",
     )
     reasoning_parser: str | None = flag(

@@ -78,7 +78,8 @@ def plan_output(ctx: ApiContext, body: OutputRequest, prompt_opened: bool) -> Ou
                 "this model has no tool-call format: start the server with --tool-call-parser",
                 param="tools",
             )
-        parser = ctx.tool_parser
+        functions = [FunctionSpec(t.function.name, t.function.parameters or {}) for t in tools]
+        parser = ctx.tool_parser.for_tools(functions)  # NOTE: arguments typed by their schemas
     grammar = None
     if choice == "required" or isinstance(choice, NamedToolChoice):
         functions = [FunctionSpec(t.function.name, t.function.parameters or {}) for t in tools]

@@ -14,7 +14,9 @@ from gpu_service.layers.rope import apply_rotary
 
 
 class GQAAttention(nn.Module):
-    """Grouped-query attention with RoPE; optional per-head q/k RMSNorm (Qwen3), qkv bias (Qwen2).
+    """Grouped-query attention with RoPE; optional per-head q/k RMSNorm (Qwen3, GLM-4.5), qkv bias
+    (Qwen2, GLM-4.5), partial rotary (GLM-4.5: rotary_dim < head_dim, only each head's first
+    rotary_dim dims rotated, by halves).
 
     Cache components of its layer: key [S, Hkv, D], value [S, Hkv, D]. Its kernels: the model's
     AttentionBackend (fused_ops where backend.fused_kernels and they apply).
@@ -33,6 +35,7 @@ class GQAAttention(nn.Module):
         window: int | None = None,
         *,
         backend: AttentionBackend,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -42,11 +45,16 @@ class GQAAttention(nn.Module):
         self.q_norm, self.k_norm = q_norm, k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window = window
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if not 0 < self.rotary_dim <= head_dim:
+            raise ValueError(f"rotary dim {self.rotary_dim} is not in (0, {head_dim}]")
         self.backend = backend
         self.scale = head_dim**-0.5
         self._qkv_split = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
-        # the fused kernel takes one eps for both norms
-        self._fusable = q_norm is None or (k_norm is not None and q_norm.eps == k_norm.eps)
+        # the fused kernel takes one eps for both norms and rotates whole heads
+        self._fusable = self.rotary_dim == head_dim and (
+            q_norm is None or (k_norm is not None and q_norm.eps == k_norm.eps)
+        )
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
@@ -77,8 +85,15 @@ class GQAAttention(nn.Module):
                                            v_cache, ctx.meta.slot_mapping)  # fmt: skip
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, ctx.cos, ctx.sin, interleaved=False, fused=fused)
-        k = apply_rotary(k, ctx.cos, ctx.sin, interleaved=False, fused=fused)
+        q, k = self._rotate(q, ctx, fused), self._rotate(k, ctx, fused)
         write_cache(k_cache, ctx.meta.slot_mapping, k)
         write_cache(v_cache, ctx.meta.slot_mapping, v)
         return q
+
+    def _rotate(self, x: torch.Tensor, ctx: StepContext, fused: bool) -> torch.Tensor:
+        """x [T, heads, D] with its first rotary_dim dims of each head rotated (by halves)."""
+        rot = self.rotary_dim
+        if rot == self.head_dim:
+            return apply_rotary(x, ctx.cos, ctx.sin, interleaved=False, fused=fused)
+        rotated = apply_rotary(x[..., :rot], ctx.cos, ctx.sin, interleaved=False, fused=fused)
+        return torch.cat((rotated, x[..., rot:]), dim=-1)

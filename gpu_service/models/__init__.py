@@ -1,4 +1,4 @@
-"""Model families (DeepSeek-V2/V3, Qwen2/3-MoE, Mixtral) read straight from Hugging Face
+"""Model families (DeepSeek-V2/V3, Qwen2/3-MoE, Mixtral, GLM-4.5) read straight from Hugging Face
 checkpoints, with routed experts behind the `RoutedExperts` interface, holding the paged KV
 cache's tensors."""
 

@@ -6,13 +6,13 @@
                     layer's deferred experts: moe.py)
     logits = lm_head(norm(h))                              # [B, V] (last tokens) or [T, V]
 
-Families (deepseek.py, qwen_moe.py, mixtral.py) build the attention and MLP modules per layer,
-each given the AttentionBackend chosen at load (its kernels), and hand them to `CausalLM` with
-the KV cache's tensors they need (which blocks a sequence holds is the business of the KV
-manager, kvcache/manager.py, which the engine's scheduler owns). The step is written as
-methods that split it at each MoE layer's expert call (embed_tokens, attend_then_norm, the
-MoE's route / shared_out / combine, logits): the engine's decode graphs run the same methods
-segment by segment. Usage:
+Families (deepseek.py, qwen_moe.py, mixtral.py, glm4_moe.py) build the attention and MLP
+modules per layer, each given the AttentionBackend chosen at load (its kernels), and hand them
+to `CausalLM` with the KV cache's tensors they need (which blocks a sequence holds is the
+business of the KV manager, kvcache/manager.py, which the engine's scheduler owns). The step is
+written as methods that split it at each MoE layer's expert call (embed_tokens,
+attend_then_norm, the MoE's route / shared_out / combine, logits): the engine's decode graphs
+run the same methods segment by segment. Usage:
 
     kv = KVCacheManager(model.kv_cache.config)
     cache = kv.allocate(len(prompt))

@@ -95,9 +95,11 @@ def load_gqa(
     qk_norm: bool = False,
     window: int | None = None,
     backend: AttentionBackend,
+    rotary_dim: int | None = None,
 ) -> GQAAttention:
-    """The `model.layers.{layer}.self_attn` GQA block (also Mixtral's): with tensor
-    parallelism (loader.tp) the rank's share of the query heads and the kv heads they use."""
+    """The `model.layers.{layer}.self_attn` GQA block (also Mixtral's and GLM-4.5's): with tensor
+    parallelism (loader.tp) the rank's share of the query heads and the kv heads they use.
+    rotary_dim: the rotated dims of each head (None: all)."""
     p, hidden, heads = f"model.layers.{layer}.self_attn", base.hidden_size, base.num_heads
     tp = loader.tp
     q_norm = k_norm = None
@@ -122,6 +124,7 @@ def load_gqa(
         k_norm,
         window,
         backend=backend,
+        rotary_dim=rotary_dim,
     )
 
 

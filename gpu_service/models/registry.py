@@ -12,7 +12,7 @@ from gpu_service.experts.routed import RoutedExperts
 from gpu_service.layers.loader import WeightLoader
 from gpu_service.layers.sharding import SINGLE, TensorParallel
 from gpu_service.layers.weight_formats import LinearQuantConfig
-from gpu_service.models import deepseek, mixtral, qwen_moe
+from gpu_service.models import deepseek, glm4_moe, mixtral, qwen_moe
 from gpu_service.models.model import CausalLM
 from ktserve.checkpoint import HFConfig, ModelSpec, UnsupportedArchitecture
 
@@ -26,6 +26,7 @@ MODEL_BUILDERS: dict[str, Builder] = {
     "qwen3_moe": qwen_moe.build,
     "qwen2_moe": qwen_moe.build,
     "mixtral": mixtral.build,
+    "glm4_moe": glm4_moe.build,
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_BUILDERS)
 # NOTE: ModelSpec refuses a model_type outside ktserve's one table of families; every family there

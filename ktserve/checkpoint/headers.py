@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 from ktserve.checkpoint.errors import InvalidConfig, SafetensorsNotFound
@@ -13,6 +14,7 @@ from ktserve.checkpoint.fp8 import SCALE_SUFFIX
 from ktserve.checkpoint.safetensors_index import INDEX_FILE, index_tensors
 
 ROUTED_EXPERT_MARK = ".experts."  # ...mlp.experts.E... / ...block_sparse_moe.experts.E...
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 _HEADER_LIMIT = 100 * 2**20  # safetensors caps its JSON header at 100 MB
 
 
@@ -62,9 +64,22 @@ def is_routed_expert(name: str) -> bool:
 
 def non_expert_params(model_dir: str | Path) -> int:
     """Elements of the tensors that are not routed experts, FP8 block scales left out: what the
-    GPU part holds unquantized (times 2 bytes in bf16)."""
+    GPU part holds unquantized (times 2 bytes in bf16). Layers past num_hidden_layers (GLM-4.5's
+    multi-token-prediction layers) are left out too: nothing loads them."""
+    from ktserve.checkpoint.config_json import HFConfig
+
+    headers = tensor_headers(model_dir)
+    num_layers = HFConfig.from_checkpoint(model_dir).int("num_hidden_layers")
     return sum(
         math.prod(meta["shape"])
-        for name, meta in tensor_headers(model_dir).items()
-        if not is_routed_expert(name) and not name.endswith(SCALE_SUFFIX)
+        for name, meta in headers.items()
+        if not is_routed_expert(name)
+        and not name.endswith(SCALE_SUFFIX)
+        and layer_index(name) < num_layers
     )
+
+
+def layer_index(name: str) -> int:
+    """L of a `model.layers.L.` tensor; -1 for one outside the decoder layers."""
+    found = _LAYER.match(name)
+    return int(found.group(1)) if found else -1

@@ -20,9 +20,10 @@ from ktserve.checkpoint.errors import (
 class Family:
     """How one config.json model_type names and places its routed experts.
 
-    moe_layers: "all" (every layer), "deepseek" (first_k_dense_replace, moe_layer_freq) or
-    "qwen" (decoder_sparse_step, mlp_only_layers). expert_names: the (gate, up, down) suffixes
-    under `{moe_module}.experts.E`.
+    moe_layers: "all" (every layer), "deepseek" (first_k_dense_replace, moe_layer_freq; GLM-4.5
+    too) or "qwen" (decoder_sparse_step, mlp_only_layers); layers past num_hidden_layers (GLM's
+    MTP layers) hold no served experts. expert_names: the (gate, up, down) suffixes under
+    `{moe_module}.experts.E`.
     """
 
     model_type: str
@@ -37,6 +38,7 @@ FAMILIES: dict[str, Family] = {
     for f in (
         Family("deepseek_v3", moe_layers="deepseek"),
         Family("deepseek_v2", moe_layers="deepseek"),
+        Family("glm4_moe", moe_layers="deepseek"),
         Family("qwen3_moe", moe_layers="qwen"),
         Family("qwen2_moe", moe_layers="qwen"),
         Family("mixtral", moe_layers="all", intermediate_key="intermediate_size",

@@ -31,7 +31,7 @@ from tests.support.parity import (
 )
 from tests.support.worker_services import DEVICE, worker_service
 
-FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
+FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "glm4_moe")
 # Streamed minus worker path, last-position logits, max|a - b| / max|b|. bf16 experts with
 # float32 everywhere: both are fp32 math on the same weights (summation order apart). int8 and
 # int4: the same weights, but the worker quantizes activations to int8 per token, the streamed
@@ -96,12 +96,13 @@ def test_streamed_prefill_matches_the_worker_path(family, fmt, checkpoints, seed
 
 
 def stream_prompts(family: str, fmt: str, on_cpu, seed: int) -> list[list[int]]:
-    """The test's prompts. DeepSeek-V3 with quantized experts: the worker's int8 activations move
-    its hidden states enough to flip a near-tie of the discrete group/expert routing (and then
-    the logits move by a routing change, not by rounding), so there only prompts whose routing,
-    in the served quantized model itself, is clear (test_parity's CLEAR_ROUTING_MARGIN; the bf16
-    reference's margin does not carry over to int4 weights)."""
-    if family == "deepseek_v3" and fmt != "bf16":
+    """The test's prompts. DeepSeek-V3 and GLM (the same router) with quantized experts: the
+    worker's int8 activations move its hidden states enough to flip a near-tie of the discrete
+    group/expert routing (and then the logits move by a routing change, not by rounding), so
+    there only prompts whose routing, in the served quantized model itself, is clear
+    (test_parity's CLEAR_ROUTING_MARGIN; the bf16 reference's margin does not carry over to int4
+    weights)."""
+    if family in ("deepseek_v3", "glm4_moe") and fmt != "bf16":
         return clear_routing_prompts(partial(served_routing_margin, on_cpu), seed,
                                      lengths=STREAM_LENGTHS)  # fmt: skip
     return prompts(seed)

@@ -36,7 +36,7 @@ from tests.support.expert_procs import (  # noqa: F401 - no_segments_left_behind
 )
 from tests.support.watched_process import CHILD_ENV, REPO
 
-FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
+FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "glm4_moe")
 # Normalized error ||y - ref|| / ||ref|| against transformers' fp32 experts (the kernel's own
 # bounds, see tests/expert_service/test_kernels.py). bf16 weights with fp32 x on the wire: exact
 # fp32 math (the checkpoint is bf16), only the summation order differs; int8 has a per-row step

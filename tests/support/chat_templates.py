@@ -1,11 +1,21 @@
 """Chat templates of the model families ktserve reads tool calls and reasoning from, written here
 from those models' documented formats (the templates their tokenizer_config.json files ship):
 Qwen3 (Hermes-style <tool_call>, <think>), DeepSeek-V3 and R1 (<｜tool▁calls▁begin｜>), and
-Mistral's v3 tokenizers' ([TOOL_CALLS], Mixtral-8x22B-Instruct, Mistral-7B-Instruct-v0.3)."""
+Mistral's v3 tokenizers' ([TOOL_CALLS], Mixtral-8x22B-Instruct, Mistral-7B-Instruct-v0.3);
+and, as llama.cpp ships them (tests/fixtures/chat_templates/, each naming its source), GLM-4.6's
+and GLM-4.7-Flash's (<tool_call>NAME<arg_key>, <think>) and Qwen3-Coder's
+(<tool_call><function=NAME>)."""
 
 # ruff: noqa: E501 - template text as the models ship it
 
 from __future__ import annotations
+
+from pathlib import Path
+
+TEMPLATE_FILES = Path(__file__).resolve().parent.parent / "fixtures" / "chat_templates"
+GLM_46 = (TEMPLATE_FILES / "GLM-4.6.jinja").read_text()
+GLM_47 = (TEMPLATE_FILES / "GLM-4.7-Flash.jinja").read_text()
+QWEN3_CODER = (TEMPLATE_FILES / "Qwen3-Coder.jinja").read_text()
 
 QWEN3 = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
@@ -219,4 +229,13 @@ FAMILIES = {
     "hermes": (QWEN3, "", "<|im_end|>"),
     "deepseek_v3": (DEEPSEEK_V3, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
     "mistral": (MISTRAL_V3, "<s>", "</s>"),
+    "glm45": (GLM_46, "", ""),
+    "glm47": (GLM_47, "", ""),
+    "qwen3_coder": (QWEN3_CODER, "", "<|im_end|>"),
 }
+# the tool-call parser of each family above, where its name is not the family's
+PARSER_OF = {"glm47": "glm45"}
+
+
+def parser_name(family: str) -> str:
+    return PARSER_OF.get(family, family)

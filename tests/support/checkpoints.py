@@ -104,6 +104,32 @@ _TINY: dict[str, tuple[str, dict[str, Any]]] = {
             max_position_embeddings=128,
         ),
     ),
+    # GLM-4.5's shape: a dense first layer, half the head rotated, attention biases, q/k norms,
+    # grouped sigmoid routing with a scaling factor, one shared expert.
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        dict(
+            vocab_size=101,
+            hidden_size=64,
+            intermediate_size=88,
+            moe_intermediate_size=24,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=12,
+            n_shared_experts=1,
+            num_experts_per_tok=3,
+            n_group=3,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            max_position_embeddings=128,
+        ),
+    ),
     "mixtral": (
         "MixtralConfig",
         dict(
@@ -170,9 +196,37 @@ def make_tiny_checkpoint(
     model.save_pretrained(
         path, safe_serialization=True, save_original_format=per_expert_names, **shard_kwargs
     )
+    if family == "glm4_moe":
+        _add_mtp_layer(path)
     if fp8:
         _quantize_checkpoint_fp8(path, fp8_block)
     return path
+
+
+def _add_mtp_layer(path: Path) -> None:
+    """Append what GLM-4.5 checkpoints hold after their decoder layers: one multi-token-prediction
+    layer (num_nextn_predict_layers), model.layers.N: a decoder layer (here the last one's weights)
+    plus eh_proj [H, 2H], enorm, hnorm and shared_head.norm, in a file of its own. Nothing that
+    serves the model may read it; transformers ignores it too."""
+    config = json.loads((path / "config.json").read_text())
+    last, hidden = config["num_hidden_layers"] - 1, config["hidden_size"]
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        for name, tensor in load_file(file).items():
+            prefix = f"model.layers.{last}."
+            if name.startswith(prefix):
+                tensors[f"model.layers.{last + 1}.{name.removeprefix(prefix)}"] = tensor
+    dtype = tensors[f"model.layers.{last + 1}.input_layernorm.weight"].dtype
+    mtp = f"model.layers.{last + 1}"
+    tensors[f"{mtp}.eh_proj.weight"] = torch.randn(hidden, 2 * hidden).to(dtype)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        tensors[f"{mtp}.{norm}.weight"] = torch.ones(hidden, dtype=dtype)
+    save_file(tensors, path / "model-mtp.safetensors", metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"].update(dict.fromkeys(tensors, "model-mtp.safetensors"))
+        index.write_text(json.dumps(data, indent=2))
 
 
 def quantize_fp8_blocks(

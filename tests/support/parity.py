@@ -13,7 +13,7 @@ from gpu_service.layers.moe import GroupedSigmoidRouter
 from gpu_service.models import Batch, SeqInput
 from tests.support.expert_procs import ExpertProcess, no_segments_left_behind  # noqa: F401 - autouse
 
-FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral")
+FAMILIES = ("deepseek_v3", "qwen3_moe", "mixtral", "glm4_moe")
 
 
 # Last-position logits, max|a - b| / max|b|, against transformers' fp32 forward. Exact path:

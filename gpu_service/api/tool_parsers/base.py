@@ -59,6 +59,16 @@ class ToolParser(abc.ABC):
     def new_id(self) -> str:
         return f"call_{secrets.token_hex(12)}"
 
+    @classmethod
+    def writes(cls, chat_template: str) -> bool:
+        """Whether a chat template writes calls in this format (by default: it has `start`)."""
+        return cls.start in chat_template
+
+    def for_tools(self, functions: list[FunctionSpec]) -> ToolParser:
+        """The parser for one request's tools: itself, unless how it reads arguments depends on
+        their declared types (tagged_args.py)."""
+        return self
+
     @abc.abstractmethod
     def calls(self, section: str, final: bool) -> list[tuple[str, str]]:
         """(name, arguments JSON) of each complete call in `section` (it starts with `start`)."""
@@ -209,6 +219,11 @@ def lark_json(schema: dict) -> str:
 
 def lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
+
+
+def text_without(marker: str) -> str:
+    """A regex (Rust's syntax) of text in which `marker` does not occur."""
+    return _without(marker)[0]
 
 
 def _char(c: str) -> str:
