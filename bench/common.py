@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ktserve.dram import dram_read_gbs
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO / "demo_model"
 
@@ -113,20 +115,6 @@ def llc_bytes() -> int:
         mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
         best = max(best, int(text.rstrip("KMG")) * mult)
     return best or 32 << 20
-
-
-def dram_read_gbs(threads: int, gb: float) -> float:
-    """Best of 4 torch.sum passes over a buffer of `gb` GB at `threads` torch threads."""
-    import torch
-
-    torch.set_num_threads(threads)
-    buf = torch.ones(int(gb * 1e9) // 4, dtype=torch.float32)
-    best = 0.0
-    for _ in range(4):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = max(best, buf.numel() * 4 / (time.perf_counter() - t0) / 1e9)
-    return best
 
 
 def stream_read_gbs(threads: int, gb: float, pin: bool) -> float:

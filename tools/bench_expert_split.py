@@ -22,8 +22,9 @@ import time
 import numpy as np
 import torch
 
-from bench.common import Column, dram_read_gbs, print_table
+from bench.common import Column, print_table
 from expert_service.kernels import MoEKernel, pack_experts
+from ktserve.dram import dram_read_gbs
 from ktserve.intermediate_split import split_rows
 
 
