@@ -33,6 +33,10 @@ COMMANDS = {
         "expert_service.cli:configure_convert",
         "quantize and pack a shard of routed experts to disk",
     ),
+    "plan": Command(
+        "gpu_service.plan.cli:configure_plan",
+        "the memory plan and decode speed serve would have, from a model's config alone",
+    ),
 }
 
 

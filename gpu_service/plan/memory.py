@@ -49,13 +49,21 @@ class PlanInputs:
     stream_prefill: bool = True
     gpu_memory: int | None = None
     ram: int | None = None
-    model_dtype: torch.dtype = torch.bfloat16
+    model_dtype: str = "bfloat16"  # serve's on CUDA; float32 is the CPU's
 
     def __post_init__(self) -> None:
         if self.expert_workers < 1:
             raise ValueError(f"--expert-workers must be >= 1, got {self.expert_workers}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.model_dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(
+                f"model dtype must be bfloat16, float16 or float32: {self.model_dtype}"
+            )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.model_dtype)
 
 
 @dataclass(frozen=True)
@@ -105,7 +113,7 @@ def activation_estimate(hf: HFConfig, spec: ModelSpec, inputs: PlanInputs) -> in
     per_token = (4 + spec.num_experts_per_tok) * hidden + 3 * inter
     tokens = inputs.max_num_batched_tokens
     seqs = min(inputs.max_num_seqs, tokens)
-    return tokens * per_token * inputs.model_dtype.itemsize + seqs * hf.int("vocab_size") * 4
+    return tokens * per_token * inputs.dtype.itemsize + seqs * hf.int("vocab_size") * 4
 
 
 def streaming_bytes(spec: ModelSpec, inputs: PlanInputs) -> int:
@@ -115,14 +123,14 @@ def streaming_bytes(spec: ModelSpec, inputs: PlanInputs) -> int:
         return 0
     layer = spec.num_experts * expert_bytes(spec, inputs.expert_format)
     return NUM_SLOTS * layer + scratch_bound(
-        spec.hidden_size, spec.moe_intermediate_size, inputs.model_dtype, spec.num_experts
+        spec.hidden_size, spec.moe_intermediate_size, inputs.dtype, spec.num_experts
     )
 
 
 def estimate_memory(hf: HFConfig, inputs: PlanInputs, model_max_len: int) -> MemoryEstimate:
     spec = ModelSpec.from_hf(hf)
-    weights = gpu_weight_bytes(gpu_tensors(hf), inputs.gpu_weight_format, inputs.model_dtype)
-    cache_dtype = kv_dtype(inputs.kv_cache_dtype, inputs.model_dtype)
+    weights = gpu_weight_bytes(gpu_tensors(hf), inputs.gpu_weight_format, inputs.dtype)
+    cache_dtype = kv_dtype(inputs.kv_cache_dtype, inputs.dtype)
     per_token = kv_cache_config(hf).bytes_per_token(cache_dtype)
     context = inputs.max_model_len or model_max_len
     budget = None
