@@ -58,7 +58,7 @@ def test_help_explains_every_flag():
     top = ktserve("--help", env=wide)
     assert top.returncode == 0, top.stderr
     commands = subcommands(build_parser())
-    assert set(commands) == set(COMMANDS) == {"serve", "expert", "convert"}
+    assert set(commands) == set(COMMANDS) == {"serve", "expert", "convert", "plan"}
     for name, command in COMMANDS.items():
         assert command.help and f"{name} {command.help}" in " ".join(top.stdout.split())
     for name, parser in commands.items():
@@ -102,6 +102,7 @@ def imported(stderr: str) -> set[str]:
         (["expert"], {"torch", "gpu_service", "grpc"}),
         (["convert"], {"torch", "gpu_service"}),
         (["serve"], {"torch", "expert_service", "transformers", "uvicorn"}),
+        (["plan"], {"torch", "expert_service", "transformers", "uvicorn"}),
     ],
 )
 def test_help_imports_only_the_command_asked_for(argv, absent):
