@@ -100,8 +100,19 @@ def local_gpu_memory() -> int | None:
     return torch.cuda.get_device_properties(0).total_memory
 
 
+def local_node_memory() -> tuple[int, ...]:
+    """This machine's memory per NUMA node (sysfs; empty where it has no node tree)."""
+    from ktserve.numa import read_topology
+
+    try:
+        return tuple(node.memory_bytes for node in read_topology().nodes)
+    except OSError:
+        return ()
+
+
 def run(args: argparse.Namespace) -> int:
     import os
+    from dataclasses import replace
 
     from gpu_service.plan.memory import PlanInputs
     from gpu_service.plan.model_plan import make_plan, read_model_config
@@ -121,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         gpu_memory=gpu_memory,
         ram=args.ram if args.ram is not None else available_memory_bytes()[0],
     )
+    if args.ram is None:
+        inputs = replace(inputs, node_memory=local_node_memory())
     measured = args.dram_gbs is None
     dram = dram_read_gbs(os.cpu_count() or 1, DRAM_MEASURE_GB) if measured else args.dram_gbs
     plan = make_plan(hf, inputs, dram, measured)

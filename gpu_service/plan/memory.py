@@ -49,6 +49,7 @@ class PlanInputs:
     stream_prefill: bool = True
     gpu_memory: int | None = None
     ram: int | None = None
+    node_memory: tuple[int, ...] = ()  # per NUMA node, where several: a worker on each
     model_dtype: str = "bfloat16"  # serve's on CUDA; float32 is the CPU's
 
     def __post_init__(self) -> None:
@@ -78,6 +79,7 @@ class MemoryEstimate:
     expert_bytes: int  # one routed expert, packed
     worker_expert_bytes: tuple[int, ...]  # per worker
     ram: int | None
+    node_memory: tuple[int, ...]
 
     @property
     def gpu_total(self) -> int:
@@ -94,6 +96,15 @@ class MemoryEstimate:
     @property
     def host_fits(self) -> bool | None:
         return None if self.ram is None else self.host_total <= self.ram
+
+    @property
+    def nodes_fit(self) -> bool | None:
+        """Each worker within its node's memory, where serve's --numa auto puts one worker on
+        each of several nodes (None: one node, or workers not one a node)."""
+        per_worker, nodes = self.worker_expert_bytes, self.node_memory
+        if len(nodes) < 2 or len(per_worker) != len(nodes):
+            return None
+        return all(held <= node for held, node in zip(per_worker, nodes, strict=True))
 
 
 def kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -149,4 +160,4 @@ def estimate_memory(hf: HFConfig, inputs: PlanInputs, model_max_len: int) -> Mem
     counts = worker_expert_counts(spec.num_experts, inputs.expert_workers)
     per_worker = tuple(n * one_expert * spec.num_moe_layers for n in counts)
     return MemoryEstimate(parts, budget, per_token, context, largest, one_expert, per_worker,
-                          inputs.ram)  # fmt: skip
+                          inputs.ram, inputs.node_memory)  # fmt: skip

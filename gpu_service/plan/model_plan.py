@@ -35,7 +35,8 @@ class Plan:
         data = asdict(self)
         memory = data["memory"]
         memory.update(gpu_total=self.memory.gpu_total, host_total=self.memory.host_total,
-                      gpu_fits=self.memory.gpu_fits, host_fits=self.memory.host_fits)  # fmt: skip
+                      gpu_fits=self.memory.gpu_fits, host_fits=self.memory.host_fits,
+                      nodes_fit=self.memory.nodes_fit)  # fmt: skip
         return json.dumps(data, indent=2)
 
 
@@ -108,6 +109,8 @@ def suggestions(hf: HFConfig, inputs: PlanInputs, memory: MemoryEstimate,
                 f"--max-model-len {largest // step * step if largest >= step else largest}"
             )
     int4 = replace(inputs, expert_format="int4")
-    if memory.host_fits is False and estimate_memory(hf, int4, max_len).host_fits:
+    short = memory.host_fits is False or memory.nodes_fit is False
+    int4_memory = estimate_memory(hf, int4, max_len)
+    if short and int4_memory.host_fits is not False and int4_memory.nodes_fit is not False:
         found.append("--expert-format int4")
     return tuple(found)

@@ -41,8 +41,12 @@ def plan_text(plan: Plan) -> str:
                      f"(model max {plan.model_max_len})")  # fmt: skip
     lines += ["", f"Host RAM for the routed experts ({inputs.expert_workers} worker(s), "
               f"{mem.expert_bytes / 2**20:.2f} MiB an expert)"]  # fmt: skip
+    nodes = mem.node_memory if mem.nodes_fit is not None else ()
     for i, nbytes in enumerate(mem.worker_expert_bytes):
-        lines.append(f"  worker {i:<11} {nbytes / GIB:9.3f}")
+        node = f" of node {i}'s {nodes[i] / GIB:.2f} GiB" if nodes else ""
+        lines.append(f"  worker {i:<11} {nbytes / GIB:9.3f}{node}")
+    if mem.nodes_fit is not None:
+        lines.append(f"  one worker a NUMA node (--numa auto): {_fits(mem.nodes_fit)}")
     ram = f" of {mem.ram / GIB:.2f} GiB" if mem.ram is not None else ""
     lines.append(f"  {'total':<18} {mem.host_total / GIB:9.3f}{ram}  {_fits(mem.host_fits)}")
     source = "measured here" if plan.dram_measured else "given"

@@ -178,3 +178,15 @@ def test_the_largest_context_is_what_the_budget_leaves_the_kv_cache():
     past = plan_of("GLM-4.5", gpu_memory=48 * GIB, gpu_weight_format="fp8",
                    max_model_len=mem.largest_context + 1)  # fmt: skip
     assert past.memory.gpu_fits is False
+
+
+def test_one_worker_a_numa_node_is_checked_against_its_node():
+    """--numa auto's layout: worker i on node i; the total fits the RAM, one node does not."""
+    int8 = plan_of("GLM-4.5", expert_workers=2).memory.worker_expert_bytes
+    nodes = (int8[0] + GIB, int8[1] - GIB)
+    plan = plan_of("GLM-4.5", expert_workers=2, ram=sum(nodes), node_memory=nodes)
+    assert plan.memory.host_fits is True and plan.memory.nodes_fit is False
+    assert "--expert-format int4" in plan.suggestions
+    roomy = plan_of("GLM-4.5", expert_workers=2, node_memory=(int8[0], int8[1]))
+    assert roomy.memory.nodes_fit is True
+    assert plan_of("GLM-4.5", expert_workers=3, node_memory=nodes).memory.nodes_fit is None
