@@ -116,7 +116,9 @@ class ChunkPolicy:
             cpu_limit = min(wanted, self.models.stream_threshold - self.num_prefill_rows - 1)
         candidates = self._candidates(base, start, wanted, cpu_limit)
         if candidates is None:  # a way it could run has no fit yet
-            return wanted if self.stall_target_s is None else min(self.floor, wanted)
+            if self.stall_target_s is None:
+                return wanted
+            return min(self.floor, wanted) if self.num_prefill_rows == 0 else 0  # once a step
         least_l = min(c.per_token_s for c in candidates)
         least_c = min(c.decode_loss_per_token_s for c in candidates)
         streamed_best = any(c.streamed for c in candidates if c.per_token_s == least_l)

@@ -281,20 +281,25 @@ def test_without_decodes_a_prompt_gets_the_whole_token_budget(seed):
 @pytest.mark.parametrize("target_ms", [None, 5.0])
 def test_before_the_model_has_a_fit(seed, target_ms):
     """No steps seen yet: beside decodes a prompt gets what the token budget leaves (those
-    steps teach the model), or the floor under a stall target; either way it completes."""
+    steps teach the model), or under a stall target the floor, once a step (two prompts take
+    turns); either way they complete."""
     g = random.Random(seed + 2)
     scheduler = make_scheduler(min_prefill_chunk_tokens=16, max_decode_stall_ms=target_ms)
     sim = Simulation(scheduler, g)
     start_decodes(sim, 3)
     scheduler.cost_models = StepCostModels(StepCostModel(), StepCostModel())  # forgotten
-    prompt = sim.add(400, 1)
+    prompts = [sim.add(400, 1), sim.add(300, 1)]
     first = sim.step()
-    [chunk] = [s for s in first.seqs if s.request is prompt]
-    assert len(chunk.token_ids) == (400 if target_ms is None else 16)
+    chunks = [len(s.token_ids) for s in first.seqs if s.request in prompts]
+    assert chunks == ([400, 300] if target_ms is None else [16])  # waiting: in arrival order
     assert first.decode_s is None
-    while not prompt.output:
-        sim.step()
-    assert sim.fed[prompt.request_id] == prompt.prompt_ids
+    while not all(p.output for p in prompts):
+        step = sim.step()
+        fed = [len(s.token_ids) for s in step.seqs if s.request in prompts]
+        if target_ms is not None and not scheduler.cost_models.cpu.ready:
+            assert sum(fed) <= 16, fed
+    for p in prompts:
+        assert sim.fed[p.request_id] == p.prompt_ids
 
 
 def test_a_tiny_stall_target_feeds_the_floor_once_per_step(seed):
